@@ -1,0 +1,132 @@
+"""Fetch sglang releases from the package index, cache and unpack them, make git checkouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import UsageError
+from .series import PACKAGE
+
+GIT_ID = {"GIT_AUTHOR_NAME": "eaglepatch", "GIT_AUTHOR_EMAIL": "eaglepatch@localhost",
+          "GIT_COMMITTER_NAME": "eaglepatch", "GIT_COMMITTER_EMAIL": "eaglepatch@localhost"}
+FIXED_DATE = "2000-01-01T00:00:00+0000"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("EAGLEPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eaglepatch")
+    return Path(base) / "releases"
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def git_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(GIT_ID)
+    env.update(extra or {})
+    return env
+
+
+def fetch_release(release: str, quiet: bool = False) -> Path:
+    """Path of the cached `sglang-<release>-*.whl`, downloading it with pip the first time."""
+    d = cache_root() / release
+    found = sorted(d.glob(f"{PACKAGE}-{release}-*.whl"))
+    if found:
+        return found[0]
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=d))
+    try:
+        _say(f"downloading sglang=={release} from the package index into {d} ...", quiet)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               f"{PACKAGE}=={release}", "-d", str(tmp)]
+        if quiet:
+            cmd.insert(4, "-q")
+        r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                           stderr=None if not quiet else subprocess.PIPE)
+        wheels = sorted(tmp.glob(f"{PACKAGE}-*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise UsageError(f"could not download sglang=={release} from the package index",
+                             "check the release number (pip index versions sglang) and the network")
+        target = d / wheels[0].name
+        os.replace(wheels[0], target)
+        _say(f"cached {target}", quiet)
+        return target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def unpacked_release(release: str, quiet: bool = False) -> Path:
+    """A cached unpacked wheel (package parent: holds sglang/ and the dist-info). Treat as read-only."""
+    d = cache_root() / release / "unpacked"
+    if (d / PACKAGE / "__init__.py").is_file():
+        return d
+    whl = fetch_release(release, quiet)
+    tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=d.parent))
+    try:
+        _say(f"unpacking {whl.name} ...", quiet)
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(tmp)
+        if d.exists():
+            shutil.rmtree(d)
+        os.replace(tmp, d)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return d
+
+
+def _git(args: list[str], cwd: Path, **kw) -> str:
+    r = subprocess.run(["git", *args], cwd=cwd, env=git_env(kw.pop("env", None)), capture_output=True,
+                       text=True, **kw)
+    if r.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed in {cwd}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def _template(release: str, quiet: bool) -> Path:
+    """A cached bare repo holding the release as one commit tagged v<release>."""
+    bare = cache_root() / release / "checkout.git"
+    if (bare / "HEAD").is_file() and (bare / "refs" / "tags" / f"v{release}").exists():
+        return bare
+    src = unpacked_release(release, quiet)
+    tmp = Path(tempfile.mkdtemp(prefix=".git-", dir=bare.parent))
+    try:
+        _say(f"building a git checkout of sglang {release} ...", quiet)
+        work = tmp / "work"
+        shutil.copytree(src / PACKAGE, work / "python" / PACKAGE,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (work / "python" / PACKAGE / "_version.py").unlink(missing_ok=True)
+        env = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
+        _git(["init", "-q", "-b", "main"], work)
+        _git(["add", "-A", "."], work)
+        _git(["-c", "commit.gpgsign=false", "commit", "-q", "-m", f"sglang {release} (from the released wheel)"],
+             work, env=env)
+        _git(["tag", f"v{release}"], work)
+        _git(["clone", "-q", "--bare", str(work), str(tmp / "bare.git")], tmp)
+        if bare.exists():
+            shutil.rmtree(bare)
+        os.replace(tmp / "bare.git", bare)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return bare
+
+
+def make_git_checkout(release: str, dest: Path | str, quiet: bool = False) -> Path:
+    """A new git repo at `dest` laid out like an upstream clone: python/sglang/..., no _version.py,
+    no dist-info, one commit tagged v<release>, branch main."""
+    dest = Path(dest).expanduser().resolve()
+    if dest.exists() and any(dest.iterdir()):
+        raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
+    bare = _template(release, quiet)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _say(f"checking out sglang {release} into {dest} ...", quiet)
+    _git(["clone", "-q", str(bare), str(dest)], dest.parent)
+    _git(["remote", "remove", "origin"], dest)
+    return dest

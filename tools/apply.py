@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Apply the pinned EAGLE-3 capture series to an SGLang tree (zero fuzz, all or nothing).
+
+  python tools/apply.py ROOT [--check] [--reverse] [--force] [--commit] [--series DIR]
+  python tools/apply.py --fetch [RELEASE [DEST]]
+
+ROOT is an SGLang git checkout (python/sglang/...) or a dir holding the installed sglang/ package.
+Exit: 0 applied / already applied, 1 refused (tree untouched), 2 usage or input error.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglepatch.errors import run_main  # noqa: E402
+from eaglepatch.tree import pick_series  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="apply.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("root", nargs="?", help="SGLang git checkout or site-packages dir holding sglang/")
+    ap.add_argument("--series", type=Path, help="series dir (default: patches/sglang-<detected release>)")
+    ap.add_argument("--check", action="store_true", help="write nothing; print per-patch and per-hunk results")
+    ap.add_argument("--reverse", action="store_true", help="remove the series, restoring the original bytes")
+    ap.add_argument("--force", action="store_true", help="apply over local edits / anchor drift (still zero fuzz)")
+    ap.add_argument("--commit", action="store_true", help="git checkouts: one commit per patch on a branch")
+    ap.add_argument("--fetch", nargs="*", metavar="RELEASE [DEST]",
+                    help="download RELEASE (default: newest series) into a new git repo DEST and apply there")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        from eaglepatch.applier import apply_series
+        from eaglepatch.errors import UsageError
+        from eaglepatch.tree import UpstreamTree
+
+        if a.fetch is not None:
+            from eaglepatch.fetch import make_git_checkout
+            from eaglepatch.series import available_series
+            if a.root or len(a.fetch) > 2:
+                raise UsageError("--fetch takes at most RELEASE and DEST and no ROOT",
+                                 "run: apply.py --fetch [RELEASE [DEST]]")
+            have = available_series()
+            if a.series is None and not have:
+                raise UsageError("no series under patches/", "pass --series DIR")
+            release = a.fetch[0] if a.fetch else (list(have)[-1] if have else None)
+            dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
+            a.root = str(make_git_checkout(release, dest))
+            a.commit = True
+        if not a.root:
+            raise UsageError("ROOT is missing", "pass an SGLang checkout or site-packages dir, or use --fetch")
+        series, tree = pick_series(a.root, a.series)
+        apply_series(tree, series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit)
+        if a.fetch is not None:
+            print(f"patched sglang {series.release} is in {tree.root} (package parent {tree.package_parent})")
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
