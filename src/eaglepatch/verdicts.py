@@ -171,7 +171,8 @@ def check_series(read: Callable[[str], bytes | None], patches: list[Patch], seri
                 expected = max(h.target_start - 1, 0) - missed_delta  # as git apply does
                 v, pos, detail = check_hunk(lines, h, expected)
                 off = 0 if pos is None else pos - expected
-                anchor = MODULE
+                rec0 = series.manifest_hunk(patch.name, fp.path, h.index) if series else None
+                anchor = (rec0 or {}).get("anchor") or "?"
                 if pos is not None and v != ALREADY:
                     orig_pos = pos - applied_delta
                     anchor, asha = _ahead(before, orig_pos, h)

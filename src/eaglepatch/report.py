@@ -1,0 +1,214 @@
+"""verify: per-hunk verdict table, series footprint, smoke on a patched temporary copy; human + JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import EaglepatchError
+from .series import Series
+from .static_check import SmokeResult, static_check
+from .tree import UpstreamTree
+from .verdicts import SeriesCheck, check_series
+
+LEVELS = ("none", "static", "import", "functional")
+
+
+def footprint(series: Series) -> dict:
+    """Lines added/removed in upstream files; files the series creates are counted apart."""
+    created: set[str] = set()
+    up_files: dict[str, list[int]] = {}
+    new_lines = 0
+    for p in series.patches:
+        for fp in p.files:
+            if fp.is_new:
+                created.add(fp.path)
+            if fp.path in created:
+                new_lines += fp.added - fp.removed
+            else:
+                c = up_files.setdefault(fp.path, [0, 0])
+                c[0] += fp.added
+                c[1] += fp.removed
+    return {"upstream_files": len(up_files), "upstream_lines_added": sum(c[0] for c in up_files.values()),
+            "upstream_lines_removed": sum(c[1] for c in up_files.values()),
+            "per_upstream_file": {f: {"added": c[0], "removed": c[1]} for f, c in sorted(up_files.items())},
+            "new_files": len(created), "new_file_lines": new_lines}
+
+
+def table(rows: list[list[str]], head: list[str]) -> str:
+    w = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{x}}}" for x in w)
+    out = [fmt.format(*head), fmt.format(*("-" * x for x in w))]
+    out += [fmt.format(*map(str, r)) for r in rows]
+    return "\n".join(ln.rstrip() for ln in out)
+
+
+def verdict_table(chk: SeriesCheck) -> str:
+    rows = [[v.patch, v.file, f"{v.hunk} @{v.source_start}", v.anchor, v.label] for v in chk.verdicts]
+    return table(rows, ["patch", "file", "hunk", "anchor", "verdict"])
+
+
+def load_run_smoke():
+    """(run_smoke, None) or (None, why it is not available)."""
+    try:
+        from . import smoke as smoke_mod
+    except Exception as exc:  # the smoke package is optional and may need extra deps
+        return None, f"eaglepatch.smoke is not importable ({exc.__class__.__name__}: {exc})"
+    fn = getattr(smoke_mod, "run_smoke", None)
+    if not callable(fn):
+        return None, "eaglepatch.smoke has no run_smoke()"
+    return fn, None
+
+
+@dataclass
+class VerifyReport:
+    tree: UpstreamTree
+    series: Series
+    check: SeriesCheck
+    level: str
+    notes: list = field(default_factory=list)
+    smoke: list = field(default_factory=list)
+    smoke_patches: list = field(default_factory=list)
+    smoke_ran: bool = False
+
+    @property
+    def hunks_ok(self) -> bool:
+        return bool(self.check.verdicts) and self.check.all_ok
+
+    @property
+    def smoke_ok(self) -> bool:
+        return self.level == "none" or (self.smoke_ran and all(r.passed for r in self.smoke))
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.hunks_ok and self.smoke_ok else 1
+
+    def as_dict(self) -> dict:
+        counts: dict[str, int] = {}
+        for v in self.check.verdicts:
+            counts[v.verdict] = counts.get(v.verdict, 0) + 1
+        return {"tree": {"root": str(self.tree.root), "kind": self.tree.kind,
+                         "package_parent": str(self.tree.package_parent), "release": self.tree.release,
+                         "release_source": self.tree.release_source},
+                "series": {"dir": str(self.series.dir), "release": self.series.release,
+                           "series_version": self.series.series_version,
+                           "patches": [p.name for p in self.series.patches]},
+                "notes": self.notes, "verdicts": [v.as_dict() for v in self.check.verdicts],
+                "verdict_counts": dict(sorted(counts.items())), "footprint": footprint(self.series),
+                "smoke": {"level": self.level, "ran": self.smoke_ran, "passed": self.smoke_ok,
+                          "smoke_patches_applied": self.smoke_patches,
+                          "results": [r.as_dict() if hasattr(r, "as_dict") else
+                                      {"name": r.name, "passed": bool(r.passed), "figure": str(r.figure),
+                                       "detail": str(r.detail)} for r in self.smoke]},
+                "ok": self.exit_code == 0, "exit_code": self.exit_code}
+
+    def human(self) -> str:
+        fp = footprint(self.series)
+        out = [f"tree:   {self.tree.describe()}",
+               f"series: {self.series.dir} ({len(self.series.patches)} patches"
+               + (f", series version {self.series.series_version}" if self.series.series_version else "") + ")"]
+        out += [f"note:   {n}" for n in self.notes]
+        out += ["", verdict_table(self.check), ""]
+        bad = [v for v in self.check.verdicts if not v.ok]
+        for v in bad:
+            out.append(f"  {v.patch} {v.file} hunk {v.hunk}: {v.label}" + (f" - {v.detail}" if v.detail else ""))
+        out.append(f"footprint: {fp['upstream_lines_added']} line(s) added, {fp['upstream_lines_removed']} removed "
+                   f"in {fp['upstream_files']} upstream file(s); {fp['new_files']} new file(s) "
+                   f"({fp['new_file_lines']} lines) counted apart")
+        ok = len(self.check.verdicts) - len(bad)
+        out.append(f"hunks: {ok}/{len(self.check.verdicts)} exact or offset")
+        if self.level != "none":
+            if self.smoke_patches:
+                out.append("smoke: applied the test-only smoke patches to the temporary copy: "
+                           + ", ".join(self.smoke_patches))
+            for r in self.smoke:
+                out.append(f"smoke {self.level}: {'PASS' if r.passed else 'FAIL'} {r.name}: {r.figure}"
+                           + (f" - {r.detail}" if r.detail and not r.passed else ""))
+        out.append(f"verify: {'CLEAN' if self.exit_code == 0 else 'DRIFT/FAIL'} (exit {self.exit_code})")
+        return "\n".join(out)
+
+
+def verify_tree(tree: UpstreamTree, series: Series, level: str = "static", say=print) -> VerifyReport:
+    from .applier import git_apply, plan_series, recover
+
+    msg = recover(tree.package_parent)
+    notes = [msg] if msg else []
+    if series.release and tree.release and series.release != tree.release:
+        notes.append(f"series {series.name} was made for sglang {series.release}; the tree is {tree.release}")
+    read = tree.read
+    if series.manifest and tree.state(series) == "patched":
+        _, ga = plan_series(tree, series, series.patches, reverse=True, strict_hashes=False)
+        base = ga.final
+        read = lambda rel: base[rel] if rel in base else tree.read(rel)  # noqa: E731
+        notes.append("the tree has the series applied; verified against its unpatched form (reversed in memory)")
+    chk = check_series(read, series.patches, series)
+    rep = VerifyReport(tree, series, chk, level, notes)
+    if level == "none":
+        return rep
+    if not chk.all_ok:
+        rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "skipped",
+                                     "the series does not apply cleanly; smoke tests not run"))
+        return rep
+    run_smoke = None
+    if level in ("import", "functional"):
+        run_smoke, why = load_run_smoke()
+        if run_smoke is None:
+            rep.smoke.append(SmokeResult(f"smoke level {level}", False, "not available", why))
+    tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-verify-"))
+    try:
+        pp = tmp / "pp"
+        say(f"copying {tree.package_parent / 'sglang'} to a temporary dir for smoke tests ...")
+        shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn"))
+        for d in tree.package_parent.glob("sglang-*.dist-info"):
+            shutil.copytree(d, pp / d.name)
+        ga = git_apply(chk.originals, series.patches)
+        if ga.error:
+            rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "git apply failed", ga.error))
+            return rep
+        _write(pp, ga.final)
+        originals = dict(chk.originals)
+        if series.smoke:
+            tmp_tree = UpstreamTree("installed", pp, pp, tree.release, tree.release_source)
+            schk = check_series(tmp_tree.read, series.smoke, None)
+            sga = git_apply(schk.originals, series.smoke)
+            if not schk.all_ok or sga.error:
+                bad = [v for v in schk.verdicts if not v.ok]
+                rep.smoke.append(SmokeResult("apply smoke.series", False, "failed",
+                                             sga.error or "; ".join(f"{v.patch} {v.file} hunk {v.hunk}: {v.label}"
+                                                                    for v in bad)))
+                return rep
+            _write(pp, sga.final)
+            for rel, data in schk.originals.items():
+                originals.setdefault(rel, data)
+            rep.smoke_patches = [p.name for p in series.smoke]
+        rep.smoke_ran = True
+        rep.smoke += static_check(pp, series.files(smoke=True), originals)
+        if run_smoke is not None:
+            try:
+                rep.smoke += list(run_smoke(level, pp, series))
+            except EaglepatchError:
+                raise
+            except Exception as exc:
+                rep.smoke.append(SmokeResult(f"smoke level {level}", False, "crashed",
+                                             f"{exc.__class__.__name__}: {exc}"))
+        return rep
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(pp: Path, contents: dict) -> None:
+    for rel, data in contents.items():
+        p = pp / rel
+        if data is None:
+            p.unlink(missing_ok=True)
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+
+
+def write_json(path: Path, rep: VerifyReport) -> None:
+    Path(path).write_text(json.dumps(rep.as_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Export the edit branch of a patched SGLang git tree to a series dir, deterministically.
+
+  python tools/export.py REPO --base v0.5.9 [--branch B] [--out patches/sglang-0.5.9]
+                         [--series-version 0.5.9-1] [--check]
+
+One patch per commit base..branch (NNNN-<slug of Subject>.patch, header = commit message);
+commits whose Subject starts with 'smoke:' go to smoke.series. Writes series, smoke.series and
+manifest.json. --check writes nothing and exits 1 if anything on disk differs by one byte.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglepatch.errors import run_main  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("repo", help="git checkout holding the edit branch (upstream release tagged v<release>)")
+    ap.add_argument("--base", required=True, help="upstream base revision, e.g. v0.5.9")
+    ap.add_argument("--branch", help="edit branch (default: HEAD)")
+    ap.add_argument("--out", type=Path, help="series dir (default: patches/sglang-<release of --base>)")
+    ap.add_argument("--series-version", help="series version for manifest.json (default: kept, else <release>-1)")
+    ap.add_argument("--check", action="store_true", help="compare with the files on disk; write nothing")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        from eaglepatch.errors import UsageError
+        from eaglepatch.export import export_series
+        from eaglepatch.series import default_patches_root
+
+        out = a.out
+        if out is None:
+            rel = a.base[1:] if a.base.startswith("v") else None
+            if not rel:
+                raise UsageError(f"cannot name the series dir from --base {a.base}", "pass --out DIR")
+            out = default_patches_root() / f"sglang-{rel}"
+        exp, changes = export_series(a.repo, a.base, out, a.branch, a.series_version, check=a.check)
+        if a.check:
+            for d in changes:
+                print(d)
+            if changes:
+                print(f"export --check: {out} differs from a fresh export of {a.branch or 'HEAD'} "
+                      f"({len(changes)} file(s))")
+                return 1
+            print(f"export --check: {out} is byte-identical to a fresh export ({len(exp.files)} files)")
+            return 0
+        print(f"exported {len(exp.product)} patch(es) + {len(exp.smoke)} smoke patch(es) to {out}; "
+              + (f"changed: {', '.join(changes)}" if changes else "nothing changed"))
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
