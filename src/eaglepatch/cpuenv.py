@@ -1,0 +1,184 @@
+"""The heavy CPU environment that runs real SGLang code for the smoke tests.
+
+A virtual environment under ``${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}/cpu-env-<key>`` where
+``key`` = sha256(cpu-requirements.txt bytes + python version)[:12]. It is built from nothing when
+absent: torch (CPU build) first, then every other pinned requirement with a constraints file that
+pins torch, so no dependency can pull a CUDA torch. A file lock serialises concurrent builders;
+the environment is marked complete only after the last step, and an incomplete one (an
+interrupted build) is wiped and rebuilt. sglang is deliberately not installed: smoke runs put the
+tree under test first on PYTHONPATH.
+
+``ensure_env() -> Path`` returns the environment's python. ``python -m eaglepatch.cpuenv`` builds it
+and prints that path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+REQUIREMENTS = Path(__file__).with_name("cpu-requirements.txt")
+COMPLETE_MARKER = ".eaglepatch-complete"
+# Set to a PyTorch wheel index (e.g. https://download.pytorch.org/whl/cpu) on a machine whose
+# package index only has CUDA torch builds; by default the configured index/find-links is used.
+TORCH_INDEX_ENV = "EAGLEPATCH_TORCH_INDEX_URL"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("EAGLEPATCH_CACHE")
+    return Path(base).expanduser() if base else Path.home() / ".cache" / "eaglepatch"
+
+
+def _py_version() -> str:
+    return "%d.%d.%d" % sys.version_info[:3]
+
+
+def env_key() -> str:
+    h = hashlib.sha256()
+    h.update(REQUIREMENTS.read_bytes())
+    h.update(b"\0python=" + _py_version().encode())
+    return h.hexdigest()[:12]
+
+
+def env_dir() -> Path:
+    return cache_dir() / ("cpu-env-" + env_key())
+
+
+def _python_of(d: Path) -> Path:
+    return d / "bin" / "python"
+
+
+def _requirements() -> tuple[str, list[str]]:
+    """(torch pin, the other pins) from the requirements file."""
+    torch_pin = None
+    rest = []
+    for raw in REQUIREMENTS.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name = line.split("==", 1)[0].strip().lower()
+        if name == "torch":
+            torch_pin = line
+        else:
+            rest.append(line)
+    if torch_pin is None or "==" not in torch_pin:
+        raise RuntimeError("error: %s has no 'torch==<version>' pin; add one" % REQUIREMENTS)
+    return torch_pin, rest
+
+
+def _log(msg: str) -> None:
+    print("[cpuenv] " + msg, file=sys.stderr, flush=True)
+
+
+def _run_logged(cmd: list[str], logf: Path, what: str) -> None:
+    t0 = time.monotonic()
+    _log("%s ..." % what)
+    with open(logf, "a") as fh:
+        fh.write("\n$ %s\n" % " ".join(cmd))
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        last = t0
+        while True:
+            try:
+                rc = proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now - last >= 30:
+                    _log("  %s: still running (%.0f s)" % (what, now - t0))
+                    last = now
+    if rc != 0:
+        tail = logf.read_text(errors="replace").splitlines()[-40:]
+        raise RuntimeError(
+            "error: %s failed (exit %d; log %s):\n%s\n; fix the requirement or the network and rerun"
+            % (what, rc, logf, "\n".join(tail))
+        )
+    _log("%s done (%.0f s)" % (what, time.monotonic() - t0))
+
+
+def _build(d: Path) -> None:
+    torch_pin, rest = _requirements()
+    t0 = time.monotonic()
+    _log("building %s (python %s, %d pinned requirements)" % (d, _py_version(), len(rest) + 1))
+    venv.EnvBuilder(with_pip=True, clear=True, symlinks=True).create(d)
+    logf = d / "build.log"
+    py = str(_python_of(d))
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    torch_cmd = pip + [torch_pin]
+    if os.environ.get(TORCH_INDEX_ENV):
+        torch_cmd += ["--index-url", os.environ[TORCH_INDEX_ENV]]
+    _run_logged(torch_cmd, logf, "step 1/3: pip install %s" % torch_pin)
+    constraints = d / "constraints.txt"
+    constraints.write_text(torch_pin + "\n")
+    reqs = d / "requirements.txt"
+    reqs.write_text("\n".join(rest) + "\n")
+    _run_logged(pip + ["-r", str(reqs), "-c", str(constraints)], logf,
+                "step 2/3: pip install %d pinned packages (torch constrained)" % len(rest))
+    _log("step 3/3: checking the environment ...")
+    check = (
+        "import torch, transformers, safetensors, unidiff, git, pyflakes, pytest, tqdm, requests;"
+        "print(torch.__version__, transformers.__version__)"
+    )
+    out = subprocess.run([py, "-c", check], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError("error: the built environment fails its import check:\n%s; rerun" % out.stderr[-2000:])
+    want_torch = torch_pin.split("==", 1)[1]
+    got_torch = out.stdout.split()[0]
+    if got_torch.split("+", 1)[0] != want_torch:
+        raise RuntimeError("error: environment has torch %s, wanted %s; rerun" % (got_torch, want_torch))
+    freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    (d / "freeze.txt").write_text(freeze)
+    (d / COMPLETE_MARKER).write_text("key=%s\npython=%s\n" % (env_key(), _py_version()))
+    _log("environment ready: torch %s (%.0f s)" % (got_torch, time.monotonic() - t0))
+
+
+def ensure_env() -> Path:
+    """Return the python of the CPU SGLang environment, building it first when absent."""
+    d = env_dir()
+    if (d / COMPLETE_MARKER).is_file() and _python_of(d).exists():
+        return _python_of(d)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    lock = d.parent / (d.name + ".lock")
+    with open(lock, "w") as lf:
+        t_wait = time.monotonic()
+        try:
+            fcntl.flock(lf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log("another process is building %s; waiting for its lock" % d)
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            _log("lock acquired after %.0f s" % (time.monotonic() - t_wait))
+        try:
+            if (d / COMPLETE_MARKER).is_file() and _python_of(d).exists():
+                return _python_of(d)
+            if d.exists():
+                _log("removing incomplete environment %s (an earlier build was interrupted)" % d)
+                shutil.rmtree(d)
+            try:
+                _build(d)
+            except BaseException:
+                # never leave a half-built env that looks usable; the next run redoes it
+                shutil.rmtree(d, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)
+    return _python_of(d)
+
+
+def main() -> int:
+    try:
+        print(ensure_env())
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
