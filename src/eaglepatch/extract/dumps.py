@@ -1,0 +1,174 @@
+"""The patched server's per-request dump files: key, wait, read and validate.
+
+A dump is ``<DIR>/<sha256 of "id0,id1,...">.safetensors`` (format ``eagle3-dump/1``), written by a
+background thread after the forward through a temporary name and a rename, so it appears whole
+some time after ``/generate`` has answered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "eagle3-dump/1"
+REQUIRED_META = ("format", "key", "eagle3_layer_ids", "hf_hidden_state_indices", "final", "hidden_size",
+                 "num_hidden_layers", "dtype", "num_tokens")
+
+
+class BadDump(Exception):
+    """A dump that must not go into the dataset; the message names the file and the problem."""
+
+
+def dump_key(token_ids) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
+
+
+def dump_path(directory: Path | str, key: str) -> Path:
+    return Path(directory) / f"{key}.safetensors"
+
+
+def wait_for(path: Path, timeout: float) -> bool:
+    """Poll for ``path`` until it exists or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        if path.exists():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
+
+
+def read_metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def any_server_dumps(directory: Path) -> list[Path]:
+    """Dump files in ``directory`` (any key) that carry this format's metadata."""
+    found = []
+    for p in sorted(Path(directory).glob("*.safetensors"))[:50]:
+        try:
+            if read_metadata(p).get("format") == FORMAT:
+                found.append(p)
+        except Exception:
+            continue
+    return found
+
+
+@dataclass
+class Dump:
+    path: Path
+    meta: dict
+    layer_ids: list  # EAGLE-3 ids, in the order stored
+    hf_indices: list
+    layers: dict  # "layer.<k>" -> tensor [T, H]
+    final: object  # tensor [T, H] or None
+    input_ids: object  # int64 [T]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self.layers.values())
+        if self.final is not None:
+            n += self.final.numel() * self.final.element_size()
+        return n
+
+
+def _json_list(meta: dict, name: str, path: Path) -> list:
+    try:
+        v = json.loads(meta[name])
+    except (ValueError, TypeError):
+        raise BadDump(f"{path.name}: metadata {name}={meta.get(name)!r} is not a JSON list") from None
+    if not isinstance(v, list) or not all(isinstance(x, int) for x in v):
+        raise BadDump(f"{path.name}: metadata {name}={meta.get(name)!r} is not a list of integers")
+    return v
+
+
+def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: bool = True) -> Dump:
+    """Read ``path`` and check it against what was sent; raises BadDump naming the file."""
+    import torch
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            names = set(f.keys())
+            tensors = {k: f.get_tensor(k) for k in names}
+    except FileNotFoundError:
+        raise BadDump(f"{path.name}: the dump file vanished before it could be read") from None
+    except Exception as exc:
+        raise BadDump(f"{path.name}: truncated or corrupt safetensors file ({type(exc).__name__}: "
+                      f"{str(exc)[:120]})") from None
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise BadDump(f"{path.name}: metadata lacks {missing}")
+    if meta["format"] != FORMAT:
+        raise BadDump(f"{path.name}: format {meta['format']!r}, expected {FORMAT!r}")
+    sent = [int(t) for t in sent_ids]
+    key = dump_key(sent)
+    if meta["key"] != key:
+        raise BadDump(f"{path.name}: metadata key {meta['key'][:16]}... is not the key of the sent ids")
+    ids = tensors.get("input_ids")
+    if ids is None:
+        raise BadDump(f"{path.name}: no input_ids tensor")
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise BadDump(f"{path.name}: input_ids is {ids.dtype} {tuple(ids.shape)}, expected int64 [T]")
+    if ids.tolist() != sent:
+        raise BadDump(f"{path.name}: input_ids differ from the {len(sent)} token ids sent")
+    T = len(sent)
+    try:
+        num_tokens, H = int(meta["num_tokens"]), int(meta["hidden_size"])
+    except ValueError:
+        raise BadDump(f"{path.name}: num_tokens/hidden_size metadata are not integers") from None
+    if num_tokens != T:
+        raise BadDump(f"{path.name}: metadata num_tokens={num_tokens}, sent {T} tokens")
+    if hidden_size is not None and H != hidden_size:
+        raise BadDump(f"{path.name}: hidden_size {H}, the model's config says {hidden_size}")
+    layer_ids = _json_list(meta, "eagle3_layer_ids", path)
+    hf = _json_list(meta, "hf_hidden_state_indices", path)
+    if len(hf) != len(layer_ids):
+        raise BadDump(f"{path.name}: {len(layer_ids)} layer ids but {len(hf)} HF indices")
+    want_dtype = meta["dtype"]
+    layers = {}
+    expected = {f"layer.{k}" for k in layer_ids} | {"input_ids"}
+    final = None
+    if meta["final"] == "post_norm":
+        expected.add("final")
+    elif need_final:
+        raise BadDump(f"{path.name}: the dump has no final hidden state (final={meta['final']!r}); "
+                      f"the server runs with EAGLE3_DUMP_FINAL=0")
+    if names != expected:
+        raise BadDump(f"{path.name}: tensors {sorted(names)} do not match the metadata (expected {sorted(expected)})")
+    for name in sorted(expected - {"input_ids"}):
+        t = tensors[name]
+        if tuple(t.shape) != (T, H):
+            raise BadDump(f"{path.name}: {name} has shape {tuple(t.shape)}, expected [{T}, {H}]")
+        if str(t.dtype).replace("torch.", "") != want_dtype:
+            raise BadDump(f"{path.name}: {name} is {t.dtype}, metadata says {want_dtype}")
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise BadDump(f"{path.name}: {name} holds {bad} non-finite values")
+        if name == "final":
+            final = t
+        else:
+            layers[name] = t
+    return Dump(path, meta, layer_ids, hf, {f"layer.{k}": layers[f"layer.{k}"] for k in layer_ids}, final, ids)
+
+
+def remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Extract EAGLE-3 training hidden states from a patched SGLang server into a dataset.
+
+  python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
+      --dump-dir DIR --out OUT [--format specforge|speculators] [--max-len 2048] [--concurrency 4]
+
+The server must run the patched sglang with EAGLE3_DUMP_DIR=DIR (the same directory, as this
+machine sees it, as --dump-dir). Rerunning with the same --out resumes: done samples are skipped.
+Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglepatch.errors import run_main  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="extract.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", required=True, help="SGLang server URL, e.g. http://127.0.0.1:30000")
+    ap.add_argument("--model", required=True, type=Path, help="the served model's directory (config.json, tokenizer)")
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
+    ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
+    ap.add_argument("--dump-dir", required=True, type=Path, help="the server's EAGLE3_DUMP_DIR as seen from here")
+    ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
+    ap.add_argument("--format", choices=["specforge", "speculators"], default="specforge")
+    ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    ap.add_argument("--dump-timeout", type=float, default=60.0, help="seconds to wait for a dump file")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for /generate")
+    ap.add_argument("--retries", type=int, default=5, help="retries of transient HTTP failures per request")
+    ap.add_argument("--max-attempts", type=int, default=3, help="attempts per sample (bad or missing dumps)")
+    ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
+                    help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
+    ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use")
+    ap.add_argument("--limit", type=int, help="only the first N conversations")
+    ap.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        from eaglepatch.errors import UsageError
+        from eaglepatch.extract import Options, extract
+
+        if a.max_len < 1 or a.concurrency < 1 or a.max_attempts < 1 or a.dump_timeout <= 0:
+            raise UsageError("--max-len, --concurrency, --max-attempts and --dump-timeout must be positive",
+                             "pass positive values")
+        opts = Options(server=a.server, model=a.model, tokenizer=a.tokenizer, data=a.data, dump_dir=a.dump_dir,
+                       out=a.out, format=a.format, max_len=a.max_len, concurrency=a.concurrency,
+                       dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
+                       max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
+                       trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None)
+        return extract(opts)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
