@@ -135,8 +135,14 @@ def recover(pp: Path) -> str | None:
 def commit_changes(pp: Path, changes: dict) -> None:
     if not changes:
         return
-    prepare_txn(Path(pp), changes, ready=True)
-    finish_txn(Path(pp))
+    pp = Path(pp)
+    try:
+        prepare_txn(pp, changes, ready=True)
+    except OSError as exc:  # e.g. ENOSPC before READY: nothing was changed yet
+        shutil.rmtree(pp / TXN, ignore_errors=True)
+        raise RefusedError(f"could not write the transaction log in {pp / TXN}: {exc.strerror or exc}",
+                           "free disk space or fix permissions and run again (no file was changed)") from None
+    finish_txn(pp)
 
 
 # ------------------------------------------------------------------------------------------

@@ -91,12 +91,12 @@ def _git(args: list[str], cwd: Path, **kw) -> str:
 
 
 def _template(release: str, quiet: bool) -> Path:
-    """A cached bare repo holding the release as one commit tagged v<release>."""
-    bare = cache_root() / release / "checkout.git"
-    if (bare / "HEAD").is_file() and (bare / "refs" / "tags" / f"v{release}").exists():
-        return bare
+    """A cached git work tree holding the release as one commit tagged v<release> (cloned, never used)."""
+    tpl = cache_root() / release / "checkout"
+    if (tpl / ".git" / "refs" / "tags" / f"v{release}").exists():
+        return tpl
     src = unpacked_release(release, quiet)
-    tmp = Path(tempfile.mkdtemp(prefix=".git-", dir=bare.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".git-", dir=tpl.parent))
     try:
         _say(f"building a git checkout of sglang {release} ...", quiet)
         work = tmp / "work"
@@ -109,13 +109,13 @@ def _template(release: str, quiet: bool) -> Path:
         _git(["-c", "commit.gpgsign=false", "commit", "-q", "-m", f"sglang {release} (from the released wheel)"],
              work, env=env)
         _git(["tag", f"v{release}"], work)
-        _git(["clone", "-q", "--bare", str(work), str(tmp / "bare.git")], tmp)
-        if bare.exists():
-            shutil.rmtree(bare)
-        os.replace(tmp / "bare.git", bare)
+        _git(["gc", "-q"], work)
+        if tpl.exists():
+            shutil.rmtree(tpl)
+        os.replace(work, tpl)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return bare
+    return tpl
 
 
 def make_git_checkout(release: str, dest: Path | str, quiet: bool = False) -> Path:
@@ -124,9 +124,9 @@ def make_git_checkout(release: str, dest: Path | str, quiet: bool = False) -> Pa
     dest = Path(dest).expanduser().resolve()
     if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
-    bare = _template(release, quiet)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    tpl = _template(release, quiet)
     _say(f"checking out sglang {release} into {dest} ...", quiet)
-    _git(["clone", "-q", str(bare), str(dest)], dest.parent)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _git(["clone", "-q", str(tpl), str(dest)], dest.parent)
     _git(["remote", "remove", "origin"], dest)
     return dest

@@ -96,8 +96,7 @@ class UpstreamTree:
         return tree
 
     def _cross_check(self, candidates: dict[str, Series]) -> None:
-        s = candidates.get(self.release) if self.release else None
-        if s is not None and s.manifest and self.state(s) in ("upstream", "patched", "partial"):
+        if self.release is not None:  # a version source wins; the hash check then reports edits
             return
         for rel, s in candidates.items():
             if s.manifest and self.state(s) in ("upstream", "patched"):

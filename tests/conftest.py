@@ -1,0 +1,104 @@
+"""Shared fixtures: the real sglang 0.5.9 / 0.5.10 wheels (fetched once through eaglepatch.fetch
+and cached), trees laid out as a git checkout or an installed package, and tool runners."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch.fetch import make_git_checkout, unpacked_release  # noqa: E402
+from eaglepatch.series import load_series  # noqa: E402
+from eaglepatch.tree import tree_hashes  # noqa: E402
+
+FIXTURES = REPO / "tests" / "fixtures"
+BASIC_ROOT = FIXTURES / "series-basic"
+BASIC = BASIC_ROOT / "sglang-0.5.9"
+REAL = REPO / "patches" / "sglang-0.5.9"
+
+
+@pytest.fixture(scope="session")
+def release_059() -> Path:
+    """Read-only unpacked sglang 0.5.9 wheel (package parent)."""
+    return unpacked_release("0.5.9", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def release_0510() -> Path:
+    return unpacked_release("0.5.10", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def releases(release_059, release_0510) -> dict:
+    return {"0.5.9": release_059, "0.5.10": release_0510}
+
+
+def copy_installed(src: Path, dest: Path, files: list[str] | None = None) -> Path:
+    """Lay out an installed package at dest (site-packages style): the dist-info, the package's
+    top-level files, and either the whole package or just `files` (package-parent-relative)."""
+    dest.mkdir(parents=True)
+    for d in src.glob("sglang-*.dist-info"):
+        shutil.copytree(d, dest / d.name)
+    if files is None:
+        shutil.copytree(src / "sglang", dest / "sglang")
+        return dest
+    (dest / "sglang").mkdir()
+    for p in (src / "sglang").iterdir():
+        if p.is_file():
+            shutil.copy2(p, dest / "sglang" / p.name)
+    for rel in files:
+        if (src / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, dest / rel)
+    return dest
+
+
+def series_files(*dirs: Path) -> list[str]:
+    out: list[str] = []
+    for d in dirs:
+        if (d / "series").is_file():
+            s = load_series(d)
+            out += s.files(smoke=True)
+    return sorted(set(out))
+
+
+@pytest.fixture
+def installed_059(tmp_path, release_059) -> Path:
+    """sglang 0.5.9 laid out as an installed package, holding the files the series touch."""
+    return copy_installed(release_059, tmp_path / "site-packages", series_files(BASIC, REAL))
+
+
+@pytest.fixture
+def installed_0510(tmp_path, release_0510) -> Path:
+    return copy_installed(release_0510, tmp_path / "site-packages-0.5.10", series_files(BASIC, REAL))
+
+
+@pytest.fixture
+def checkout_059(tmp_path) -> Path:
+    """A fresh git checkout of sglang 0.5.9 (python/sglang/..., tagged v0.5.9, no _version.py)."""
+    return make_git_checkout("0.5.9", tmp_path / "sglang", quiet=True)
+
+
+def run_tool(tool: str, *args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
+                          capture_output=True, text=True, env=e, cwd=cwd or REPO)
+
+
+def hashes(root: Path) -> dict:
+    return tree_hashes(root)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    errs = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errs) == 1, r.stderr
+    assert "; " in errs[0]
+    return errs[0]

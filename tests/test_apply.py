@@ -1,0 +1,189 @@
+"""tools/apply.py on the real sglang 0.5.9: installed layout and git checkout."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from conftest import BASIC, BASIC_ROOT, REAL, hashes, one_line_error, run_tool
+
+from eaglepatch.applier import TXN, prepare_txn
+from eaglepatch.series import load_series, sha256_bytes
+
+DS = "sglang/srt/models/deepseek_v2.py"
+MR = "sglang/srt/model_executor/model_runner.py"
+NEW = "sglang/srt/eagle3_capture/__init__.py"
+
+
+def manifest_state(pp, series_dir=BASIC):
+    m = json.loads((series_dir / "manifest.json").read_text())
+    out = {}
+    for rel, h in m["files"].items():
+        p = pp / rel
+        cur = sha256_bytes(p.read_bytes()) if p.exists() else None
+        out[rel] = "patched" if cur == h["patched_sha256"] else "upstream" if cur == h["upstream_sha256"] else "other"
+    return out
+
+
+def test_installed_apply_reapply_reverse(installed_059):
+    before = hashes(installed_059)
+    r = run_tool("apply", installed_059, "--series", BASIC)
+    assert r.returncode == 0, r.stderr
+    assert "applied sglang-0.5.9: 2 patch(es)" in r.stdout
+    assert set(manifest_state(installed_059).values()) == {"patched"}
+    assert not (installed_059 / TXN).exists()
+    patched = hashes(installed_059)
+    r = run_tool("apply", installed_059, "--series", BASIC)
+    assert r.returncode == 0 and "already applied" in r.stdout
+    assert hashes(installed_059) == patched
+    r = run_tool("apply", installed_059, "--series", BASIC, "--reverse")
+    assert r.returncode == 0, r.stderr
+    assert hashes(installed_059) == before  # byte-identical, the added package is gone
+    assert not (installed_059 / "sglang/srt/eagle3_capture").exists()
+
+
+def test_release_picks_the_series_and_missing_series_exits_1(installed_059, tmp_path):
+    r = run_tool("apply", installed_059, "--check", env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "applies cleanly" in r.stdout and "exact" in r.stdout
+    other = tmp_path / "patches"
+    shutil.copytree(BASIC, other / "sglang-0.5.8")
+    before = hashes(installed_059)
+    r = run_tool("apply", installed_059, env={"EAGLEPATCH_PATCHES": str(other)})
+    assert r.returncode == 1
+    err = one_line_error(r)
+    assert "no series for sglang 0.5.9" in err and "sglang-0.5.8" in err and "verify.py" in err
+    assert hashes(installed_059) == before
+
+
+def test_git_checkout_check_writes_nothing_then_apply_and_reverse(checkout_059):
+    before = hashes(checkout_059)
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--check")
+    assert r.returncode == 0, r.stderr
+    assert "nothing written" in r.stdout
+    assert "0002-record-the-capture-layers-in-deepseekv2model.patch: ok" in r.stdout
+    assert hashes(checkout_059) == before
+    r = run_tool("apply", checkout_059, "--series", BASIC)
+    assert r.returncode == 0, r.stderr
+    assert set(manifest_state(checkout_059 / "python").values()) == {"patched"}
+    assert run_tool("apply", checkout_059, "--series", BASIC).stdout.count("already applied") == 1
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--reverse")
+    assert r.returncode == 0, r.stderr
+    assert hashes(checkout_059) == before
+    st = subprocess.run(["git", "status", "--porcelain"], cwd=checkout_059, capture_output=True, text=True)
+    assert st.stdout == ""
+
+
+def test_local_edit_refused_unless_force(installed_059):
+    target = installed_059 / MR
+    target.write_bytes(target.read_bytes() + b"# my local change\n")
+    before = hashes(installed_059)
+    r = run_tool("apply", installed_059, "--series", BASIC)
+    assert r.returncode == 1
+    err = one_line_error(r)
+    assert "local edits" in err and str(target) in err and "--force" in err
+    assert hashes(installed_059) == before
+    r = run_tool("apply", installed_059, "--series", BASIC, "--force")
+    assert r.returncode == 0, r.stderr
+    assert target.read_bytes().endswith(b"# my local change\n")
+    assert b"eagle3_capture.on_model_runner_init(self)" in target.read_bytes()
+
+
+def test_failure_in_second_patch_leaves_tree_byte_identical(installed_059):
+    ds = installed_059 / DS
+    ds.write_bytes(ds.read_bytes().replace(b"        self.layers_to_capture = []\n",
+                                           b"        self.layers_to_capture = list()\n", 1))
+    before = hashes(installed_059)
+    r = run_tool("apply", installed_059, "--series", BASIC, "--force")
+    assert r.returncode == 1
+    err = one_line_error(r)
+    assert "0002-record-the-capture-layers-in-deepseekv2model.patch does not apply" in err
+    assert "0001-add-the-eagle3-capture-hook-module.patch: ok" in r.stdout
+    assert "conflict" in r.stdout
+    assert hashes(installed_059) == before
+    assert not (installed_059 / TXN).exists()
+
+
+def test_malformed_patch_is_exit_2_and_touches_nothing(installed_059, tmp_path):
+    bad = tmp_path / "sglang-0.5.9"
+    shutil.copytree(BASIC, bad)
+    p = bad / "0002-record-the-capture-layers-in-deepseekv2model.patch"
+    p.write_bytes(p.read_bytes().replace(b"@@ -2629,6 +2629,7 @@", b"@@ -2629,6 +2629,9 @@"))
+    before = hashes(installed_059)
+    for tool in ("apply", "verify"):
+        r = run_tool(tool, installed_059, "--series", bad)
+        assert r.returncode == 2, (tool, r.stdout, r.stderr)
+        assert "malformed patch" in one_line_error(r)
+    p.write_bytes(p.read_bytes().replace(b"\n---\n", b"\n", 1))
+    r = run_tool("apply", installed_059, "--series", bad)
+    assert r.returncode == 2 and "no '---' line" in one_line_error(r)
+    assert hashes(installed_059) == before
+
+
+def test_dangling_txn_without_ready_is_discarded(installed_059):
+    before = hashes(installed_059)
+    prepare_txn(installed_059, {DS: b"garbage\n", NEW: b"x = 1\n"}, ready=False)
+    r = run_tool("apply", installed_059, "--series", BASIC, "--check")
+    assert r.returncode == 0, r.stderr
+    assert "discarded an unfinished eaglepatch transaction" in r.stdout
+    assert not (installed_059 / TXN).exists()
+    after = hashes(installed_059)
+    assert after == {k: v for k, v in before.items()}
+
+
+def test_dangling_txn_with_ready_is_completed(installed_059, tmp_path):
+    # compute the patched contents in a scratch copy, then leave a READY txn in the real tree
+    scratch = tmp_path / "scratch"
+    shutil.copytree(installed_059, scratch)
+    assert run_tool("apply", scratch, "--series", BASIC).returncode == 0
+    files = load_series(BASIC).files()
+    txn = prepare_txn(installed_059, {rel: (scratch / rel).read_bytes() for rel in files}, ready=True)
+    # the interrupted run had already moved its first file into place
+    op = json.loads((txn / "plan.json").read_text())["ops"][0]
+    (installed_059 / op["path"]).parent.mkdir(parents=True, exist_ok=True)
+    (txn / op["blob"]).replace(installed_059 / op["path"])
+    r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "none")
+    assert "completed an interrupted eaglepatch transaction" in r.stdout, r.stdout + r.stderr
+    assert not (installed_059 / TXN).exists()
+    assert set(manifest_state(installed_059).values()) == {"patched"}
+    r = run_tool("apply", installed_059, "--series", BASIC)
+    assert r.returncode == 0 and "already applied" in r.stdout
+
+
+def test_commit_creates_one_commit_per_patch(checkout_059):
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
+    assert r.returncode == 0, r.stderr
+    assert "eaglepatch/sglang-0.5.9" in r.stdout
+    git = lambda *a: subprocess.run(["git", *a], cwd=checkout_059, capture_output=True, text=True).stdout  # noqa
+    assert git("symbolic-ref", "HEAD").strip() == "refs/heads/eaglepatch/sglang-0.5.9"
+    assert git("status", "--porcelain") == ""
+    subjects = git("log", "--format=%s", "v0.5.9..HEAD").splitlines()
+    assert subjects == ["Record the capture layers in DeepseekV2Model", "Add the eagle3_capture hook module"]
+    assert "Drop-When: upstream ships a hidden-state dump hook" in git("log", "-1", "--format=%B", "HEAD~1")
+    # a second --commit: already applied, nothing new
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
+    assert r.returncode == 0 and "already applied" in r.stdout
+
+
+def test_fetch_makes_a_patched_checkout(tmp_path):
+    dest = tmp_path / "fresh"
+    r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert str(dest) in r.stdout
+    assert set(manifest_state(dest / "python").values()) == {"patched"}
+    tag = subprocess.run(["git", "tag"], cwd=dest, capture_output=True, text=True).stdout.split()
+    assert tag == ["v0.5.9"]
+    r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
+    assert r.returncode == 2 and "not empty" in one_line_error(r)
+
+
+@pytest.mark.skipif(not (REAL / "series").is_file(), reason="the product series is not committed yet")
+def test_real_series_apply_and_reverse(installed_059):
+    before = hashes(installed_059)
+    r = run_tool("apply", installed_059, "--series", REAL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (installed_059 / "sglang/srt/eagle3_capture/__init__.py").is_file()
+    assert "already applied" in run_tool("apply", installed_059, "--series", REAL).stdout
+    r = run_tool("apply", installed_059, "--series", REAL, "--reverse")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert hashes(installed_059) == before
