@@ -1,0 +1,147 @@
+"""Shared plumbing of the benchmarks: run inside the cached CPU SGLang environment with a
+patched (or upstream) sglang 0.5.9 first on PYTHONPATH, and summarise repetitions.
+
+A benchmark script calls ``enter_env(patched=...)`` first thing. Under a plain ``python3`` it
+builds what is needed (the environment through ``eaglepatch.cpuenv.ensure_env``, the release
+through ``eaglepatch.fetch``, the patched tree through ``eaglepatch.smoke.tree``) and re-runs the
+same script with the environment's python; inside the environment it returns the package
+parent in use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+SERIES = REPO / "patches" / "sglang-0.5.9"
+STUBS = SRC / "eaglepatch" / "smoke" / "stubs"
+SMOKE = SRC / "eaglepatch" / "smoke"
+INNER = "EAGLEPATCH_BENCH_INNER"
+
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+
+def log(msg: str) -> None:
+    print("[bench] " + msg, file=sys.stderr, flush=True)
+
+
+def build_tree(dest: Path, patched: bool) -> Path:
+    """A package parent holding sglang 0.5.9, with the product series applied when patched."""
+    from eaglepatch.fetch import unpacked_release
+    from eaglepatch.smoke.tree import patched_tree
+
+    release = unpacked_release("0.5.9", quiet=True)
+    if patched:
+        # product series only: the smoke-only attention route would change the timed path
+        return patched_tree(release, SERIES, dest, smoke=False)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(release / "sglang", dest / "sglang",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def env_python() -> Path:
+    from eaglepatch.cpuenv import ensure_env
+
+    return ensure_env()
+
+
+def pythonpath(tree: Path) -> str:
+    return os.pathsep.join([str(tree), str(STUBS), str(SMOKE), str(SRC)])
+
+
+def inner_env(tree: Path) -> dict:
+    env = dict(os.environ)
+    env[INNER] = str(tree)
+    env["PYTHONPATH"] = pythonpath(tree)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def enter_env(patched: bool = True) -> Path:
+    """Re-run this script inside the CPU environment (returns there the package parent)."""
+    if os.environ.get(INNER):
+        return Path(os.environ[INNER])
+    py = env_python()
+    work = Path(tempfile.mkdtemp(prefix="eaglepatch-bench-"))
+    try:
+        tree = build_tree(work / "pp", patched)
+        rc = subprocess.call([str(py), *sys.argv], env=inner_env(tree))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(rc)
+
+
+def summary(values) -> str:
+    """'median (min..max, n=N)' of a list of numbers."""
+    v = sorted(values)
+    med = statistics.median(v)
+    return "%.3g (%.3g..%.3g, n=%d)" % (med, v[0], v[-1], len(v))
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def spread_pct(values) -> float:
+    """(max - min) / median, in percent."""
+    m = statistics.median(values)
+    return 100.0 * (max(values) - min(values)) / m if m else 0.0
+
+
+def table(header, rows) -> str:
+    """A Markdown table (so results paste into docs/benchmarks.md as they are)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def machine() -> str:
+    import platform
+
+    return "%s, %d cores, python %s" % (platform.machine(), os.cpu_count() or 0, platform.python_version())
+
+
+class FakeMode:  # the one attribute DumpWriter.submit reads from ForwardMode
+    name = "EXTEND"
+
+
+class Batch:
+    """The fields of ForwardBatch that DumpWriter.submit reads, for requests in one prefill."""
+
+    def __init__(self, input_ids, seq_lens):
+        self.forward_mode = FakeMode()
+        self.input_ids = input_ids
+        self.extend_seq_lens_cpu = list(seq_lens)
+        self.extend_prefix_lens_cpu = [0] * len(seq_lens)
+
+
+def make_states(tokens: int, hidden: int, layer_ids, dtype, seed: int = 0):
+    """(Batch, captured dict keyed by capture index, final) of random states, one request."""
+    import torch
+
+    from sglang.srt.eagle3_capture.settings import capture_index
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 100000, (tokens,), generator=g, dtype=torch.int64)
+    captured = {capture_index(k): torch.randn(tokens, hidden, generator=g).to(dtype) for k in layer_ids}
+    final = torch.randn(tokens, hidden, generator=g).to(dtype)
+    return Batch(ids, [tokens]), captured, final
+
+
+def metadata():
+    return {"format": "eagle3-dump/1", "architecture": "bench", "model_path": "bench"}
