@@ -1,0 +1,182 @@
+"""tools/guard.py: draft layer ids vs the dataset's, through a release's or a tree's semantics.
+
+Trees: the real sglang 0.5.9 release (eaglepatch.fetch), the same with this series applied, and
+0.5.9 with set_eagle3_layers_to_capture rewritten to the newer upstream rule (+1 only when the
+first id is 1). The datasets are manifests as tools/extract.py writes them (61 layers, like
+DeepSeek-V3/Kimi-K2.5); test_extract.py runs the guard on a real extracted dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch import guard  # noqa: E402
+
+GUARD = REPO / "tools" / "guard.py"
+UPSTREAM_LINE = "self.model.layers_to_capture = [val + 1 for val in layer_ids]"
+NEWER_BLOCK = (
+    "if layer_ids and layer_ids[0] == 1:\n"
+    "                self.model.layers_to_capture = [val + 1 for val in layer_ids]\n"
+    "            else:\n"
+    "                self.model.layers_to_capture = list(layer_ids)"
+)
+
+
+def run_guard(*args):
+    p = subprocess.run([sys.executable, str(GUARD), *map(str, args)], capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def manifest(tmp: Path, name: str, ids, n=61) -> Path:
+    d = tmp / name
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({
+        "format": "eaglepatch-hidden-states/1", "eagle3_layer_ids": ids, "hf_hidden_state_indices": [k + 1 for k in ids],
+        "model": {"num_hidden_layers": n}, "final": "post_norm", "samples": 3}))
+    return d
+
+
+def draft(tmp: Path, name: str, ids, use_aux=True, nested=True) -> Path:
+    p = tmp / f"{name}.json"
+    eagle = {"use_aux_hidden_state": use_aux}
+    if ids is not None:
+        eagle["eagle_aux_hidden_state_layer_ids"] = ids
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **({"eagle_config": eagle} if nested else eagle)}
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+@pytest.fixture(scope="session")
+def upstream_059():
+    from eaglepatch.fetch import unpacked_release
+
+    return unpacked_release("0.5.9", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def patched_059(upstream_059, tmp_path_factory):
+    from eaglepatch.smoke.tree import patched_tree
+
+    return patched_tree(upstream_059, REPO / "patches" / "sglang-0.5.9", tmp_path_factory.mktemp("patched") / "pp",
+                        smoke=False)
+
+
+@pytest.fixture(scope="session")
+def newer_tree(upstream_059, tmp_path_factory):
+    """0.5.9 with the newer upstream rule; only deepseek_v2.py is needed by the guard."""
+    pp = tmp_path_factory.mktemp("newer")
+    models = pp / "sglang" / "srt" / "models"
+    models.mkdir(parents=True)
+    src = (upstream_059 / "sglang" / "srt" / "models" / "deepseek_v2.py").read_text()
+    assert src.count(UPSTREAM_LINE) == 1
+    (models / "deepseek_v2.py").write_text(src.replace(UPSTREAM_LINE, NEWER_BLOCK))
+    return pp
+
+
+def test_semantics_read_from_trees(upstream_059, patched_059, newer_tree):
+    up = guard.tree_semantics(upstream_059)
+    assert (up.rule, up.series, up.embed_ok) == (guard.PLUS_ONE, False, False)
+    pa = guard.tree_semantics(patched_059)
+    assert (pa.rule, pa.series, pa.embed_ok) == (guard.PLUS_ONE, True, True)
+    nw = guard.tree_semantics(newer_tree)
+    assert (nw.rule, nw.series) == (guard.PLUS_ONE_IF_FIRST_IS_ONE, False)
+    # a git-checkout layout (ROOT/python/sglang) is found too
+    co = newer_tree.parent / "checkout"
+    shutil.copytree(newer_tree, co / "python")
+    assert guard.tree_semantics(co).rule == guard.PLUS_ONE_IF_FIRST_IS_ONE
+
+
+def test_release_semantics_from_series_manifest():
+    s = guard.release_semantics("0.5.9")
+    assert s.rule == guard.PLUS_ONE and "manifest" in s.source
+    assert s.capture([-1, 1, 29]) == [0, 2, 30]
+    nw = guard.Semantics(guard.PLUS_ONE_IF_FIRST_IS_ONE, "t")
+    assert nw.capture([1, 29, 57]) == [2, 30, 58] and nw.capture([2, 30, 58]) == [2, 30, 58]
+
+
+def test_matching_draft_passes(tmp_path):
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d", [-1, 1, 29]), "--dataset", ds)
+    assert rc == 0, out + err
+    assert "OK" in out and "[0, 2, 30]" in out
+
+
+def test_capture_index_style_ids_fail_with_both_conventions(tmp_path):
+    """The project's motivating failure: trained on cat([embed, L2, L30])-style ids, the draft names
+    [2, 30, 58] and is served other layers."""
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d", [2, 30, 58]), "--dataset", ds, "--release", "0.5.9")
+    assert rc == 1, out + err
+    assert "MISMATCH" in out
+    assert "EAGLE-3 ids [2, 30, 58]" in out and "HF hidden_states indices [3, 31, 59]" in out
+    assert "EAGLE-3 ids (output of layer k, -1 = embedding) [-1, 1, 29]" in out and "indices [0, 2, 30]" in out
+    assert "set eagle_aux_hidden_state_layer_ids to [-1, 1, 29]" in out
+
+
+def test_order_of_ids_does_not_matter_but_duplicates_do(tmp_path):
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    assert run_guard("--draft-config", draft(tmp_path, "a", [29, -1, 1]), "--dataset", ds)[0] == 0
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "b", [-1, 1, 1]), "--dataset", ds)
+    assert rc == 1 and "repeat a layer" in out
+
+
+def test_minus_one_on_trees(tmp_path, upstream_059, patched_059, newer_tree):
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    d = draft(tmp_path, "d", [-1, 1, 29])
+    # the series tree captures the embedding output
+    rc, out, err = run_guard("--draft-config", d, "--dataset", ds, "--sglang", patched_059)
+    assert rc == 0, out + err
+    # plain 0.5.9 maps -1 to index 0 but DeepSeek's residual is None there
+    rc, out, _ = run_guard("--draft-config", d, "--dataset", ds, "--sglang", upstream_059)
+    assert rc == 1 and "residual is None" in out
+    # the newer rule applies no +1 when the first id is -1: index -1 matches no layer
+    rc, out, _ = run_guard("--draft-config", d, "--dataset", ds, "--sglang", newer_tree)
+    assert rc == 1 and "capture indices [-1] match no layer" in out
+
+
+def test_newer_rule_serves_both_conventions(tmp_path, newer_tree):
+    ds = manifest(tmp_path, "ds", [1, 29, 57])  # HF [2, 30, 58]
+    for ids in ([1, 29, 57], [2, 30, 58]):
+        rc, out, err = run_guard("--draft-config", draft(tmp_path, f"d{ids[0]}", ids), "--dataset", ds, "--sglang", newer_tree)
+        assert rc == 0, out + err
+    # the same [2, 30, 58] draft under 0.5.9 is served layers 3, 31, 59
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "old", [2, 30, 58]), "--dataset", ds, "--release", "0.5.9")
+    assert rc == 1 and "[3, 31, 59]" in out and "set eagle_aux_hidden_state_layer_ids to [1, 29, 57]" in out
+
+
+def test_defaults_out_of_range_and_use_aux(tmp_path):
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    # no ids: SGLang's default capture indices [2, N//2, N-3] = HF [2, 30, 58] for 61 layers
+    assert run_guard("--draft-config", draft(tmp_path, "none", None), "--dataset", ds)[0] == 0
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "far", [1, 29, 60]), "--dataset", ds)
+    assert rc == 1 and "capture indices [61] match no layer" in out
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "noaux", [1, 29, 57], use_aux=False), "--dataset", ds)
+    assert rc == 1 and "use_aux_hidden_state=false" in out
+    # top-level keys (not under eagle_config) are read too
+    assert run_guard("--draft-config", draft(tmp_path, "flat", [1, 29, 57], nested=False), "--dataset", ds)[0] == 0
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    rc, out, err = run_guard("--draft-config", tmp_path / "missing.json", "--dataset", ds)
+    assert rc == 2 and err.startswith("error: ") and "; " in err and len(err.strip().splitlines()) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "manifest.json").write_text(json.dumps({"samples": 0, "eagle3_layer_ids": None}))
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d", [1]), "--dataset", empty)
+    assert rc == 2 and "records no layer ids" in err
+    bad = draft(tmp_path, "bad", [1])
+    bad.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,2"}}))
+    rc, out, err = run_guard("--draft-config", bad, "--dataset", ds)
+    assert rc == 2 and "not a list of integers" in err
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d2", [1]), "--dataset", ds, "--sglang", tmp_path)
+    assert rc == 2 and "deepseek_v2.py" in err
