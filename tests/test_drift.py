@@ -1,0 +1,63 @@
+"""tools/drift.py on the real releases: the pinned gate (CI) and the release x hunk matrix."""
+
+import json
+import shutil
+
+from conftest import REPO, one_line_error, run_tool
+
+
+def test_pinned_gate_passes_on_the_real_series():
+    r = run_tool("drift", "--pinned")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "sglang-0.5.9 on sglang 0.5.9: all exact (11/11 hunks exact)" in r.stdout
+    assert "sglang-0.5.23 on sglang 0.5.23: all exact" in r.stdout
+
+
+def test_pinned_gate_fails_when_a_series_is_not_exact_on_its_release(tmp_path):
+    root = tmp_path / "patches"
+    shutil.copytree(REPO / "patches" / "sglang-0.5.23", root / "sglang-0.5.22")
+    m = json.loads((root / "sglang-0.5.22" / "manifest.json").read_text())
+    m["release"] = "0.5.22"
+    (root / "sglang-0.5.22" / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    r = run_tool("drift", "--pinned", env={"EAGLEPATCH_PATCHES": str(root)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "sglang-0.5.22 on sglang 0.5.22: drift" in r.stdout
+    assert "model_runner.py hunk 0" in r.stdout and "DRIFT (exit 1)" in r.stdout
+
+
+def test_matrix_uses_the_nearest_older_series_and_names_the_port(tmp_path):
+    out = tmp_path / "drift.md"
+    r = run_tool("drift", "--releases", "0.5.23,0.5.9,0.5.10", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    md = out.read_text()
+    assert "| 0.5.9 | sglang-0.5.9 | 11/11 exact | all exact |" in md
+    assert "| 0.5.23 | sglang-0.5.23 | 8/8 exact | all exact |" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| 0.5.10 | sglang-0.5.9 |"))
+    assert "drift:" in row and "`python3 tools/port.py --from 0.5.9 --to 0.5.10`" in row
+    # release x hunk table of the 0.5.9 series: the 0.5.10 capture-loop hunk lost its context
+    table = md.split("## Series sglang-0.5.9", 1)[1].split("## Series", 1)[0]
+    head = next(ln for ln in table.splitlines() if ln.startswith("| release |")).split(" | ")
+    r510 = next(ln for ln in table.splitlines() if ln.startswith("| 0.5.10 |")).split(" | ")
+    assert r510[head.index("2.deepseek_v2.py#1")] == "ctx"
+    assert r510[head.index("1.settings.py#0")] == "exact"
+    assert "Footprint: 9 line(s) added and 3 removed in 3 upstream file(s)" in table
+    assert "## Series sglang-0.5.23" in md and "`kimi_k25.py`" not in md.split("## Series sglang-0.5.23")[1]
+    assert r.stdout.strip().endswith(f"wrote {out}")
+    # --strict turns the drift into exit 1, and the file is still written in one piece
+    r = run_tool("drift", "--releases", "0.5.10", "--out", out, "--strict")
+    assert r.returncode == 1 and "1 with drift (0.5.10)" in r.stdout
+    assert out.read_text().startswith("# Drift matrix")
+
+
+def test_committed_drift_doc_covers_every_release_since_the_pin():
+    md = (REPO / "docs" / "drift.md").read_text()
+    for rel in ("0.5.9", "0.5.10", "0.5.11", "0.5.15.post1", "0.5.22", "0.5.23"):
+        assert f"\n| {rel} | sglang-" in md, rel
+    assert "| 0.5.23 | sglang-0.5.23 | 8/8 exact | all exact |" in md
+
+
+def test_usage_errors():
+    r = run_tool("drift", "--pinned", "--releases", "0.5.9")
+    assert r.returncode == 2 and "--pinned takes the releases" in one_line_error(r)
+    r = run_tool("drift", "--pinned", env={"EAGLEPATCH_PATCHES": "/nonexistent"})
+    assert r.returncode == 2 and "there is no series" in one_line_error(r)
