@@ -54,7 +54,7 @@ DEEPSEEK_V3 = {
         "mscale_all_dim": 1.0,
     },
     "rms_norm_eps": 1e-6,
-    "initializer_range": 0.1,
+    "initializer_range": 0.05,
     "attention_bias": False,
     "attention_dropout": 0.0,
     "tie_word_embeddings": False,

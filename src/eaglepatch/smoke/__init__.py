@@ -1,0 +1,238 @@
+"""Smoke tests of a patched SGLang tree on CPU, with real SGLang code.
+
+``run_smoke(level, package_parent, series, checks=None) -> list[Result]``
+
+- ``package_parent``: a directory holding an already patched ``sglang/`` (the tree under test,
+  with the test-only smoke patches applied too).
+- ``series``: the series that patched it (an ``eaglepatch.series.Series``, a series directory, or
+  None); only used to name the test-only smoke patches in the output.
+- ``level``: ``import`` (import the patched modules in the CPU environment and check the series'
+  symbols) or ``functional`` (checks a-e: EAGLE-3 capture vs a Hugging Face reference, the dump
+  through ``sglang.Engine`` for DeepSeek-V3 and Kimi-K2.5, dump on/off equality, refusals).
+- ``checks``: for ``functional``, a subset of the worker groups ``runner`` (a, e in-process),
+  ``engine`` (b, c, d) and ``refuse_engine`` (e through an Engine start); default all.
+
+Every check runs in a subprocess of the cached CPU environment (``eaglepatch.cpuenv``) with
+``PYTHONPATH=<package_parent>:<stubs>`` and ``SGLANG_USE_CPU_ENGINE=1``; sglang is not installed
+there, so the tree under test is what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .. import cpuenv
+from . import tinyconfig
+
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "stubs"
+LEVELS = ("import", "functional")
+GROUPS = ("runner", "refuse_engine", "engine")
+
+# expected result names per worker group: a group that dies early still reports every check
+EXPECTED = {
+    "runner": ["a. eagle3 capture [-1,1,2] == HF hidden_states[0,2,3]"],
+    "refuse_engine": ["e. refused at sglang.Engine start: radix cache on"],
+    "engine": [
+        "b. dump through sglang.Engine (DeepSeek-V3) == HF per request",
+        "d. tokens and logprobs identical with the dump on and off",
+        "c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request",
+    ],
+}
+IMPORT_EXPECTED = [
+    "import sglang.srt.eagle3_capture",
+    "import sglang.srt.models.deepseek_v2",
+    "import sglang.srt.models.kimi_k25",
+    "import sglang.srt.model_executor.model_runner",
+    "import: series symbols and hooks present",
+    "import: test-only smoke patch routes torch_native DeepSeek attention to MLA",
+]
+GROUP_TIMEOUT_S = {"runner": 600, "refuse_engine": 300, "engine": 900, "import": 300, "build": 300}
+
+
+@dataclass
+class Result:
+    name: str
+    passed: bool
+    figure: str
+    detail: str = ""
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _smoke_patch_names(series) -> list[str]:
+    if series is None:
+        return []
+    smoke = getattr(series, "smoke", None)
+    if smoke is not None:
+        return [getattr(p, "name", str(p)) for p in smoke]
+    d = Path(getattr(series, "dir", series))
+    f = d / "smoke.series"
+    if not f.is_file():
+        return []
+    return [ln.split("#", 1)[0].strip() for ln in f.read_text().splitlines() if ln.split("#", 1)[0].strip()]
+
+
+def worker_env(package_parent: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve()), str(STUBS)])
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, timeout: float,
+                expected: Iterable[str] = ()) -> list[Result]:
+    """Run one worker; stream its progress lines; parse its @@RESULT lines."""
+    cmd = [str(py), str(HERE / script)] + [str(a) for a in args]
+    results: list[Result] = []
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ %s\n" % " ".join(cmd))
+        log.flush()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                start_new_session=True)
+        timed_out = False
+        try:
+            for line in _lines(proc, t0 + timeout):
+                log.write(line)
+                if line.startswith("@@RESULT "):
+                    rec = json.loads(line[len("@@RESULT "):])
+                    r = Result(rec["name"], bool(rec["passed"]), rec["figure"], rec.get("detail", ""))
+                    results.append(r)
+                    _say("  %s %s: %s" % ("PASS" if r.passed else "FAIL", r.name, r.figure))
+                elif line.startswith("[smoke"):
+                    _say("  " + line.rstrip())
+        except TimeoutError:
+            timed_out = True
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        rc = proc.wait()
+    got = {r.name for r in results}
+    missing = [n for n in expected if n not in got]
+    if missing or (rc != 0 and not timed_out and not results):
+        tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-25:])
+        why = ("timed out after %.0f s" % timeout) if timed_out else ("worker exited %d" % rc)
+        for n in missing or ["%s worker" % script]:
+            r = Result(n, False, why, "no result from %s (log %s); last lines:\n%s" % (script, log_path, tail))
+            results.append(r)
+            _say("  FAIL %s: %s" % (n, why))
+    return results
+
+
+def _lines(proc, deadline):
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if not sel.select(timeout=min(left, 5.0)):
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            return
+        yield line
+
+
+def _kill_group(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and the engine processes it spawned
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def checkpoint_dir(kind: str) -> Path:
+    key = tinyconfig.checkpoint_key(kind, cpuenv.env_key())
+    return cpuenv.cache_dir() / "smoke-checkpoints" / ("%s-%s" % (kind, key))
+
+
+def ensure_checkpoints(py: Path, work: Path) -> dict:
+    """The tiny DeepSeek-V3 and Kimi-K2.5 checkpoints (built once, cached by config)."""
+    dirs = {k: checkpoint_dir(k) for k in ("deepseek_v3", "kimi_k25")}
+    if not all((d / ".complete").is_file() for d in dirs.values()):
+        _say("smoke: building the tiny checkpoints under %s ..." % dirs["deepseek_v3"].parent)
+        env = worker_env(work)  # no sglang needed
+        log = work / "build-checkpoints.log"
+        cmd = [str(py), str(HERE / "_build.py"), str(dirs["deepseek_v3"]), str(dirs["kimi_k25"])]
+        with open(log, "w") as fh:
+            proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=GROUP_TIMEOUT_S["build"])
+        if proc.returncode != 0 or not all((d / ".complete").is_file() for d in dirs.values()):
+            raise RuntimeError("error: building the smoke checkpoints failed (log %s):\n%s; fix and rerun"
+                               % (log, log.read_text(errors="replace")[-3000:]))
+    return dirs
+
+
+def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | None = None,
+              work_dir: Path | None = None) -> list[Result]:
+    if level not in LEVELS:
+        raise ValueError("error: unknown smoke level %r; use one of %s" % (level, ", ".join(LEVELS)))
+    package_parent = Path(package_parent).resolve()
+    if not (package_parent / "sglang" / "__init__.py").is_file():
+        raise FileNotFoundError("error: %s holds no sglang/ package; pass the package parent" % package_parent)
+    t0 = time.monotonic()
+    py = cpuenv.ensure_env()
+    env = worker_env(package_parent)
+    own_work = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="eaglepatch-smoke-")) if own_work else Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    smoke_patches = _smoke_patch_names(series)
+    _say("smoke %s: sglang from %s (CPU environment %s)" % (level, package_parent, py.parent.parent.name))
+    if smoke_patches:
+        _say("smoke: this tree carries the test-only smoke patch(es) %s (torch_native's MHA prefill "
+             "reads K/V from the MLA latent pool upstream; DeepSeek attention is routed to MLA)"
+             % ", ".join(smoke_patches))
+    results: list[Result] = []
+    if level == "import":
+        results += _run_worker(py, "_import.py", [], env, work / "import.log", GROUP_TIMEOUT_S["import"],
+                               expected=IMPORT_EXPECTED)
+    else:
+        groups = list(GROUPS) if checks is None else [g for g in GROUPS if g in set(checks)]
+        unknown = set(checks or ()) - set(GROUPS)
+        if unknown:
+            raise ValueError("error: unknown check group(s) %s; use %s" % (sorted(unknown), ", ".join(GROUPS)))
+        ck = ensure_checkpoints(py, work)
+        for g in groups:
+            _say("smoke functional: %s ..." % g)
+            if g == "runner":
+                args = [ck["deepseek_v3"], work / "runner"]
+            elif g == "refuse_engine":
+                args = [ck["deepseek_v3"], work / "refuse-engine"]
+            else:
+                args = [ck["deepseek_v3"], ck["kimi_k25"], work / "engine"]
+            script = {"runner": "_runner.py", "refuse_engine": "_refuse_engine.py", "engine": "_engine.py"}[g]
+            results += _run_worker(py, script, args, env, work / ("%s.log" % g), GROUP_TIMEOUT_S[g],
+                                   expected=EXPECTED[g])
+    wall = time.monotonic() - t0
+    npass = sum(r.passed for r in results)
+    _say("smoke %s: %d/%d passed in %.0f s%s" % (level, npass, len(results), wall,
+                                                  "" if npass == len(results) else " (logs in %s)" % work))
+    if own_work and npass == len(results):
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+__all__ = ["Result", "run_smoke", "ensure_checkpoints", "checkpoint_dir", "worker_env", "LEVELS", "GROUPS"]

@@ -1,0 +1,299 @@
+"""sglang.Engine checks (run inside the CPU environment by file path).
+
+usage: python _engine.py DEEPSEEK_CKPT KIMI_CKPT WORK_DIR [b,c,d]
+
+b. DeepSeek-V3 Engine with the dump on: one generate call with several prompts of different
+   lengths (batched by the scheduler), one file per request, ids, metadata, each layer and
+   `final` equal the HF reference of that request.
+c. The same through the Kimi-K2.5 wrapper (text only).
+d. Greedy tokens and logprobs with the dump on equal those with the dump off.
+
+Engines are started one after the other in this process; each inherits the EAGLE3_DUMP_*
+variables present when it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import _hf
+import tinyconfig
+from _common import guarded, log, maxdiff, result
+
+LAYERS = [-1, 1, 2]
+TOL = 1e-4
+NEW_TOKENS = 4
+FILE_TIMEOUT_S = 120
+
+ENGINE_ARGS = dict(
+    device="cpu",
+    skip_tokenizer_init=True,
+    attention_backend="torch_native",
+    disable_cuda_graph=True,
+    dtype="float32",
+    disable_radix_cache=True,
+    disable_overlap_schedule=True,
+    max_total_tokens=4096,
+    context_length=1024,
+    max_running_requests=8,
+    random_seed=0,
+    log_level="error",
+)
+
+
+def dump_key(ids) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+
+
+class Dumping:
+    """Set the dump variables for the Engine started inside the block."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+
+    def __enter__(self):
+        keys = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB")
+        self.saved = {k: os.environ.pop(k, None) for k in keys}
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            os.environ["EAGLE3_DUMP_DIR"] = str(self.directory)
+            os.environ["EAGLE3_DUMP_LAYERS"] = ",".join(str(k) for k in LAYERS)
+            os.environ["EAGLE3_DUMP_FINAL"] = "1"
+            # small cap: several requests in one forward exceed it, so backpressure is exercised
+            os.environ["EAGLE3_DUMP_MAX_PENDING_MB"] = "1"
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        return False
+
+
+def start_engine(ckpt: Path, **extra):
+    import sglang
+
+    t0 = time.monotonic()
+    kw = dict(ENGINE_ARGS, model_path=str(ckpt))
+    kw.update(extra)
+    engine = sglang.Engine(**kw)
+    log("engine for %s started in %.1f s" % (ckpt.name, time.monotonic() - t0))
+    return engine
+
+
+def generate(engine, prompts, new_tokens, logprobs=False):
+    sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    t0 = time.monotonic()
+    kw = {}
+    if logprobs:
+        kw = dict(return_logprob=True, top_logprobs_num=5)
+    out = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=sp, **kw)
+    log("generate %d requests x %d new tokens: %.1f s" % (len(prompts), new_tokens, time.monotonic() - t0))
+    return out
+
+
+def wait_files(directory: Path, keys, timeout=FILE_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    want = {k: directory / (k + ".safetensors") for k in keys}
+    while time.monotonic() < deadline:
+        if all(p.exists() for p in want.values()):
+            return want, True
+        time.sleep(0.2)
+    return want, False
+
+
+def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
+    from safetensors import safe_open
+
+    keys = [dump_key(p) for p in prompts]
+    want, complete = wait_files(directory, keys)
+    problems = []
+    if not complete:
+        missing = [k[:12] for k, p in want.items() if not p.exists()]
+        problems.append("missing %d of %d files after %d s: %s" % (len(missing), len(keys), FILE_TIMEOUT_S, missing))
+    time.sleep(0.5)  # let a late extra file (a bug) show up
+    names = sorted(p.name for p in directory.iterdir())
+    extra = [n for n in names if n not in {k + ".safetensors" for k in keys}]
+    if extra:
+        problems.append("unexpected files in the dump dir: %s" % extra[:6])
+    worst = {"layers": 0.0, "final": 0.0}
+    checked = 0
+    for ids, key, (hs, _logits, post_diff, pre_diff) in zip(prompts, keys, refs):
+        path = want[key]
+        if not path.exists():
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        exp_names = {"input_ids", "final"} | {"layer.%d" % k for k in LAYERS}
+        if set(tensors) != exp_names:
+            problems.append("%s: tensors %s, want %s" % (key[:12], sorted(tensors), sorted(exp_names)))
+            continue
+        ids_t = tensors["input_ids"]
+        if ids_t.dtype != torch.int64 or ids_t.tolist() != list(ids):
+            problems.append("%s: input_ids differ from the request (dtype %s, %d tokens)" % (key[:12], ids_t.dtype, ids_t.numel()))
+        want_meta = {
+            "format": "eagle3-dump/1",
+            "key": key,
+            "eagle3_layer_ids": LAYERS,
+            "hf_hidden_state_indices": [k + 1 for k in LAYERS],
+            "final": "post_norm",
+            "architecture": arch,
+            "hidden_size": str(tinyconfig.DEEPSEEK_V3["hidden_size"]),
+            "num_hidden_layers": str(tinyconfig.DEEPSEEK_V3["num_hidden_layers"]),
+            "dtype": "float32",
+            "num_tokens": str(len(ids)),
+            "tp_size": "1",
+            "model_path": str(ckpt),
+        }
+        for mk, mv in want_meta.items():
+            got = meta.get(mk)
+            if isinstance(mv, list):
+                try:
+                    got = json.loads(got) if got is not None else None
+                except ValueError:
+                    pass
+            if got != mv:
+                problems.append("%s: metadata %s=%r, want %r" % (key[:12], mk, got, mv))
+        for mk in ("sglang_version", "series_version"):
+            if not meta.get(mk):
+                problems.append("%s: metadata %s missing" % (key[:12], mk))
+        for k in LAYERS:
+            t = tensors["layer.%d" % k]
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(hs[k + 1].shape):
+                problems.append("%s: layer.%d dtype %s shape %s" % (key[:12], k, t.dtype, tuple(t.shape)))
+                continue
+            worst["layers"] = max(worst["layers"], maxdiff(t, hs[k + 1]))
+        worst["final"] = max(worst["final"], maxdiff(tensors["final"], hs[-1]))
+        checked += 1
+    d = max(worst.values())
+    if d > TOL:
+        problems.append("max abs diff %.3g > %g (layers %.3g, final %.3g)" % (d, TOL, worst["layers"], worst["final"]))
+    post = max(r[2] for r in refs)
+    pre = min(r[3] for r in refs)
+    if post > 1e-5 or pre < 1e-3:
+        problems.append("HF hidden_states[-1] is not the post-norm state (|hs[-1]-norm(last)| %.3g, |hs[-1]-last| %.3g)" % (post, pre))
+    detail = ("%d requests (lengths %s) in one generate call; %d files checked; layers %s: %.3g, final: %.3g; "
+              "HF hidden_states[-1] == norm(last layer output) to %.1g (and differs from it by >= %.2g)"
+              % (len(prompts), [len(p) for p in prompts], checked, LAYERS, worst["layers"], worst["final"], post, pre))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(name, not problems, "max abs diff %.2g" % d, detail)
+
+
+def _tokens_and_logprobs(out):
+    toks, lps, tops = [], [], []
+    for o in out:
+        mi = o["meta_info"]
+        toks.append(list(o["output_ids"]))
+        lps.append([float(x[0]) for x in mi["output_token_logprobs"]])
+        tops.append([[(int(t[1]), float(t[0])) for t in step] for step in mi["output_top_logprobs"]])
+    return toks, lps, tops
+
+
+def check_d(on, off, prompts) -> None:
+    name = "d. tokens and logprobs identical with the dump on and off"
+    ton, lon, top_on = _tokens_and_logprobs(on)
+    toff, loff, top_off = _tokens_and_logprobs(off)
+    problems = []
+    if ton != toff:
+        problems.append("generated tokens differ: on %s off %s" % (ton, toff))
+    if any(len(t) != NEW_TOKENS for t in ton):
+        problems.append("expected %d new tokens per request, got %s" % (NEW_TOKENS, [len(t) for t in ton]))
+    d = 0.0
+    for a, b in zip(lon, loff):
+        if len(a) != len(b):
+            problems.append("logprob counts differ")
+            continue
+        d = max([d] + [abs(x - y) for x, y in zip(a, b)])
+    for a, b in zip(top_on, top_off):
+        for sa, sb in zip(a, b):
+            if [t for t, _ in sa] != [t for t, _ in sb]:
+                problems.append("top-5 token ids differ")
+                break
+            d = max([d] + [abs(x - y) for (_, x), (_, y) in zip(sa, sb)])
+    if d != 0.0:
+        problems.append("logprobs differ by %.3g (want identical)" % d)
+    detail = "%d requests x %d greedy tokens, output and top-5 logprobs compared" % (len(prompts), NEW_TOKENS)
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(name, not problems, "max abs diff %.2g" % d, detail)
+
+
+def main() -> int:
+    ds_ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c", "d"]
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = tinyconfig.prompts()
+    log("HF reference for %d prompts" % len(prompts))
+    ref = _hf.Reference(ds_ckpt)
+    refs = [ref.run(p) for p in prompts]
+    del ref
+    d_prompts = prompts[:4]
+    on_out = None
+
+    if "b" in which or "d" in which:
+        name_b = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
+
+        @guarded(name_b)
+        def run_b():
+            nonlocal on_out
+            directory = work / "dump-deepseek"
+            with Dumping(directory):
+                engine = start_engine(ds_ckpt)
+            try:
+                generate(engine, prompts, 1)
+                if "b" in which:
+                    check_dump(name_b, directory, prompts, refs, "DeepseekV3ForCausalLM", ds_ckpt)
+                if "d" in which:
+                    on_out = generate(engine, d_prompts, NEW_TOKENS, logprobs=True)
+            finally:
+                engine.shutdown()
+
+        run_b()
+
+    if "d" in which:
+        name_d = "d. tokens and logprobs identical with the dump on and off"
+
+        @guarded(name_d)
+        def run_d():
+            if on_out is None:
+                raise RuntimeError("the dump-on run did not produce output (see check b)")
+            with Dumping(None):
+                engine = start_engine(ds_ckpt)
+            try:
+                off_out = generate(engine, d_prompts, NEW_TOKENS, logprobs=True)
+            finally:
+                engine.shutdown()
+            check_d(on_out, off_out, d_prompts)
+
+        run_d()
+
+    if "c" in which:
+        name_c = "c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request"
+
+        @guarded(name_c)
+        def run_c():
+            directory = work / "dump-kimi"
+            with Dumping(directory):
+                engine = start_engine(kimi_ckpt, enable_multimodal=False)
+            try:
+                generate(engine, prompts, 1)
+                check_dump(name_c, directory, prompts, refs, "KimiK25ForConditionalGeneration", kimi_ckpt)
+            finally:
+                engine.shutdown()
+
+        run_c()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
