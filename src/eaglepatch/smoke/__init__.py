@@ -184,6 +184,19 @@ def ensure_checkpoints(py: Path, work: Path) -> dict:
     return dirs
 
 
+def _group_specs(checks) -> list:
+    """[(group, sub-check letters or "")] in run order; "runner:a" runs only check a of that group."""
+    if checks is None:
+        return [(g, "") for g in GROUPS]
+    specs = {}
+    for c in checks:
+        g, _, sub = str(c).partition(":")
+        if g not in GROUPS:
+            raise ValueError("error: unknown check group %r; use %s (optionally GROUP:letters)" % (g, ", ".join(GROUPS)))
+        specs[g] = sub
+    return [(g, specs[g]) for g in GROUPS if g in specs]
+
+
 def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | None = None,
               work_dir: Path | None = None) -> list[Result]:
     if level not in LEVELS:
@@ -208,22 +221,20 @@ def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | N
         results += _run_worker(py, "_import.py", [], env, work / "import.log", GROUP_TIMEOUT_S["import"],
                                expected=IMPORT_EXPECTED)
     else:
-        groups = list(GROUPS) if checks is None else [g for g in GROUPS if g in set(checks)]
-        unknown = set(checks or ()) - set(GROUPS)
-        if unknown:
-            raise ValueError("error: unknown check group(s) %s; use %s" % (sorted(unknown), ", ".join(GROUPS)))
+        specs = _group_specs(checks)
         ck = ensure_checkpoints(py, work)
-        for g in groups:
-            _say("smoke functional: %s ..." % g)
+        for g, sub in specs:
+            _say("smoke functional: %s ..." % (g if not sub else "%s:%s" % (g, sub)))
             if g == "runner":
-                args = [ck["deepseek_v3"], work / "runner"]
+                args = [ck["deepseek_v3"], work / "runner"] + ([sub] if sub else [])
             elif g == "refuse_engine":
                 args = [ck["deepseek_v3"], work / "refuse-engine"]
             else:
-                args = [ck["deepseek_v3"], ck["kimi_k25"], work / "engine"]
+                args = [ck["deepseek_v3"], ck["kimi_k25"], work / "engine"] + ([sub] if sub else [])
             script = {"runner": "_runner.py", "refuse_engine": "_refuse_engine.py", "engine": "_engine.py"}[g]
+            expected = [n for n in EXPECTED[g] if not sub or n.split(".", 1)[0] in sub.split(",")]
             results += _run_worker(py, script, args, env, work / ("%s.log" % g), GROUP_TIMEOUT_S[g],
-                                   expected=EXPECTED[g])
+                                   expected=expected)
     wall = time.monotonic() - t0
     npass = sum(r.passed for r in results)
     _say("smoke %s: %d/%d passed in %.0f s%s" % (level, npass, len(results), wall,

@@ -37,7 +37,6 @@ def guarded(name: str):
 
 
 def maxdiff(a, b) -> float:
-    import torch
 
     a = a.detach().float().cpu()
     b = b.detach().float().cpu()

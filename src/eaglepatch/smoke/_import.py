@@ -10,7 +10,7 @@ import inspect
 import sys
 import time
 
-from _common import guarded, log, result
+from _common import guarded, result
 
 MODULES = [
     "sglang.srt.eagle3_capture",
