@@ -36,6 +36,7 @@ FULL_TOKENS = 100  # ~410 KB per file: two fit on the 1 MiB tmpfs, the third doe
 BURST_REQUESTS = 64
 BURST_BATCH = 8
 BURST_CAP_MB = 1
+HANG_S = 60
 
 
 # ------------------------------------------------------------------------------------------
@@ -92,6 +93,8 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
             return {"logits_ok": bool(o is not None and tuple(o.shape)[0] == len(prompts)
                                       and torch.isfinite(o).all())}
         except Exception as exc:
+            runner.req_to_token_pool.clear()  # what extend() skips when the forward raises
+            runner.token_to_kv_pool_allocator.clear()
             return {"logits_ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}
 
     # -- full disk
@@ -125,7 +128,18 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
         batch = prompts[b:b + BURST_BATCH]
         tokens = sum(map(len, batch))
         largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8))
+        import threading
+
+        def hung(k=b // BURST_BATCH):
+            errors.append("prefill %d blocked for %d s in the dump (pending bytes never released)" % (k, HANG_S))
+            res["burst"] = {"errors": errors}
+            save()
+            os._exit(3)
+
+        watchdog = threading.Timer(HANG_S, hung)
+        watchdog.start()
         step = forward(runner, batch)  # no flush: the writer drains while the next prefill runs
+        watchdog.cancel()
         if not step["logits_ok"]:
             errors.append("prefill %d: %s" % (b // BURST_BATCH, step.get("error", "bad logits")))
     writer.flush()
@@ -233,8 +247,9 @@ if __name__ != "__main__":
         assert [s["failed"] for s in steps[:4]] == [0, 0, 1, 2], steps
         for s in steps[2:4]:
             assert any(s["key"] in m for m in log), "no log line names key %s: %s" % (s["key"], log)
-        for s in steps[:4]:  # only whole files, no temporaries
-            assert s["files"] == sorted(x["key"] + ".safetensors" for x in steps[:2]), s["files"]
+        for i, s in enumerate(steps[:4]):  # only whole files, no temporaries
+            want = sorted(x["key"] + ".safetensors" for x in steps[:min(i + 1, 2)])
+            assert s["files"] == want, (i, s["files"])
         # files deleted -> writing resumes
         assert [s["written"] for s in steps[4:]] == [3, 4] and steps[-1]["failed"] == 2, steps
         assert steps[-1]["files"] == sorted(x["key"] + ".safetensors" for x in steps[4:]), steps[-1]["files"]
