@@ -64,6 +64,12 @@ class SGLangClient:
             pass
         return info
 
+    def alive(self) -> bool:
+        try:
+            return self._session().get(self.url + "/get_model_info", timeout=30).status_code == 200
+        except requests.RequestException:
+            return False
+
     def generate(self, input_ids: list) -> dict:
         payload = {"input_ids": list(map(int, input_ids)),
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}

@@ -173,7 +173,10 @@ class Extractor:
                 continue
             if not isinstance(rec, dict) or "id" not in rec:
                 continue
-            f = Path(self.o.out) / rec.get("file", "")
+            if rec.get("skipped"):  # nothing to extract (no assistant tokens): done as well
+                done[rec["id"]] = rec
+                continue
+            f = Path(self.o.out) / (rec.get("file") or "")
             if rec.get("file") and f.is_file() and f.stat().st_size == rec.get("bytes"):
                 done[rec["id"]] = rec
         return done
@@ -238,6 +241,9 @@ class Extractor:
                     return out
                 except TransientError as exc:
                     last = f"/generate failed: {exc}"
+                    if probe or not client.alive():
+                        raise Fatal(f"the server at {o.server} stopped answering ({exc})",
+                                    "look at the server log, restart it and rerun (done samples are kept)") from None
                     continue
                 if not dumps_mod.wait_for(path, o.dump_timeout):
                     if probe:
@@ -278,9 +284,23 @@ class Extractor:
 
     # ---- the run ------------------------------------------------------------------------
     def run(self) -> int:
-        o = self.o
+        import fcntl
+
         self._new_layers = False
         self._check_dirs()
+        with open(Path(self.o.out) / ".extract.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"another extract.py is writing {self.o.out}",
+                                 "wait for it to finish or pass another --out") from None
+            # temporary files of a killed run (never listed in progress.jsonl)
+            for tmp in Path(self.o.out).glob("rows_*/.data_*.tmp"):
+                tmp.unlink(missing_ok=True)
+            return self._run_locked()
+
+    def _run_locked(self) -> int:
+        o = self.o
         cfg = model_config(o.model)
         tok = ChatTokenizer(o.tokenizer or o.model, trust_remote_code=o.trust_remote_code, mask_method=o.mask)
         if len(tok) > cfg["vocab_size"]:
@@ -305,6 +325,7 @@ class Extractor:
         else:
             self.log(f"nothing to do: all {len(convs)} conversations are already in {o.out}")
         wall = time.monotonic() - t0
+        self.retried = client.retried
         manifest = self._write_manifest(convs, cfg, tok, outcomes, wall)
         ok = [x for x in outcomes if x.status == "ok"]
         failed = [x for x in outcomes if x.status == "failed"]
@@ -314,15 +335,17 @@ class Extractor:
             f"summary: {len(ok)} extracted ({toks} tokens, {sum(x.nbytes for x in ok) / 2**20:.1f} MiB) in {wall:.1f} s "
             f"({len(ok) / wall if wall > 0 else 0:.2f} samples/s, {toks / wall if wall > 0 else 0:.0f} tokens/s); "
             f"{len(convs) - len(pending)} already done; {len(skipped)} skipped (no assistant tokens); "
-            f"{len(failed)} failed; {self.state.bad_dumps} bad dumps rejected; {client.retried} request retries; "
+            f"{len(failed)} failed; {self.state.bad_dumps} bad dumps rejected; {self.retried} request retries; "
             f"dataset: {manifest['samples']} samples, {manifest['tokens']} tokens")
         for x in failed:
             self.log(f"failed: {x.conv_id}: {x.reason}")
         return 1 if failed else 0
 
     def _record(self, x: Outcome, done: dict) -> None:
-        rec = {"id": x.conv_id, "index": x.index, "file": x.rel, "bytes": x.nbytes, "tokens": x.tokens,
+        rec = {"id": x.conv_id, "index": x.index, "file": x.rel or None, "bytes": x.nbytes, "tokens": x.tokens,
                "loss_tokens": x.loss_tokens, "key": x.key, "truncated": x.truncated}
+        if x.status == "skipped":
+            rec["skipped"] = x.reason
         self._append_done(rec)
         done[x.conv_id] = rec
 
@@ -340,6 +363,8 @@ class Extractor:
             if x.status == "ok":
                 self._record(x, done)
                 tokens[0] += x.tokens
+            elif x.status == "skipped":
+                self._record(x, done)
             elif x.status == "failed":
                 bar.write(f"failed: conversation {x.conv_id!r}: {x.reason}", file=sys.stderr)
             if self._new_layers:
@@ -380,10 +405,10 @@ class Extractor:
         o = self.o
         done = self._load_done()
         ids = {c.id for c in convs}
-        recs = [r for i, r in done.items() if i in ids]
+        recs = [r for i, r in done.items() if i in ids and not r.get("skipped")]
         failed = sorted(({"id": x.conv_id, "reason": x.reason} for x in outcomes if x.status == "failed"),
                         key=lambda r: r["id"])
-        skipped = sorted(({"id": x.conv_id, "reason": x.reason} for x in outcomes if x.status == "skipped"),
+        skipped = sorted(({"id": i, "reason": r["skipped"]} for i, r in done.items() if i in ids and r.get("skipped")),
                          key=lambda r: r["id"])
         st = self.state
         meta = st.dump_meta or {}
@@ -420,7 +445,8 @@ class Extractor:
             "data": str(o.data),
             "progress": PROGRESS_FILE,
             "last_run": {"wall_s": round(wall, 3), "extracted": sum(1 for x in outcomes if x.status == "ok"),
-                         "failed": len(failed), "skipped": len(skipped), "bad_dumps_rejected": st.bad_dumps},
+                         "failed": len(failed), "skipped": sum(1 for x in outcomes if x.status == "skipped"),
+                         "bad_dumps_rejected": st.bad_dumps, "request_retries": self.retried},
         }
         _atomic_json(Path(o.out) / MANIFEST_FILE, manifest)
         return manifest

@@ -1,0 +1,118 @@
+"""A loopback HTTP proxy in front of a real SGLang server that injects faults on request.
+
+``FaultProxy(upstream, dump_dir)`` forwards every request. ``plan`` maps a dump key (sha256 of
+the prompt ids, as the server names the dump) to a list of actions, used one per request with
+that key; when the list runs out, requests pass untouched:
+
+- ``"503"``: answer HTTP 503 without forwarding (a transient failure);
+- ``"truncate"``: forward, wait for the real dump, cut it to half its size, then answer;
+- ``"nan"``: forward, wait for the real dump, rewrite it with a NaN in ``layer.1``, then answer;
+- ``"ids"``: forward, wait for the real dump, rewrite it with ``input_ids`` shifted by one.
+
+Because the proxy answers only after tampering, the client deterministically sees the bad file.
+``log`` lists (key, action) in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import requests
+
+
+def _key(ids) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+
+
+def _wait(path: Path, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(path)
+        time.sleep(0.01)
+
+
+def _rewrite(path: Path, how: str) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    if how == "nan":
+        t["layer.1"] = t["layer.1"].clone()
+        t["layer.1"][0, 0] = float("nan")
+    elif how == "ids":
+        t["input_ids"] = t["input_ids"] + 1
+    tmp = path.with_name("." + path.name + ".proxy.tmp")
+    save_file(t, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, dump_dir: Path):
+        self.upstream = upstream.rstrip("/")
+        self.dump_dir = Path(dump_dir)
+        self.plan: dict[str, list] = {}
+        self.log: list = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _reply(self, status: int, body: bytes, ctype="application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                r = requests.get(proxy.upstream + self.path, timeout=60)
+                self._reply(r.status_code, r.content, r.headers.get("Content-Type", "application/json"))
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                action = None
+                if self.path == "/generate":
+                    ids = json.loads(body).get("input_ids") or []
+                    key = _key(ids)
+                    with proxy.lock:
+                        todo = proxy.plan.get(key)
+                        if todo:
+                            action = todo.pop(0)
+                            proxy.log.append((key, action))
+                if action == "503":
+                    return self._reply(503, b'{"error": "injected"}')
+                r = requests.post(proxy.upstream + self.path, data=body, timeout=600,
+                                  headers={"Content-Type": "application/json"})
+                if action is not None:
+                    path = proxy.dump_dir / f"{key}.safetensors"
+                    _wait(path)
+                    if action == "truncate":
+                        data = path.read_bytes()
+                        path.write_bytes(data[: len(data) // 2])
+                    else:
+                        _rewrite(path, action)
+                self._reply(r.status_code, r.content, r.headers.get("Content-Type", "application/json"))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
