@@ -262,6 +262,10 @@ def test_functional_sglang_0_5_23_on_cpu(tmp_path_factory):
     r = subprocess.run([str(py), "-c", build], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(stubs)))
     assert r.returncode == 0, r.stderr[-3000:]
+    # sglang 0.5.23 reads text_config.architectures of the Kimi-K2.5 wrapper (the real checkpoint has it)
+    kc = json.loads((ck / "kimi" / "config.json").read_text())
+    kc["text_config"]["architectures"] = ["DeepseekV3ForCausalLM"]
+    (ck / "kimi" / "config.json").write_text(json.dumps(kc, indent=2) + "\n")
     failures = []
     for kind in ("deepseek", "kimi"):
         proc, results = _run(py, pp, stubs, "worker", kind, ck / kind, ck / "deepseek", base / "work")
