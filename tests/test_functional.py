@@ -165,7 +165,7 @@ def test_c_dump_through_kimi_k25_wrapper_matches_hf(smoke_groups):
 
 
 def test_d_outputs_identical_with_dump_on_and_off(smoke_groups):
-    (r,) = _select(smoke_groups("engine"), "d.")
+    (r,) = _select(smoke_groups("runner"), "d.")
     assert r.passed, _explain([r])
     assert _figure(r) == 0.0
 

@@ -6,6 +6,7 @@ a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1
    the configured set is in place before init_device_graphs() runs, LogitsProcessorOutput
    .hidden_states (CaptureHiddenMode.FULL) is cat(aux) of HF hidden_states[0], [2], [3], and
    stays so after a set_eagle3_layers_to_capture() call with no ids.
+d. Greedy tokens and logits are identical with the dump on (and writing) and off.
 e. With EAGLE3_DUMP_DIR set, ModelRunner init refuses each setting that would make dumps wrong,
    with a message naming the setting.
 """
@@ -226,7 +227,6 @@ def check_e(ckpt: Path, work: Path) -> None:
     try:
         for label, mutate, needle in REFUSALS:
             _refusal(ckpt, label, mutate, needle)
-        _control(ckpt, dump)
     finally:
         os.environ.pop("EAGLE3_DUMP_DIR", None)
         os.environ.pop("EAGLE3_DUMP_LAYERS", None)
@@ -256,36 +256,87 @@ def _refusal(ckpt, label, mutate, needle):
     run()
 
 
-def _control(ckpt, dump):
-    name = "e. control: same ModelRunner init without a refused setting starts and dumps"
+D_NAME = "d. greedy tokens and logits identical with the dump on and off"
+D_STEPS = 4
 
-    @guarded(name)
-    def run():
+
+@torch.no_grad()
+def greedy(runner, prompts, steps):
+    """Prefill + (steps-1) decode steps through bench_one_batch's extend/decode (real sampling)."""
+    from sglang.bench_one_batch import decode as b_decode
+    from sglang.bench_one_batch import extend as b_extend
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    reqs = []
+    for i, ids in enumerate(prompts):
+        req = Req(rid=str(i), origin_input_text="", origin_input_ids=list(ids),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=steps))
+        req.fill_ids = req.origin_input_ids
+        req.logprob_start_len = -1
+        req.set_extend_input_len(len(req.fill_ids) - len(req.prefix_indices))
+        reqs.append(req)
+    ids, logits, batch = b_extend(reqs, runner)
+    tokens, all_logits = [ids.tolist()], [logits.float().clone()]
+    for _ in range(steps - 1):
+        ids, logits = b_decode(ids, batch, runner)
+        tokens.append(ids.tolist())
+        all_logits.append(logits.float().clone())
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool_allocator.clear()
+    return tokens, torch.stack(all_logits)
+
+
+def check_d(ckpt: Path, work: Path) -> None:
+    """Dump on (and really writing) vs dump off: same greedy tokens, bit-identical logits."""
+    prompts = tinyconfig.prompts()[:4]
+    dump = work / "dump-d"
+    dump.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for mode in ("on", "off"):
+        if mode == "on":
+            os.environ["EAGLE3_DUMP_DIR"] = str(dump)
+            os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,2"
         runner = make_runner(server_args(ckpt))
-        prompts = tinyconfig.prompts()[:2]
-        extend(runner, prompts)
-        from sglang.srt.eagle3_capture import capture_target
+        try:
+            out[mode] = greedy(runner, prompts, D_STEPS)
+            if mode == "on":
+                from sglang.srt.eagle3_capture import capture_target
 
-        state = capture_target(runner.model)._eagle3_capture_state
-        state.writer.flush()
-        files = sorted(dump.glob("*.safetensors"))
-        ok = len(files) == len(prompts)
-        result(name, ok, "%d files" % len(files), "want %d" % len(prompts))
-        for f in files:
-            f.unlink()
-        release(runner)
-
-    run()
+                capture_target(runner.model)._eagle3_capture_state.writer.flush()
+        finally:
+            os.environ.pop("EAGLE3_DUMP_DIR", None)
+            os.environ.pop("EAGLE3_DUMP_LAYERS", None)
+            release(runner)
+    files = sorted(dump.glob("*.safetensors"))
+    (ton, lon), (toff, loff) = out["on"], out["off"]
+    d = maxdiff(lon, loff)
+    problems = []
+    if len(files) != len(prompts):
+        problems.append("the dump-on run wrote %d files, want %d (one per prefilled request)" % (len(files), len(prompts)))
+    if ton != toff:
+        problems.append("greedy tokens differ: on %s, off %s" % (ton, toff))
+    if d != 0.0:
+        problems.append("logits differ by %.3g (want identical)" % d)
+    detail = ("%d requests, prefill + %d decode steps in-process (ModelRunner, sampling at temperature 0); "
+              "tokens %s; logits [%s] compared; dump-on run wrote %d files"
+              % (len(prompts), D_STEPS - 1, "equal" if ton == toff else "DIFFER",
+                 "x".join(str(n) for n in lon.shape), len(files)))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(D_NAME, not problems, "max abs diff %.2g" % d, detail)
 
 
 def main() -> int:
     ckpt, work = Path(sys.argv[1]), Path(sys.argv[2])
-    which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "e"]
+    which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "d", "e"]
     work.mkdir(parents=True, exist_ok=True)
-    log("loading the HF reference")
-    ref = _hf.Reference(ckpt)
     if "a" in which:
+        log("loading the HF reference")
+        ref = _hf.Reference(ckpt)
         guarded("a. eagle3 capture [-1,1,2] == HF hidden_states[0,2,3]")(check_a)(ckpt, work, ref)
+    if "d" in which:
+        guarded(D_NAME)(check_d)(ckpt, work)
     if "e" in which:
         check_e(ckpt, work)
     return 0

@@ -91,8 +91,7 @@ KIMI_VISION = {
 
 
 def kimi_config() -> dict:
-    text = dict(DEEPSEEK_V3)
-    text.pop("architectures")
+    text = dict(DEEPSEEK_V3)  # keeps architectures: SGLang's DeepseekV2ForCausalLM reads it
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
