@@ -302,23 +302,23 @@ class Extractor:
     def _run_locked(self) -> int:
         o = self.o
         cfg = model_config(o.model)
+        convs = load_conversations(o.data)
+        if o.limit is not None:
+            convs = convs[: o.limit]
+        done = self._load_done()
+        pending = [c for c in convs if c.id not in done]
+        client = SGLangClient(o.server, timeout=o.request_timeout, retries=o.retries)
+        if pending:  # a finished dataset reruns without a server
+            self.server_info = client.server_info()
         tok = ChatTokenizer(o.tokenizer or o.model, trust_remote_code=o.trust_remote_code, mask_method=o.mask)
         if len(tok) > cfg["vocab_size"]:
             raise UsageError(f"the tokenizer in {tok.path} has {len(tok)} tokens but the model's vocab_size is "
                              f"{cfg['vocab_size']} (tokenizer/model mismatch)",
                              "pass the served model's own tokenizer with --tokenizer")
-        convs = load_conversations(o.data)
-        if o.limit is not None:
-            convs = convs[: o.limit]
         settings = self._settings(cfg, tok)
-        done = self._load_done()
-        pending = [c for c in convs if c.id not in done]
-        client = SGLangClient(o.server, timeout=o.request_timeout, retries=o.retries)
         t0 = time.monotonic()
         outcomes: list[Outcome] = []
         if pending:
-            info = client.server_info()
-            self.server_info = info
             self.log(f"extracting {len(pending)} of {len(convs)} conversations ({len(convs) - len(pending)} already done) "
                      f"from {o.server} into {o.out} (--format {o.format})")
             outcomes = self._run_pending(pending, tok, client, cfg, settings, done, t0)
