@@ -102,3 +102,18 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
     assert len(errs) == 1, r.stderr
     assert "; " in errs[0]
     return errs[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Keep test trees in RAM (/dev/shm) when possible: each test lays out a 26 MB sglang tree."""
+    if config.option.basetemp is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        import tempfile
+        config.option.basetemp = tempfile.mkdtemp(prefix="eaglepatch-pytest-", dir="/dev/shm")
+        config._eaglepatch_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    base = getattr(config, "_eaglepatch_basetemp", None)
+    if base:
+        shutil.rmtree(base, ignore_errors=True)

@@ -158,7 +158,10 @@ def test_static_smoke_catches_an_undefined_name(checkout_059, installed_059, tmp
 
 def test_import_level_unavailable_is_said_clearly(installed_059, monkeypatch):
     import types
-    monkeypatch.setitem(sys.modules, "eaglepatch.smoke", types.ModuleType("eaglepatch.smoke"))
+    import eaglepatch
+    empty = types.ModuleType("eaglepatch.smoke")
+    monkeypatch.setitem(sys.modules, "eaglepatch.smoke", empty)
+    monkeypatch.setattr(eaglepatch, "smoke", empty, raising=False)
     s = load_series(BASIC)
     rep = verify_tree(UpstreamTree.open(installed_059), s, "import", say=lambda m: None)
     assert rep.exit_code == 1

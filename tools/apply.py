@@ -41,9 +41,16 @@ def main(argv=None) -> int:
                 raise UsageError("--fetch takes at most RELEASE and DEST and no ROOT",
                                  "run: apply.py --fetch [RELEASE [DEST]]")
             have = available_series()
-            if a.series is None and not have:
+            if a.series is not None:
+                from eaglepatch.series import load_series
+                have = {load_series(a.series).release: a.series}
+            if not have:
                 raise UsageError("no series under patches/", "pass --series DIR")
-            release = a.fetch[0] if a.fetch else (list(have)[-1] if have else None)
+            release = a.fetch[0] if a.fetch else list(have)[-1]
+            if release not in have:
+                raise UsageError(f"no series for sglang {release} (series that exist: "
+                                 + ", ".join(f"sglang-{r}" for r in have) + ")",
+                                 f"fetch one of those, e.g. --fetch {list(have)[-1]}")
             dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
             a.root = str(make_git_checkout(release, dest))
             a.commit = True

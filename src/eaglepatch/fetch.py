@@ -93,7 +93,8 @@ def _git(args: list[str], cwd: Path, **kw) -> str:
 def _template(release: str, quiet: bool) -> Path:
     """A cached git work tree holding the release as one commit tagged v<release> (cloned, never used)."""
     tpl = cache_root() / release / "checkout"
-    if (tpl / ".git" / "refs" / "tags" / f"v{release}").exists():
+    done = cache_root() / release / "checkout.ok"
+    if done.is_file() and (tpl / ".git").is_dir():
         return tpl
     src = unpacked_release(release, quiet)
     tmp = Path(tempfile.mkdtemp(prefix=".git-", dir=tpl.parent))
@@ -110,9 +111,11 @@ def _template(release: str, quiet: bool) -> Path:
              work, env=env)
         _git(["tag", f"v{release}"], work)
         _git(["gc", "-q"], work)
+        done.unlink(missing_ok=True)
         if tpl.exists():
             shutil.rmtree(tpl)
         os.replace(work, tpl)
+        done.write_text(f"v{release}\n")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tpl
