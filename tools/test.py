@@ -5,7 +5,8 @@
 
 Builds (or reuses) the cached CPU SGLang environment (eaglepatch.cpuenv: a venv under
 ${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}/cpu-env-<key>, about 3 minutes the first time), then runs
-`<env python> -m pytest tests` with PYTHONPATH=src and the given arguments. Exits with pytest's
+`<env python> -m pytest tests` with PYTHONPATH=src and the given arguments (test paths given
+as arguments replace `tests`). Exits with pytest's
 status; pytest's "no tests collected" (5) counts as a failure.
 """
 
@@ -28,7 +29,9 @@ def main(argv: list[str]) -> int:
         return 1
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [str(py), "-m", "pytest", "tests"] + argv
+    # `tests` unless the arguments name test paths themselves (e.g. tests/test_functional.py)
+    paths = [a for a in argv if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
+    cmd = [str(py), "-m", "pytest"] + ([] if paths else ["tests"]) + argv
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=REPO, env=env)
     if rc == 5:

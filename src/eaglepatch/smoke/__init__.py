@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,17 +117,25 @@ def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, ti
     """Run one worker; stream its progress lines; parse its @@RESULT lines."""
     cmd = [str(py), str(HERE / script)] + [str(a) for a in args]
     results: list[Result] = []
-    t0 = time.monotonic()
     with open(log_path, "w") as log:
         log.write("$ %s\n" % " ".join(cmd))
         log.flush()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, text=True, errors="replace",
                                 start_new_session=True)
-        timed_out = False
+        expired = threading.Event()
+
+        def on_timeout():
+            expired.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout, on_timeout)
+        timer.daemon = True
+        timer.start()
         try:
-            for line in _lines(proc, t0 + timeout):
+            for line in proc.stdout:
                 log.write(line)
+                log.flush()
                 if line.startswith("@@RESULT "):
                     rec = json.loads(line[len("@@RESULT "):])
                     r = Result(rec["name"], bool(rec["passed"]), rec["figure"], rec.get("detail", ""))
@@ -134,12 +143,14 @@ def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, ti
                     _say("  %s %s: %s" % ("PASS" if r.passed else "FAIL", r.name, r.figure))
                 elif line.startswith("[smoke"):
                     _say("  " + line.rstrip())
-        except TimeoutError:
-            timed_out = True
         finally:
+            timer.cancel()
             if proc.poll() is None:
                 _kill_group(proc)
         rc = proc.wait()
+        timed_out = expired.is_set()
+        if rc != 0 or timed_out:
+            _kill_group(proc)  # engine processes a dead or killed worker left behind
     got = {r.name for r in results}
     missing = [n for n in expected if n not in got]
     if missing or (rc != 0 and not timed_out and not results):
@@ -150,23 +161,6 @@ def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, ti
             results.append(r)
             _say("  FAIL %s: %s" % (n, why))
     return results
-
-
-def _lines(proc, deadline):
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        if not sel.select(timeout=min(left, 5.0)):
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            return
-        yield line
 
 
 def _kill_group(proc) -> None:
