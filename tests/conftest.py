@@ -69,21 +69,41 @@ def series_files(*dirs: Path) -> list[str]:
     return sorted(set(out))
 
 
+@pytest.fixture(scope="session")
+def _fast_root():
+    """Trees of 26 MB per test go to RAM (/dev/shm) when it is there: much faster on a busy disk."""
+    import tempfile
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = Path(tempfile.mkdtemp(prefix="eaglepatch-tests-", dir="/dev/shm"))
+        yield d
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        yield None
+
+
 @pytest.fixture
-def installed_059(tmp_path, release_059) -> Path:
+def fast_tmp(_fast_root, tmp_path) -> Path:
+    if _fast_root is None:
+        return tmp_path
+    import tempfile
+    return Path(tempfile.mkdtemp(dir=_fast_root))
+
+
+@pytest.fixture
+def installed_059(fast_tmp, release_059) -> Path:
     """sglang 0.5.9 laid out as an installed package, holding the files the series touch."""
-    return copy_installed(release_059, tmp_path / "site-packages", series_files(BASIC, REAL))
+    return copy_installed(release_059, fast_tmp / "site-packages", series_files(BASIC, REAL))
 
 
 @pytest.fixture
-def installed_0510(tmp_path, release_0510) -> Path:
-    return copy_installed(release_0510, tmp_path / "site-packages-0.5.10", series_files(BASIC, REAL))
+def installed_0510(fast_tmp, release_0510) -> Path:
+    return copy_installed(release_0510, fast_tmp / "site-packages-0.5.10", series_files(BASIC, REAL))
 
 
 @pytest.fixture
-def checkout_059(tmp_path) -> Path:
+def checkout_059(fast_tmp) -> Path:
     """A fresh git checkout of sglang 0.5.9 (python/sglang/..., tagged v0.5.9, no _version.py)."""
-    return make_git_checkout("0.5.9", tmp_path / "sglang", quiet=True)
+    return make_git_checkout("0.5.9", fast_tmp / "sglang", quiet=True)
 
 
 def run_tool(tool: str, *args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -103,17 +123,3 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
     assert "; " in errs[0]
     return errs[0]
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    """Keep test trees in RAM (/dev/shm) when possible: each test lays out a 26 MB sglang tree."""
-    if config.option.basetemp is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        import tempfile
-        config.option.basetemp = tempfile.mkdtemp(prefix="eaglepatch-pytest-", dir="/dev/shm")
-        config._eaglepatch_basetemp = config.option.basetemp
-
-
-def pytest_unconfigure(config):
-    base = getattr(config, "_eaglepatch_basetemp", None)
-    if base:
-        shutil.rmtree(base, ignore_errors=True)

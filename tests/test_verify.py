@@ -51,6 +51,11 @@ def test_offset(installed_059):
     assert chk.all_ok
     r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "none")
     assert r.returncode == 0 and "offset +5" in r.stdout
+    # apply agrees with git apply's own offset report (it refuses when they differ)
+    r = run_tool("apply", installed_059, "--series", BASIC, "--force")
+    assert r.returncode == 0, r.stderr
+    assert "1 at an offset" in r.stdout
+    assert b"        self.eagle3_capture_layers = None\n" in (installed_059 / DS).read_bytes()
 
 
 def test_context_changed(installed_059):
