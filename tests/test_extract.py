@@ -156,14 +156,30 @@ def expected(assets):
     return {c.id: tok.encode(c.messages, 2048) for c in load_conversations(assets.data)}
 
 
-def extract(assets, server, out, *extra, dump_dir=None, url=None, timeout=300):
-    cmd = [sys.executable, str(EXTRACT), "--server", url or server.url, "--model", str(assets.ckpt),
-           "--tokenizer", str(assets.tok), "--data", str(assets.data),
-           "--dump-dir", str(dump_dir or server.dump_dir), "--out", str(out), "--no-progress", *map(str, extra)]
+def run_cli(argv) -> SimpleNamespace:
+    """tools/extract.py main() in this process (the CLI as users run it, without paying the torch and
+    transformers imports again); returns its exit code and stderr."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("extract_cli", EXTRACT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    err = io.StringIO()
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    p.wall = time.monotonic() - t0
-    return p
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = mod.main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse usage errors
+            rc = exc.code
+    return SimpleNamespace(returncode=rc, stderr=err.getvalue(), wall=time.monotonic() - t0)
+
+
+def extract(assets, server, out, *extra, dump_dir=None, url=None, tokenizer=None, model=None):
+    return run_cli(["--server", url or server.url, "--model", model or assets.ckpt,
+                    "--tokenizer", tokenizer or assets.tok, "--data", assets.data,
+                    "--dump-dir", dump_dir or server.dump_dir, "--out", out, "--no-progress", *extra])
 
 
 def records(out: Path) -> list:
@@ -385,20 +401,15 @@ def test_one_line_errors(assets, server, tmp_path):
     assert time.monotonic() - t0 < 60
     assert not list((tmp_path / "o3").glob("rows_*/*"))
     # tokenizer/model mismatch: a tokenizer larger than the model's vocabulary
-    p = subprocess.run([sys.executable, str(EXTRACT), "--server", server.url, "--model", str(assets.ckpt),
-                        "--tokenizer", str(assets.tok_big), "--data", str(assets.data), "--dump-dir",
-                        str(server.dump_dir), "--out", str(tmp_path / "o4")], capture_output=True, text=True, timeout=120)
-    one_line(p, "tokenizer/model mismatch", "2048 tokens", "vocab_size is 1024")
+    one_line(extract(assets, server, tmp_path / "o4", tokenizer=assets.tok_big),
+             "tokenizer/model mismatch", "2048 tokens", "vocab_size is 1024")
     # --model is not the served model (other hidden size): refused at the first dump
     other = tmp_path / "other-model"
     other.mkdir()
     cfg = json.loads((assets.ckpt / "config.json").read_text())
     cfg["hidden_size"] = 512
     (other / "config.json").write_text(json.dumps(cfg))
-    p = subprocess.run([sys.executable, str(EXTRACT), "--server", server.url, "--model", str(other),
-                        "--tokenizer", str(assets.tok), "--data", str(assets.data), "--dump-dir",
-                        str(server.dump_dir), "--out", str(tmp_path / "o5")], capture_output=True, text=True, timeout=120)
-    one_line(p, "hidden_size=256", "hidden_size=512")
+    one_line(extract(assets, server, tmp_path / "o5", model=other), "hidden_size=256", "hidden_size=512")
     assert not list((tmp_path / "o5").glob("rows_*/*"))
 
 
