@@ -180,3 +180,29 @@ def test_usage_errors_are_one_line(tmp_path):
     assert rc == 2 and "not a list of integers" in err
     rc, out, err = run_guard("--draft-config", draft(tmp_path, "d2", [1]), "--dataset", ds, "--sglang", tmp_path)
     assert rc == 2 and "deepseek_v2.py" in err
+
+
+@pytest.fixture(scope="session")
+def upstream_0523():
+    from eaglepatch.fetch import unpacked_release
+
+    return unpacked_release("0.5.23", quiet=True)
+
+
+def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
+    """sglang 0.5.23 ships the newer rule (PR #25454); the 0.5.23 series restores id k = output of layer k."""
+    from eaglepatch.smoke.tree import patched_tree
+
+    up = guard.tree_semantics(upstream_0523)
+    assert up.rule == guard.PLUS_ONE_IF_FIRST_IS_ONE and not up.series
+    pa = guard.tree_semantics(patched_tree(upstream_0523, REPO / "patches" / "sglang-0.5.23", tmp_path / "pp",
+                                           smoke=False))
+    assert pa.rule == guard.PLUS_ONE and pa.series
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    d = draft(tmp_path, "d", [-1, 1, 29])
+    assert run_guard("--draft-config", d, "--dataset", ds, "--sglang", tmp_path / "pp")[0] == 0
+    rc, out, _ = run_guard("--draft-config", d, "--dataset", ds, "--sglang", upstream_0523)
+    assert rc == 1 and "capture indices [-1] match no layer" in out
+    # a [2, 30, 58]-style draft is served HF [2, 30, 58] by upstream 0.5.23, not the dataset's [0, 2, 30]
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "c", [2, 30, 58]), "--dataset", ds, "--sglang", upstream_0523)
+    assert rc == 1 and "served HF hidden_states indices [2, 30, 58]" in out
