@@ -107,7 +107,7 @@ def _template(release: str, quiet: bool) -> Path:
         env = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
         _git(["init", "-q", "-b", "main"], work)
         _git(["add", "-A", "."], work)
-        _git(["-c", "commit.gpgsign=false", "commit", "-q", "-m", f"sglang {release} (from the released wheel)"],
+        _git(["-c", "commit.gpgsign=false", "-c", "gc.auto=0", "commit", "-q", "-m", f"sglang {release} (from the released wheel)"],
              work, env=env)
         _git(["tag", f"v{release}"], work)
         _git(["gc", "-q"], work)
