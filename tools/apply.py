@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import PINNED_RELEASE  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 from eaglepatch.tree import pick_series  # noqa: E402
 
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="apply over local edits / anchor drift (still zero fuzz)")
     ap.add_argument("--commit", action="store_true", help="git checkouts: one commit per patch on a branch")
     ap.add_argument("--fetch", nargs="*", metavar="RELEASE [DEST]",
-                    help="download RELEASE (default: newest series) into a new git repo DEST and apply there")
+                    help=f"download RELEASE (default: the pinned release, {PINNED_RELEASE}) into a new git repo DEST and apply there")
     a = ap.parse_args(argv)
 
     def body() -> int:
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
                 have = {load_series(a.series).release: a.series}
             if not have:
                 raise UsageError("no series under patches/", "pass --series DIR")
-            release = a.fetch[0] if a.fetch else list(have)[-1]
+            release = a.fetch[0] if a.fetch else PINNED_RELEASE
             if release not in have:
                 raise UsageError(f"no series for sglang {release} (series that exist: "
                                  + ", ".join(f"sglang-{r}" for r in have) + ")",

@@ -7,3 +7,6 @@ export (export), static smoke checks (static_check) and reports (report).
 """
 
 __version__ = "0.1.0"
+
+# The release the project is pinned to: the default of `apply.py --fetch` and the CI gate.
+PINNED_RELEASE = "0.5.9"
