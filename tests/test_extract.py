@@ -27,16 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests" / "extract_fixtures"))
 
-try:
-    import safetensors  # noqa: F401
-    import tokenizers  # noqa: F401
-    import torch
-    import tqdm  # noqa: F401
-    import transformers  # noqa: F401
+import importlib.util
 
-    IN_ENV = True
-except ImportError:
-    IN_ENV = False
+IN_ENV = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "tokenizers", "safetensors", "tqdm"))
+if IN_ENV:
+    import torch
 
 in_env = pytest.mark.skipif(not IN_ENV, reason="runs inside the CPU env (see test_extract_suite_in_cpu_env)")
 
@@ -411,6 +406,28 @@ def test_one_line_errors(assets, server, tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     one_line(extract(assets, server, tmp_path / "o5", model=other), "hidden_size=256", "hidden_size=512")
     assert not list((tmp_path / "o5").glob("rows_*/*"))
+
+
+@in_env
+def test_full_disk_stops_cleanly(assets, server, tmp_path):
+    """--out on a 1 MiB tmpfs: the run stops with one line when the disk is full; what is recorded as
+    done is whole, nothing half-written is left, and a rerun elsewhere is unaffected."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        p = extract(assets, server, mnt / "out", "--concurrency", "2")
+        assert p.returncode == 2, p.stderr[-2000:]
+        line = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+        assert len(line) == 1 and "cannot" in line[0] and "free space" in line[0], p.stderr[-2000:]
+        recs = records(mnt / "out") if (mnt / "out" / "progress.jsonl").exists() else []
+        for r in recs:
+            if r.get("file"):
+                assert (mnt / "out" / r["file"]).stat().st_size == r["bytes"]
+        assert not list((mnt / "out").glob("rows_*/.*.tmp"))
+        assert len([r for r in recs if r.get("file")]) < N_CONV
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @in_env

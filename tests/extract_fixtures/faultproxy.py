@@ -39,7 +39,6 @@ def _wait(path: Path, timeout: float = 60.0) -> None:
 
 
 def _rewrite(path: Path, how: str) -> None:
-    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 

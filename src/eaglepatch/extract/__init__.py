@@ -6,4 +6,6 @@ one new token), waits for the server's per-request dump file, validates it and w
 in SpecForge or speculators form, with a manifest and resume.
 """
 
-from .run import Extractor, Options, extract  # noqa: F401
+from .run import Extractor, Options, extract
+
+__all__ = ["Extractor", "Options", "extract"]

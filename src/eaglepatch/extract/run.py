@@ -63,8 +63,13 @@ class Fatal(UsageError):
 
 def _atomic_json(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {path} ({exc.strerror or exc})",
+                         "free space or fix permissions on --out and rerun (done samples are kept)") from None
 
 
 def model_config(model_dir: Path) -> dict:
@@ -183,11 +188,16 @@ class Extractor:
 
     def _append_done(self, rec: dict) -> None:
         line = (json.dumps(rec, sort_keys=True) + "\n").encode()
-        fd = os.open(Path(self.o.out) / PROGRESS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)  # one write on an O_APPEND fd: a whole line or (power loss) a torn one
-        finally:
-            os.close(fd)
+            fd = os.open(Path(self.o.out) / PROGRESS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                if os.write(fd, line) != len(line):  # one write on an O_APPEND fd: whole, or torn (ignored on read)
+                    raise OSError(28, "short write to progress.jsonl")
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise Fatal(f"cannot record progress in {self.o.out} ({exc.strerror or exc})",
+                        "free space or fix permissions on --out and rerun (done samples are kept)") from None
 
     # ---- one sample -----------------------------------------------------------------------
     def _key_lock(self, key: str) -> threading.Lock:
@@ -261,7 +271,12 @@ class Extractor:
                     dumps_mod.remove_quietly(path)
                     continue
                 self._check_layers(dump)
-                rel, nbytes = write_sample(o.format, Path(o.out), conv.index, conv.id, dump, mask)
+                try:
+                    rel, nbytes = write_sample(o.format, Path(o.out), conv.index, conv.id, dump, mask)
+                except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+                    why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:160]
+                    raise Fatal(f"cannot write conversation {conv.id!r} into {o.out} ({why})",
+                                "free space or fix permissions on --out and rerun (done samples are kept)") from None
                 if not o.keep_dumps:
                     dumps_mod.remove_quietly(path)
                 out.status, out.rel, out.nbytes = "ok", rel, nbytes
