@@ -333,8 +333,8 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
     if len(served) != len(capture) and not bad:
         problems.append(f"capture indices {capture} repeat a layer: SGLang captures it once")
     draft_ids = draft.layer_ids if draft.layer_ids is not None else _ids_of(capture)
-    dl = (f"draft:   EAGLE-3 ids {draft_ids} {how}-> capture indices {capture} -> served HF hidden_states "
-          f"indices {served} (= EAGLE-3 output-of-layer ids {_ids_of(served)})").replace("  ", " ")
+    dl = (f"draft:   EAGLE-3 ids {draft_ids}{' ' + how if how else ''} -> capture indices {capture} -> served HF "
+          f"hidden_states indices {served} (= EAGLE-3 output-of-layer ids {_ids_of(served)})")
     if served != list(data.hf):
         problems.insert(0, "the draft would be served other hidden states than it was trained on")
     if problems:
