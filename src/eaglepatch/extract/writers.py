@@ -50,7 +50,8 @@ def write_sample(fmt: str, out_dir: Path, index: int, sample_id: str, dump, loss
                 "hidden_state": dump.final.contiguous().unsqueeze(0),
                 "aux_hidden_state": torch.cat(aux, dim=-1).contiguous().unsqueeze(0),
             }
-            torch.save(data, str(tmp))
+            with open(tmp, "wb") as fh:  # closed here even when the disk is full (no fd kept by the error)
+                torch.save(data, fh)
         elif fmt == "speculators":
             from safetensors.torch import save_file
 
