@@ -1,6 +1,8 @@
 """sglang.Engine checks (run inside the CPU environment by file path).
 
-usage: python _engine.py DEEPSEEK_CKPT KIMI_CKPT WORK_DIR [b,c]
+usage: python _engine.py DEEPSEEK_CKPT KIMI_CKPT WORK_DIR [e,b,c]
+
+e. (last) an Engine start with the dump on and the radix cache on is refused with its message.
 
 b. DeepSeek-V3 Engine with the dump on: one generate call with several prompts of different
    lengths (batched by the scheduler), one file per request, ids, metadata, each layer and
@@ -184,15 +186,75 @@ def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
     result(name, not problems, "max abs diff %.2g" % d, detail)
 
 
+E_NAME = "e. refused at sglang.Engine start: radix cache on"
+E_NEEDLE = "EAGLE3_DUMP_DIR is set but the radix cache is on"
+E_FIX = "--disable-radix-cache"
+
+
+_QUITS = []
+
+
+def _note_sigquit(signum, frame):
+    """SIGQUIT handler for the refused start (top level: ServerArgs is pickled to the scheduler)."""
+    _QUITS.append(signum)
+
+
+def check_e_engine(ckpt: Path, work: Path) -> None:
+    """A real Engine start with the dump on and the radix cache on (the Engine default) must
+    fail with a message naming --disable-radix-cache, before any file is written."""
+    from sglang.srt.utils import kill_process_tree
+
+    directory = work / "dump-refused"
+    errlog = work / "refused-engine.stderr"
+    engine = None
+    saved = os.dup(2)
+    t0 = time.monotonic()
+    with Dumping(directory), open(errlog, "w") as fh:
+        os.dup2(fh.fileno(), 2)  # the scheduler process inherits this stderr: its error lands here
+        try:
+            kw = dict(ENGINE_ARGS, model_path=str(ckpt))
+            kw.pop("disable_radix_cache")
+            # the failing scheduler SIGQUITs its parent; note it instead of dying
+            engine = __import__("sglang").Engine(custom_sigquit_handler=_note_sigquit, **kw)
+        except Exception as exc:
+            start_error = "%s: %s" % (type(exc).__name__, exc)
+        else:
+            start_error = None
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if engine is not None:
+                engine.shutdown()
+            else:
+                kill_process_tree(os.getpid(), include_parent=False)  # what Engine.shutdown does
+    wall = time.monotonic() - t0
+    text = errlog.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if E_NEEDLE in ln]
+    files = sorted(p.name for p in directory.iterdir())
+    ok = engine is None and bool(lines) and E_FIX in lines[0] and not files
+    detail = "start failed after %.0f s (%s; scheduler sent SIGQUIT: %s); scheduler said: %s" % (
+        wall, start_error, "yes" if _QUITS else "no", lines[0].strip()[-300:] if lines else "no refusal message")
+    if engine is not None:
+        detail = "the Engine STARTED with EAGLE3_DUMP_DIR set and the radix cache on; " + detail
+    if files:
+        detail += "; dump dir not empty: %s" % files[:5]
+    if not lines:
+        detail += "\n" + "\n".join(text.splitlines()[-15:])
+    result(E_NAME, ok, "refused" if ok else ("started" if engine is not None else "no refusal message"), detail)
+
+
 def main() -> int:
     ds_ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c"]
+    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c", "e"]
     work.mkdir(parents=True, exist_ok=True)
     prompts = tinyconfig.prompts()
-    log("HF reference for %d prompts" % len(prompts))
-    ref = _hf.Reference(ds_ckpt)
-    refs = [ref.run(p) for p in prompts]
-    del ref
+    refs = None
+    if "b" in which or "c" in which:
+        log("HF reference for %d prompts" % len(prompts))
+        ref = _hf.Reference(ds_ckpt)
+        refs = [ref.run(p) for p in prompts]
+        del ref
 
     if "b" in which:
         name_b = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
@@ -225,8 +287,15 @@ def main() -> int:
                 engine.shutdown()
 
         run_c()
+    if "e" in which:
+        # last: a failed start leaves this process in a state not worth reusing
+        log("starting an Engine with the dump on and the radix cache on (must be refused)")
+        guarded(E_NAME)(check_e_engine)(ds_ckpt, work)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # do not wait on threads a failed Engine start may have left behind

@@ -240,7 +240,7 @@ def _refusal(ckpt, label, mutate, needle):
 
     @guarded(name)
     def run():
-        sa = server_args(ckpt)
+        sa = server_args(ckpt, load_format="dummy")  # refused after loading: weights do not matter
         try:
             runner = make_runner(sa, mutate=mutate)
         except Exception as exc:
