@@ -217,8 +217,7 @@ def _stubs(dest: Path) -> Path:
     """Import stubs for sgl_kernel and torchvision. transformers 5.19 takes an importable
     torchvision without metadata as version 'N/A' and fails to parse it, so the torchvision
     stub gets a 0.0.0 dist-info (older than any real one: transformers uses none of its features)."""
-    for name in ("sgl_kernel", "torchvision"):
-        shutil.copytree(SMOKE / "stubs" / name, dest / name)
+    shutil.copytree(SMOKE / "stubs", dest, ignore=shutil.ignore_patterns("__pycache__"))
     meta = dest / "torchvision-0.0.0.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.0.0\n")
