@@ -53,6 +53,7 @@ def test_release_picks_the_series_and_missing_series_exits_1(installed_059, tmp_
     assert r.returncode == 1
     err = one_line_error(r)
     assert "no series for sglang 0.5.9" in err and "sglang-0.5.8" in err and "verify.py" in err
+    assert "tools/port.py --from 0.5.8 --to 0.5.9" in err
     assert hashes(installed_059) == before
 
 

@@ -190,10 +190,13 @@ def pick_series(root, series_dir=None, patches_root=None):
         raise UsageError(f"cannot tell the sglang release of {tree.root} (no _version.py, dist-info or v* tag, "
                          "and no series manifest matches its files)", "pass --series patches/sglang-<release>")
     if tree.release not in have:
+        from .port import nearest_older_series
+
         names = ", ".join(d.name for d in have.values()) or "none"
-        pinned = list(have.values())[-1] if have else None
+        near = nearest_older_series(tree.release, patches_root)
         raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
-                           (f"run tools/verify.py {root} --series {pinned} to see how the pinned series fares on "
-                            f"{tree.release}" if pinned else "write a series under patches/"))
+                           (f"the nearest older series is {near[1].name}: see its drift with tools/verify.py {root} "
+                            f"--series {near[1]}, then port it with python3 tools/port.py --from {near[0]} "
+                            f"--to {tree.release}" if near else "write a series under patches/"))
     series = cands.get(tree.release) or load_series(have[tree.release])
     return series, tree
