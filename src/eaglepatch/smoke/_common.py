@@ -43,3 +43,19 @@ def maxdiff(a, b) -> float:
     if a.shape != b.shape:
         raise AssertionError("shape %s != %s" % (tuple(a.shape), tuple(b.shape)))
     return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+# The ServerArgs that run real SGLang on this CPU (cpu-smoke recipe); each worker adds its own.
+CPU_SERVER_ARGS = dict(
+    device="cpu",
+    skip_tokenizer_init=True,
+    attention_backend="torch_native",
+    disable_cuda_graph=True,
+    dtype="float32",
+    disable_radix_cache=True,
+    disable_overlap_schedule=True,
+    max_total_tokens=4096,
+    context_length=1024,
+    max_running_requests=8,
+    random_seed=0,
+)

@@ -26,26 +26,13 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import guarded, log, maxdiff, result
+from _common import CPU_SERVER_ARGS, guarded, log, maxdiff, result
 
 LAYERS = [-1, 1, 2]
 TOL = 1e-4
 FILE_TIMEOUT_S = 120
 
-ENGINE_ARGS = dict(
-    device="cpu",
-    skip_tokenizer_init=True,
-    attention_backend="torch_native",
-    disable_cuda_graph=True,
-    dtype="float32",
-    disable_radix_cache=True,
-    disable_overlap_schedule=True,
-    max_total_tokens=4096,
-    context_length=1024,
-    max_running_requests=8,
-    random_seed=0,
-    log_level="error",
-)
+ENGINE_ARGS = dict(CPU_SERVER_ARGS, log_level="error")
 
 
 def dump_key(ids) -> str:

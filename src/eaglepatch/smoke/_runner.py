@@ -22,25 +22,12 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import guarded, log, maxdiff, result
+from _common import CPU_SERVER_ARGS, guarded, log, maxdiff, result
 
 EAGLE_IDS = [-1, 1, 2]
 TOL = 1e-4
 
-BASE_ARGS = dict(
-    device="cpu",
-    skip_tokenizer_init=True,
-    attention_backend="torch_native",
-    disable_cuda_graph=True,
-    dtype="float32",
-    disable_radix_cache=True,
-    disable_overlap_schedule=True,
-    max_total_tokens=4096,
-    context_length=1024,
-    max_running_requests=8,
-    random_seed=0,
-    mem_fraction_static=0.5,
-)
+BASE_ARGS = dict(CPU_SERVER_ARGS, mem_fraction_static=0.5)
 
 
 def server_args(ckpt: Path, **over):
