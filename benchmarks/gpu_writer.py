@@ -32,6 +32,8 @@ from pathlib import Path
 
 LAYERS = [-1, 2, 30]
 
+from writer_bandwidth import raw_write  # noqa: E402  (stdlib-only at import time)
+
 
 def make_tree(dest: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
@@ -64,18 +66,6 @@ class _Batch:
         self.input_ids = ids
         self.extend_seq_lens_cpu = [ids.numel()]
         self.extend_prefix_lens_cpu = [0]
-
-
-def raw_write(path: str, buf) -> None:
-    """One write() loop of a uint8 host buffer: no copy, no rename."""
-    view = memoryview(buf.numpy())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    finally:
-        os.close(fd)
 
 
 def bench(reps: int, tokens: int, hidden: int, dirs):

@@ -243,37 +243,28 @@ def main() -> int:
         refs = [ref.run(p) for p in prompts]
         del ref
 
+    def dump_check(name, ckpt, architecture, subdir, **engine_kw):
+        """One Engine with the dump on: generate, then compare every file with HF."""
+
+        @guarded(name)
+        def run():
+            directory = work / subdir
+            with Dumping(directory):
+                engine = start_engine(ckpt, **engine_kw)
+            try:
+                generate(engine, prompts, 1)
+                check_dump(name, directory, prompts, refs, architecture, ckpt)
+            finally:
+                engine.shutdown()
+
+        run()
+
     if "b" in which:
-        name_b = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
-
-        @guarded(name_b)
-        def run_b():
-            directory = work / "dump-deepseek"
-            with Dumping(directory):
-                engine = start_engine(ds_ckpt)
-            try:
-                generate(engine, prompts, 1)
-                check_dump(name_b, directory, prompts, refs, "DeepseekV3ForCausalLM", ds_ckpt)
-            finally:
-                engine.shutdown()
-
-        run_b()
-
+        dump_check("b. dump through sglang.Engine (DeepSeek-V3) == HF per request",
+                   ds_ckpt, "DeepseekV3ForCausalLM", "dump-deepseek")
     if "c" in which:
-        name_c = "c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request"
-
-        @guarded(name_c)
-        def run_c():
-            directory = work / "dump-kimi"
-            with Dumping(directory):
-                engine = start_engine(kimi_ckpt, enable_multimodal=False)
-            try:
-                generate(engine, prompts, 1)
-                check_dump(name_c, directory, prompts, refs, "KimiK25ForConditionalGeneration", kimi_ckpt)
-            finally:
-                engine.shutdown()
-
-        run_c()
+        dump_check("c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request",
+                   kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", enable_multimodal=False)
     if "e" in which:
         # last: a failed start leaves this process in a state not worth reusing
         log("starting an Engine with the dump on and the radix cache on (must be refused)")
