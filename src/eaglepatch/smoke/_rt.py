@@ -75,7 +75,9 @@ def make_runner(sa, mutate=None):
     if mutate is not None:
         mutate(sa)
     runner, _ = bench().load_model(sa, port_args, 0, 0)
-    return getattr(runner, "model_runner", runner)  # later releases wrap it for the benchmark
+    for name in ("torch_runner", "model_runner"):  # later releases wrap it for the benchmark
+        runner = getattr(runner, name, runner)
+    return runner
 
 
 def requests(prompts, max_new_tokens=1):
@@ -165,9 +167,9 @@ def release(runner) -> None:
         log("releasing the process groups: %s" % exc)
     if hasattr(ps, "_ATTN_TP"):  # 0.5.9's destroy_model_parallel() forgets this alias of TP
         ps._ATTN_TP = None
-    try:  # ModelRunner asserts this global is unset (one runner per process upstream)
-        from sglang.srt.eplb import expert_location
+    from sglang.srt.eplb import expert_location  # asserted unset (one runner per process upstream)
 
+    if hasattr(expert_location, "_global_expert_location_metadata"):
         expert_location._global_expert_location_metadata = None
-    except ImportError:
-        pass
+    else:
+        expert_location.set_global_expert_location_metadata(None, allow_overwrite=True)
