@@ -383,26 +383,32 @@ def test_an_abandoned_chunked_request_writes_nothing_and_is_counted(tmp_path, ca
     w.close()
 
 
-def test_chunked_rows_over_the_cap_are_dropped_never_waited_for(tmp_path):
+def test_chunked_rows_over_the_cap_never_make_the_forward_wait(tmp_path):
     """Rows held for an unfinished request only the writer frees; they must never make the
-    forward wait (it would wait for ever): a request that does not fit is dropped and counted."""
+    forward wait (it would wait for ever). The one request being chunked may pass the cap alone
+    (as one oversized forward may); another one that does not fit is dropped and counted."""
     layers = [1]
-    pf = _Prefill([2000, 10], layers, hidden=64)
-    cap = 300_000  # 2000 rows x 64 x 4 bytes x 2 tensors = 1 MB: does not fit
+    pf = _Prefill([2000, 10, 900], layers, hidden=64)
+    cap = 300_000  # request 0: 2000 rows x 64 x 4 bytes x 2 tensors = 1 MB
     w = dump_mod.DumpWriter(str(tmp_path), layers, True, cap, {}, chunked=True)
     done = threading.Event()
 
     def run():
         pf.forward(w, [(0, 0, 0, 500)])
-        pf.forward(w, [(0, 0, 500, 500), (1, 1, 0, 10)])
+        pf.forward(w, [(0, 0, 500, 500), (2, 2, 0, 300)])  # a second chunked request: no room
+        pf.forward(w, [(0, 0, 1000, 1000), (2, 2, 300, 300), (1, 1, 0, 10)])
+        pf.forward(w, [(2, 2, 600, 300)])
         w.flush()
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
     assert done.wait(30), "the forward waited for rows only the writer could free"
-    assert (w.written, w.dropped) == (1, 2)  # request 0 dropped at its first and its second chunk
+    assert (w.written, w.dropped) == (2, 1)
+    pf.check(tmp_path, 0)
     pf.check(tmp_path, 1)
-    assert w.staging.peak_allocated <= cap + 500 * 64 * 4 * 3 + 500 * 8
+    biggest_forward = 1310 * 64 * 4 * 2 + 1310 * 8
+    assert w.staging.peak_allocated <= cap + 2000 * (64 * 4 * 2 + 8) + biggest_forward
+    assert w.staging.in_use == 0
     w.close()
 
 

@@ -43,7 +43,7 @@ GROUPS = ("runner", "engine")
 
 # expected result names per worker group: a group that dies early still reports every check
 EXPECTED = {
-    "runner": [_common.A_NAME, _common.D_NAME, _common.E_RUNNER_NAME],
+    "runner": [_common.A_NAME, _common.D_NAME, _common.G_NAME, _common.E_RUNNER_NAME],
     "engine": [_common.B_NAME, _common.C_NAME, _common.E_ENGINE_NAME, _common.E_LAUNCH_NAME],
 }
 IMPORT_EXPECTED = [
@@ -296,7 +296,7 @@ def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | N
         for g, sub in specs:
             _say("smoke functional: %s ..." % (g if not sub else "%s:%s" % (g, sub)))
             if g == "runner":
-                args = [ck["deepseek_v3"], work / "runner"] + ([",".join(sub)] if sub else [])
+                args = [ck["deepseek_v3"], ck["kimi_k25"], work / "runner"] + ([",".join(sub)] if sub else [])
             else:
                 args = [ck["deepseek_v3"], ck["kimi_k25"], work / "engine"] + ([",".join(sub)] if sub else [])
             script = {"runner": "_runner.py", "engine": "_engine.py"}[g]

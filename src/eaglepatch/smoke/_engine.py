@@ -8,7 +8,9 @@ e. (last) sglang.Engine and launch_server with the dump on and the radix cache o
 b. DeepSeek-V3 Engine with the dump on: one generate call with several prompts of different
    lengths (batched by the scheduler), one file per request, ids, metadata, each layer and
    `final` equal the HF reference of that request.
-c. The same through the Kimi-K2.5 wrapper (text only).
+c. The same through the Kimi-K2.5 wrapper (text only) with --chunked-prefill-size 64: a prompt
+   of exactly one chunk (first, alone in its forward), prompts of several chunks, chunked and
+   unchunked prompts in one forward; each file equals the HF reference as b's do.
 
 Engines are started one after the other in this process; each inherits the EAGLE3_DUMP_*
 variables present when it starts.
@@ -182,10 +184,11 @@ def check_e_engine(ckpt: Path, work: Path) -> None:
     """sglang.Engine with the dump on and the radix cache on (its default) ends at the launch
     check: SystemExit with one line naming --disable-radix-cache, before any worker process
     starts, no dump written."""
-    import multiprocessing
+    import psutil
 
     directory = work / "dump-refused"
     engine, code = None, None
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
     with Dumping(directory):
         try:
@@ -193,7 +196,7 @@ def check_e_engine(ckpt: Path, work: Path) -> None:
         except SystemExit as exc:
             code = exc.code
     wall = time.monotonic() - t0
-    children = multiprocessing.active_children()
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     files = sorted(p.name for p in directory.iterdir())
     msg = str(code)
     ok = (engine is None and msg.startswith(E_NEEDLE) and E_FIX in msg and "\n" not in msg
@@ -242,40 +245,52 @@ def check_e_launch_server(ckpt: Path, work: Path) -> None:
     result(E_LAUNCH_NAME, ok, "exit %d in %.0f s" % (proc.returncode, wall), detail)
 
 
+CHUNK = 64  # --chunked-prefill-size of check f: below most prompt lengths
+
+
+def chunk_order(prompts):
+    """Check f's prompts: the one exactly CHUNK long first (alone in the first forward, so it
+    is prefilled in exactly one chunk), then the rest (several per forward, chunked and not)."""
+    exact = [p for p in prompts if len(p) == CHUNK]
+    return exact + [p for p in prompts if len(p) != CHUNK]
+
+
 def main() -> int:
     ds_ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c", "e"]
     work.mkdir(parents=True, exist_ok=True)
     prompts = tinyconfig.prompts()
     refs = None
-    if "b" in which or "c" in which:
+    if set(which) & {"b", "c"}:
         log("HF reference for %d prompts" % len(prompts))
         ref = _hf.Reference(ds_ckpt)
         refs = [ref.run(p) for p in prompts]
         del ref
 
-    def dump_check(name, ckpt, architecture, subdir, **engine_kw):
+    def dump_check(name, ckpt, architecture, subdir, order=None, **engine_kw):
         """One Engine with the dump on: generate, then compare every file with HF."""
 
         @guarded(name)
         def run():
             directory = work / subdir
+            sent = order(prompts) if order else prompts
+            sent_refs = [refs[prompts.index(p)] for p in sent]
             with Dumping(directory):
                 engine = start_engine(ckpt, **engine_kw)
             try:
-                generate(engine, prompts, 1)
-                check_dump(name, directory, prompts, refs, architecture, ckpt)
+                generate(engine, sent, 1)
+                check_dump(name, directory, sent, sent_refs, architecture, ckpt)
             finally:
                 engine.shutdown()
 
         run()
 
     if "b" in which:
-        dump_check(B_NAME,
-                   ds_ckpt, "DeepseekV3ForCausalLM", "dump-deepseek")
+        dump_check(B_NAME, ds_ckpt, "DeepseekV3ForCausalLM", "dump-deepseek")
     if "c" in which:
-        dump_check(C_NAME,
-                   kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", enable_multimodal=False)
+        assert any(len(p) == CHUNK for p in prompts) and sum(len(p) > CHUNK for p in prompts) >= 3
+        dump_check(C_NAME, kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", order=chunk_order,
+                   enable_multimodal=False, chunked_prefill_size=CHUNK)
     if "e" in which:
         # last: a failed start leaves this process in a state not worth reusing
         log("starting an Engine and launch_server with the dump on and the radix cache on (must be refused)")

@@ -158,12 +158,21 @@ class Reference:
         self.num_layers = self.model.config.num_hidden_layers
 
     @torch.no_grad()
-    def run(self, ids) -> Ref:
+    def run(self, ids, image=None) -> Ref:
+        """``image``: (first row, embeddings [n, H]) that replace those rows' token embeddings,
+        as a multimodal wrapper feeds its language model."""
         raw = {}
         last = self.model.model.layers[-1]
         h = last.register_forward_hook(lambda m, a, out: raw.__setitem__("x", out[0] if isinstance(out, tuple) else out))
         try:
-            out = self.model(torch.tensor([list(ids)]), output_hidden_states=True)
+            x = torch.tensor([list(ids)])
+            if image is None:
+                out = self.model(x, output_hidden_states=True)
+            else:
+                start, emb = image
+                embeds = self.model.model.embed_tokens(x).clone()
+                embeds[0, start:start + emb.shape[0]] = emb.to(embeds.dtype)
+                out = self.model(inputs_embeds=embeds, output_hidden_states=True)
         finally:
             h.remove()
         hs = tuple(t[0].float() for t in out.hidden_states)

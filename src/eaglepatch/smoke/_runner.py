@@ -1,6 +1,6 @@
 """In-process ModelRunner checks (run inside the CPU environment by file path).
 
-usage: python _runner.py CKPT_DIR WORK_DIR [a,d,e]
+usage: python _runner.py CKPT_DIR KIMI_CKPT_DIR WORK_DIR [a,d,g,e]
 
 a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1, 1, 3] (3 =
    the last layer, before the final norm): the configured set is in place before the runner
@@ -8,6 +8,9 @@ a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1
    cat(aux) of the HF residual stream at 0, 2 and 4, and stays so after a
    set_eagle3_layers_to_capture() call with no ids.
 d. Greedy tokens and logits are identical with the dump on (and writing) and off.
+g. An image prompt through the real Kimi-K2.5 wrapper (precomputed image embeddings): the dump
+   holds and is keyed by the ids with the image placeholder id, and equals HF fed the same
+   embeddings.
 e. With EAGLE3_DUMP_DIR set, the launch check refuses each setting that would make dumps wrong
    (SystemExit, one line naming the setting), on this release's real ServerArgs; ModelRunner
    init refuses too.
@@ -21,10 +24,12 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 import _hf
 import _rt
 import tinyconfig
-from _common import A_NAME, D_NAME, E_RUNNER_NAME, RowCheck, guarded, log, maxdiff, result
+from _common import A_NAME, D_NAME, E_RUNNER_NAME, G_NAME, RowCheck, guarded, log, maxdiff, result
 
 EAGLE_IDS = [-1, 1, 3]
 TOL = 1e-4
@@ -225,16 +230,102 @@ def check_d(ckpt: Path, work: Path) -> None:
     result(D_NAME, not problems, "max abs diff %.2g" % d, detail)
 
 
+G_LAYERS = [-1, 1, 3]
+
+
+def _image_request(wrapper, H):
+    """An image prompt as sglang's multimodal processor hands it over: the placeholder id once per
+    image token, the image as precomputed embeddings; padded by the real wrapper."""
+    from array import array
+
+    from sglang.srt.managers import schedule_batch as sb
+
+    ph = wrapper.config.media_placeholder_token_id
+    ids = tinyconfig.prompts()[1][:6] + [ph] * 5 + tinyconfig.prompts()[0]
+    emb = 0.05 * torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    item = sb.MultimodalDataItem(modality=sb.Modality.IMAGE, offsets=[(6, 10)], precomputed_embeddings=emb,
+                                 format=sb.MultimodalInputFormat.PRECOMPUTED_EMBEDDING)
+    mm = sb.MultimodalInputs(mm_items=[item], im_token_id=ph)
+    item.set_pad_value()
+    try:
+        padded = list(wrapper.pad_input_ids(list(ids), mm))
+    except TypeError:  # later releases keep ids as array('q')
+        padded = list(wrapper.pad_input_ids(array("q", ids), mm))
+    return ids, padded, mm, (6, emb)
+
+
+def check_g(kimi_ckpt: Path, work: Path, ref) -> None:
+    """An image prompt and a text prompt in one prefill through the real Kimi-K2.5 wrapper with
+    the dump on: the image prompt's file is keyed by and holds the ids with the placeholder id
+    (not the pad values, not the clamped vocab - 1), and its rows equal HF fed the same image
+    embeddings; no file carries the clamped ids."""
+    from safetensors import safe_open
+
+    from sglang.srt.eagle3_capture import capture_target
+    from sglang.srt.eagle3_capture.dump import dump_key
+
+    dump = work / "dump-image"
+    dump.mkdir(parents=True, exist_ok=True)
+    os.environ["EAGLE3_DUMP_DIR"] = str(dump)
+    os.environ["EAGLE3_DUMP_LAYERS"] = ",".join(map(str, G_LAYERS))
+    try:
+        runner = _rt.make_runner(_rt.server_args(kimi_ckpt, enable_multimodal=True))
+    finally:
+        os.environ.pop("EAGLE3_DUMP_DIR", None)
+        os.environ.pop("EAGLE3_DUMP_LAYERS", None)
+    try:
+        H = tinyconfig.DEEPSEEK_V3["hidden_size"]
+        ids, padded, mm, image = _image_request(runner.model, H)
+        text = tinyconfig.prompts()[2]
+        reqs = _rt.requests([padded, text])
+        reqs[0].multimodal_inputs = mm
+        with torch.no_grad():
+            _rt.bench().extend(reqs, runner)
+        _rt.clear(runner)
+        capture_target(runner.model)._eagle3_capture_state.writer.flush()
+    finally:
+        _rt.release(runner)
+    vocab = tinyconfig.DEEPSEEK_V3["vocab_size"]
+    clamped = [min(t, vocab - 1) for t in padded]
+    files = sorted(p.name for p in dump.iterdir())
+    problems, rc = [], RowCheck(TOL)
+    if sorted(files) != sorted(dump_key(x) + ".safetensors" for x in (ids, text)):
+        problems.append("files %s, want the keys of the processor ids and of the text prompt%s"
+                        % ([f[:12] for f in files],
+                           " (one is keyed by the CLAMPED ids)" if dump_key(clamped) + ".safetensors" in files else ""))
+    for prompt, img in ((ids, image), (text, None)):
+        path = dump / (dump_key(prompt) + ".safetensors")
+        if not path.exists():
+            continue
+        with safe_open(str(path), "pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}
+        if got["input_ids"].tolist() != list(prompt):
+            problems.append("stored ids %s..., want %s..." % (got["input_ids"].tolist()[4:12], list(prompt)[4:12]))
+        r = ref.run(prompt, image=img)
+        for k in G_LAYERS:
+            rc.layer(got["layer.%d" % k], r, k)
+        rc.final(got["final"], r)
+    problems += rc.problems()
+    pads = sorted({t for t in padded if t >= vocab})
+    detail = ("image prompt of %d tokens (%d image tokens, placeholder %d, pad value %s, clamped to %d) and a "
+              "%d-token text prompt in one prefill; files %d; layers %s and final: %s"
+              % (len(ids), len(image[1]), mm.im_token_id, pads, vocab - 1, len(text), len(files), G_LAYERS, rc.figure()))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(G_NAME, not problems, "max abs diff %.2g" % rc.right, detail)
+
+
 def main() -> int:
-    ckpt, work = Path(sys.argv[1]), Path(sys.argv[2])
-    which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "d", "e"]
+    ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["a", "d", "g", "e"]
     work.mkdir(parents=True, exist_ok=True)
     if "a" in which:
         log("loading the HF reference")
-        ref = _hf.Reference(ckpt)
-        guarded(A_NAME)(check_a)(ckpt, work, ref)
+        guarded(A_NAME)(check_a)(ckpt, work, _hf.Reference(ckpt))
     if "d" in which:
         guarded(D_NAME)(check_d)(ckpt, work)
+    if "g" in which:
+        guarded(G_NAME)(check_g)(kimi_ckpt, work, _hf.Reference(ckpt))
     if "e" in which:
         check_e(ckpt, work)
     return 0

@@ -112,6 +112,7 @@ class DumpWriter:
         self.dropped = 0  # chunked requests abandoned before their last chunk
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
         self._partials: Dict[int, _Partial] = {}
+        self._abandoned: Dict[int, int] = {}  # slot -> rows still to come of a dropped request
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._thread = None
         if enabled:
@@ -226,6 +227,7 @@ class DumpWriter:
             rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()}
             partial = self._partials.get(span.slot) if span.slot is not None else None
             if span.prefix == 0:
+                self._abandoned.pop(span.slot, None)
                 if partial is not None:
                     self._drop(partial, "its slot started another request")
                 if span.length >= span.total:
@@ -233,14 +235,16 @@ class DumpWriter:
                 else:
                     self._start(span, rows)
                 continue
+            if span.slot in self._abandoned:  # the rest of a request already counted as dropped
+                if span.prefix + span.length >= span.total:
+                    del self._abandoned[span.slot]
+                continue
             if partial is not None and partial.filled != span.prefix:
                 self._drop(partial, "a chunk is missing")
                 continue
             if partial is None:
-                self.dropped += 1
-                logger.error("%s: rows %d..%d of a %d-token request came without its earlier rows; "
-                             "the request is not dumped; %d dropped so far", ENV_DIR, span.prefix,
-                             span.prefix + span.length, span.total, self.dropped)
+                self._abandon(span.slot, span.total, "rows %d..%d came without its earlier rows"
+                              % (span.prefix, span.prefix + span.length), span.prefix + span.length)
                 continue
             for name, t in rows.items():
                 partial.tensors[name][span.prefix: span.prefix + span.length].copy_(t)
@@ -258,12 +262,11 @@ class DumpWriter:
     def _start(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
         shapes = {n: (span.total,) + tuple(t.shape[1:]) for n, t in rows.items()}
         sizes = [_numel(s) * rows[n].element_size() for n, s in shapes.items()]
-        buffers = self.staging.try_reserve(sizes)
+        # the one request being chunked may pass the cap alone, as one oversized forward may
+        buffers = self.staging.try_reserve(sizes, alone=not self._partials)
         if buffers is None:
-            self.dropped += 1
-            logger.error("%s: a %d-token request prefilled in chunks is not dumped: its rows do not fit "
-                         "under %s MiB with the others pending; raise EAGLE3_DUMP_MAX_PENDING_MB",
-                         ENV_DIR, span.total, self.staging.cap >> 20)
+            self._abandon(span.slot, span.total, "its rows do not fit under %d MiB with the others "
+                          "pending; raise EAGLE3_DUMP_MAX_PENDING_MB" % (self.staging.cap >> 20), span.length)
             return
         tensors = {}
         for (name, shape), buf in zip(shapes.items(), buffers):
@@ -275,10 +278,16 @@ class DumpWriter:
     def _drop(self, partial: _Partial, why: str) -> None:
         self._partials.pop(partial.slot, None)
         self.staging.release(partial.buffers, queued=False)
+        self._abandon(partial.slot, partial.total, why, partial.filled)
+
+    def _abandon(self, slot, total: int, why: str, rows_seen: int) -> None:
+        """Count a chunked request that will not be written; its later chunks are skipped."""
         self.dropped += 1
-        logger.error("%s: a request prefilled in chunks is not dumped (%d of its %d tokens captured; "
-                     "its key needs them all): %s; %d dropped so far", ENV_DIR, partial.filled,
-                     partial.total, why, self.dropped)
+        if slot is not None and rows_seen < total:
+            self._abandoned[slot] = total
+        logger.error("%s: a %d-token request prefilled in chunks is not dumped (%d of its rows seen; "
+                     "its key needs all its ids): %s; %d dropped so far", ENV_DIR, total, rows_seen,
+                     why, self.dropped)
 
     def _write(self, rows: Dict[str, torch.Tensor], length: int) -> None:
         from safetensors.torch import save_file

@@ -10,14 +10,15 @@ those buffers and holds every byte of them to one cap:
   the writer and the new total would pass the cap (backpressure: nothing is dropped, the
   forward waits). With nothing queued it goes through, so bytes that only the writer can free
   never make the forward wait for ever.
-- ``try_reserve(sizes)``, for a chunked request's rows (the writer thread): the buffers, or
-  None when they do not fit under the cap now; the writer then drops that request.
+- ``try_reserve(sizes, alone)``, for a chunked request's rows (the writer thread): the buffers,
+  or None when they do not fit under the cap now (with ``alone``, the one chunked request being
+  held may pass the cap as one oversized forward may); the writer then drops that request.
 - ``release(buffers, held=0, queued=True)`` gives them back for reuse.
 
 A free buffer is reused for a size it holds with at most half of it wasted; otherwise a new
 one is allocated, after freeing unused buffers so that the bytes allocated (in use and free)
 stay within the cap. So the staging holds at most the cap, plus one forward's rows when they
-went through with nothing queued.
+went through with nothing queued, plus the one chunked request held alone.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ class HostStaging:
                 plan = self._plan(sizes, held)
             return self._take(plan, len(sizes), held, queued=True)
 
-    def try_reserve(self, sizes: Sequence[int]) -> Optional[List[torch.Tensor]]:
+    def try_reserve(self, sizes: Sequence[int], alone: bool = False) -> Optional[List[torch.Tensor]]:
+        """``alone``: nothing else of its kind is held, so it may pass the cap like one oversized
+        forward may (the forward then waits until the writer has caught up)."""
         with self.cond:
             plan = self._plan(sizes, 0)
-            if self.in_use + plan[2] > self.cap:
+            if not alone and self.in_use + plan[2] > self.cap:
                 return None
             return self._take(plan, len(sizes), 0, queued=False)
 
