@@ -100,35 +100,37 @@ def check_a(ckpt: Path, work: Path, ref) -> None:
     _rt.release(runner)
 
 
-REFUSALS = [  # (label, ServerArgs attribute, value, text the refusal must contain)
-    ("radix cache on", "disable_radix_cache", False, "--disable-radix-cache"),
-    ("mixed chunk", "enable_mixed_chunk", True, "--enable-mixed-chunk"),
-    ("two-batch overlap", "enable_two_batch_overlap", True, "--enable-two-batch-overlap"),
-    ("piecewise cuda graph", "enable_piecewise_cuda_graph", True, "--enable-piecewise-cuda-graph"),
-    ("prefill cuda graph", "cuda_graph_backend_prefill", "full", "--disable-prefill-cuda-graph"),
-    ("dp attention", "enable_dp_attention", True, "DP attention"),
-    ("attention dp size", "attn_dp_size", 2, "DP attention"),
-    ("pp > 1", "pp_size", 2, "--pp-size"),
-    ("deepep a2a", "moe_a2a_backend", "deepep", "--moe-a2a-backend"),
-    ("mooncake a2a", "moe_a2a_backend", "mooncake", "--moe-a2a-backend"),
-    ("pdmux", "enable_pdmux", True, "--enable-pdmux"),
-    ("prefill context parallel", "enable_prefill_cp", True, "--enable-prefill-cp"),
-    ("nsa prefill context parallel", "enable_nsa_prefill_context_parallel", True,
+REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain)
+    ("radix cache on", {"disable_radix_cache": False}, "--disable-radix-cache"),
+    ("mixed chunk", {"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
+    ("two-batch overlap", {"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ("piecewise cuda graph", {"enable_piecewise_cuda_graph": True}, "--enable-piecewise-cuda-graph"),
+    ("prefill cuda graph", {"disable_cuda_graph": False, "cuda_graph_backend_prefill": "full"},
+     "--disable-prefill-cuda-graph"),
+    ("dp attention", {"enable_dp_attention": True}, "DP attention"),
+    ("attention dp size", {"attn_dp_size": 2}, "DP attention"),
+    ("pp > 1", {"pp_size": 2}, "--pp-size"),
+    ("deepep a2a", {"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
+    ("mooncake a2a", {"moe_a2a_backend": "mooncake"}, "--moe-a2a-backend"),
+    ("pdmux", {"enable_pdmux": True}, "--enable-pdmux"),
+    ("prefill context parallel", {"enable_prefill_cp": True}, "--enable-prefill-cp"),
+    ("nsa prefill context parallel", {"enable_nsa_prefill_context_parallel": True},
      "--enable-nsa-prefill-context-parallel"),
 ]
 
 
-def _args_with(ckpt, attr, value):
-    """Real ServerArgs of this release with one setting: set after sglang's own validation
+def _args_with(ckpt, settings: dict):
+    """Real ServerArgs of this release with these settings: set after sglang's own validation
     (which rejects some settings on a CPU), or passed to the constructor where the release keeps
     resolved arguments read-only. (ServerArgs, how) or (None, why not)."""
     sa = _rt.server_args(ckpt, load_format="dummy")
     try:
-        setattr(sa, attr, value)
+        for attr, value in settings.items():
+            setattr(sa, attr, value)
         return sa, "set after validation"
     except Exception as read_only:
         try:
-            return _rt.server_args(ckpt, load_format="dummy", **{attr: value}), "constructor"
+            return _rt.server_args(ckpt, load_format="dummy", **settings), "constructor"
         except Exception as exc:
             return None, "read-only (%s) and the constructor refuses it here (%s: %s)" % (
                 str(read_only)[:80], type(exc).__name__, str(exc)[:160])
@@ -137,8 +139,10 @@ def _args_with(ckpt, attr, value):
 def check_e(ckpt: Path, work: Path) -> None:
     """Every rule at the launch check (what launch_server and Engine run before any worker),
     on this release's real ServerArgs; then one refusal inside ModelRunner init (the second line
-    of defence)."""
+    of defence). A setting this release does not have, refuses by itself on this CPU, or
+    resolves to another value (so it cannot take effect) is logged, not checked."""
     from sglang.srt import eagle3_capture
+    from sglang.srt.eagle3_capture.settings import resolved
 
     dump = work / "dump-refused"
     dump.mkdir(parents=True, exist_ok=True)
@@ -147,14 +151,20 @@ def check_e(ckpt: Path, work: Path) -> None:
     try:
         probe = _rt.server_args(ckpt, load_format="dummy")
         eagle3_capture.check_launch(probe)  # the control: these CPU settings pass
-        for label, attr, value, needle in REFUSALS:
-            if not hasattr(probe, attr):
-                log("refusal %r: this release's ServerArgs has no %s" % (label, attr))
+        for label, settings, needle in REFUSALS:
+            missing = [a for a in settings if not hasattr(probe, a)]
+            if missing:
+                log("refusal %r: this release's ServerArgs has no %s" % (label, missing))
                 continue
             name = "e. refused at launch: %s" % label
-            sa, how = _args_with(ckpt, attr, value)
+            sa, how = _args_with(ckpt, settings)
             if sa is None:
                 log("refusal %r not reachable on this CPU: %s" % (label, how))
+                continue
+            view = resolved(sa)
+            changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
+            if changed:
+                log("refusal %r not reachable: this release resolves %s to %s" % (label, settings, changed))
                 continue
             try:
                 eagle3_capture.check_launch(sa)
@@ -163,7 +173,7 @@ def check_e(ckpt: Path, work: Path) -> None:
                 ok = msg.startswith("error: EAGLE3_DUMP_DIR is set but") and needle in msg and "\n" not in msg
                 result(name, ok, "refused" if ok else "wrong message", "%s (%s)" % (msg[:300], how))
             else:
-                result(name, False, "passed", "check_launch accepted %s=%r (%s)" % (attr, value, how))
+                result(name, False, "passed", "check_launch accepted %s (%s)" % (settings, how))
         guarded(E_RUNNER_NAME)(_runner_refusal)(ckpt)
     finally:
         os.environ.pop("EAGLE3_DUMP_DIR", None)
@@ -249,7 +259,7 @@ def _image_request(wrapper, H):
     item.set_pad_value()
     try:
         padded = list(wrapper.pad_input_ids(list(ids), mm))
-    except TypeError:  # later releases keep ids as array('q')
+    except (TypeError, AssertionError):  # later releases keep ids as array('q')
         padded = list(wrapper.pad_input_ids(array("q", ids), mm))
     return ids, padded, mm, (6, emb)
 
