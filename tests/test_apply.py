@@ -9,7 +9,7 @@ from conftest import BASIC, BASIC_ROOT, REAL, hashes, one_line_error, run_tool
 from txnkit import kill, start_stopped
 
 from eaglepatch.txn import TXN
-from eaglepatch.series import load_series, sha256_bytes
+from eaglepatch.series import sha256_bytes
 
 DS = "sglang/srt/models/deepseek_v2.py"
 MR = "sglang/srt/model_executor/model_runner.py"

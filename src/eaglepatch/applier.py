@@ -26,6 +26,7 @@ from .gitcmd import clean_env, require_git
 from .fetch import make_git_checkout
 from .interrupts import held_interrupts, stop_point
 from .lock import tree_lock
+from .outputs import can_write
 from .series import Patch, Series, sha256_bytes
 from .tree import UpstreamTree
 from .txn import Transaction, recover, refuse_if_pending
@@ -164,7 +165,7 @@ def plan_series(tree: UpstreamTree, series: Series, patches: list[Patch], revers
     return chk, ga
 
 
-def _edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
+def edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
     """Target files that are not what the series expects before it runs: rel -> cause
     ('missing' | 'crlf' | 'edited' | 'other side', the last = already in the state it leads to)."""
     key, other = ("patched_sha256", "upstream_sha256") if reverse else ("upstream_sha256", "patched_sha256")
@@ -187,7 +188,7 @@ def _edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
 
 
 def _refuse_edits(tree: UpstreamTree, series: Series, reverse: bool, force: bool) -> None:
-    causes = _edit_causes(tree, series, reverse)
+    causes = edit_causes(tree, series, reverse)
     if not causes:
         return
     side = "patched" if reverse else "upstream"
@@ -319,7 +320,7 @@ def _remove_stale_fetches(parent: Path, name: str) -> None:
 
 def _fetched_already(dest: Path, series: Series) -> UpstreamTree | None:
     try:
-        tree = UpstreamTree.open(dest)
+        tree = UpstreamTree.open(dest, {series.release: series})
         if tree.kind == "git" and tree.release == series.release and tree.state(series) == "patched" \
                 and committed(tree, series):
             return tree
@@ -348,7 +349,7 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
     except OSError as exc:
         raise UsageError(f"cannot create {dest.parent}: {exc.strerror}", "pass a DEST in a writable directory") \
             from None
-    if not os.access(dest.parent, os.W_OK | os.X_OK):
+    if not can_write(dest.parent):
         raise UsageError(f"cannot write in {dest.parent}", "pass a DEST in a writable directory")
     _remove_stale_fetches(dest.parent, dest.name)
     tmp = dest.parent / f".{dest.name}{FETCH_TMP}{os.getpid()}"

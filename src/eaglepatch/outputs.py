@@ -9,6 +9,14 @@ from pathlib import Path
 
 from .errors import UsageError
 
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+
+def can_write(path: Path | str, directory: bool = True) -> bool:
+    """Whether this process (its effective ids and capabilities, as for a real write) may write
+    `path`: create entries in it when `directory`, else rewrite it."""
+    return os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK, effective_ids=_EFFECTIVE)
+
 
 def check_output_file(path: Path | str, flag: str) -> Path:
     """`path` (with ~ expanded) if a file can be written there, else a one-line usage error."""
@@ -22,7 +30,7 @@ def check_output_file(path: Path | str, flag: str) -> Path:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise UsageError(f"cannot write {flag} {p}: {parent} {what}", fix)
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    if not can_write(parent) or (p.exists() and not can_write(p, directory=False)):
         raise UsageError(f"cannot write {flag} {p}: permission denied", fix)
     return p
 

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .applier import git_apply, plan_series
+from .applier import edit_causes, git_apply, plan_series
 from .errors import EaglepatchError, RefusedError
 from .lock import tree_lock
 from .outputs import write_atomic
@@ -155,6 +155,9 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
     """Everything that reads the tree: the verdicts, and the copy the smoke tests run on."""
     if series.release and tree.release and series.release != tree.release:
         notes.append(f"series {series.name} was made for sglang {series.release}; the tree is {tree.release}")
+    if series.manifest and series.release == tree.release:
+        why = {"missing": "is missing", "crlf": "has CRLF (Windows) line endings; the series expects LF"}
+        notes += [f"{tree.path(rel)} {why[c]}" for rel, c in edit_causes(tree, series, False).items() if c in why]
     read = tree.read
     if series.manifest and tree.state(series) == "patched":
         _, ga = plan_series(tree, series, series.patches, reverse=True, strict_hashes=False)

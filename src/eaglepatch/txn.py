@@ -34,6 +34,7 @@ from pathlib import Path
 from .errors import RefusedError
 from .gitcmd import run as git_run
 from .interrupts import held_interrupts, stop_point
+from .outputs import can_write
 
 TXN = ".eaglepatch-txn"
 FORMAT = 2
@@ -169,14 +170,14 @@ class Transaction:
         """Refuse, before anything is written, what would fail later: unwritable directories,
         too little space or too few inodes on a filesystem."""
         fix = "fix its permissions (or run as the tree's owner) and run again; nothing was changed"
-        if not os.access(self.pp, os.W_OK | os.X_OK):
+        if not can_write(self.pp):
             raise RefusedError(f"{self.pp} is not writable (the transaction log goes there)", fix)
         need: dict = {}  # st_dev -> [dir, bytes, inodes]
         pp_dev = os.stat(self.pp).st_dev
         need[pp_dev] = [self.pp, 8192, 4]
         for op in self.ops:
             d = _existing(Path(op.real).parent)
-            if not os.access(d, os.W_OK | os.X_OK):
+            if not can_write(d):
                 raise RefusedError(f"{d} is not writable, so {op.path} cannot be "
                                    f"{'changed' if op.new else 'removed'}", fix)
             if op.new is None:
@@ -274,6 +275,7 @@ def _git(g: dict, *args: str) -> None:
 
 
 def redo(plan: dict, txn: Path) -> None:
+    stop_point("ready")
     first = True
     for o in plan["ops"]:
         op = Op(**o)
