@@ -119,7 +119,8 @@ class Scratch:
 
     def path(self, key: str):
         return {"tree": self.tree, "tree/sglang": self.tree / "sglang", "series": self.series, "out": self.out,
-                "out.json": self.out / "r.json", "r.json": self.dir / "r.json", "afile": self.afile, "afile/x": self.afile / "x",
+                "out.json": self.out / "r.json", "r.json": self.dir / "r.json", "afile": self.afile,
+                "afile/x": self.afile / "x",
                 "missing": self.missing, "missing/x": self.missing / "x", "dir": self.dir, "empty": "",
                 "tilde": "~/nothing-here", "basic": BASIC, "basic/series": BASIC / "series"}[key]
 
@@ -137,9 +138,9 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size
 @st.composite
 def damage(draw):
     """A function that damages a series dir in one of the ways a hostile world does (or not at all)."""
-    kind = draw(st.sampled_from(["none"] * 12 + ["cut", "insert", "crlf", "hunk-count", "no-separator", "not-utf8", "empty",
-                                 "series-list", "smoke-list", "manifest-json", "manifest-files", "manifest-hunks",
-                                 "no-manifest"]))
+    kind = draw(st.sampled_from(["none"] * 12 + [
+        "cut", "insert", "crlf", "hunk-count", "no-separator", "not-utf8", "empty", "series-list", "smoke-list",
+        "manifest-json", "manifest-files", "manifest-hunks", "no-manifest"]))
     frac = draw(st.floats(0, 1))
     blob = draw(st.binary(max_size=12))
     text = draw(st.text(max_size=20))
@@ -264,7 +265,8 @@ def test_apply_cli(world, root, flags, series, start, dmg, tdmg, fetch):
 @given(root=st.sampled_from(["tree"] * 12) | PATHS,
        series=st.sampled_from([None, "@series"] * 6 + ["@afile", "@missing", "@tilde", "@basic/series"]),
        json_out=st.sampled_from([None, "@r.json"] * 4 + ["@afile/x", "@missing/x", "@dir", "@empty", "@afile"]),
-       smoke=st.sampled_from([None, "none", "static"] * 3 + ["bogus"]), start=st.sampled_from(["upstream", "patched", "newer"]),
+       smoke=st.sampled_from([None, "none", "static"] * 3 + ["bogus"]),
+       start=st.sampled_from(["upstream", "patched", "newer"]),
        dmg=damage(), tdmg=tree_damage())
 def test_verify_cli(world, root, series, json_out, smoke, start, dmg, tdmg):
     s = Scratch(world, start)

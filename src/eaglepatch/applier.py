@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,7 +25,7 @@ from .gitcmd import clean_env, require_git
 from .fetch import make_git_checkout
 from .interrupts import held_interrupts, stop_point
 from .lock import tree_lock
-from .outputs import can_write
+from .outputs import can_write, scratch_dir
 from .series import Patch, Series, sha256_bytes
 from .tree import UpstreamTree
 from .txn import Transaction, recover, refuse_if_pending
@@ -56,11 +55,7 @@ def git_apply(originals: dict, patches: list[Patch], reverse: bool = False) -> G
     outside any git repository; the snapshot after each patch and git's reported offsets."""
     require_git()
     res = GitApplyResult()
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-apply-"))
-    except OSError as exc:
-        raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
-                           "free space in the temp dir (TMPDIR) and run again; nothing was changed") from None
+    tmp = scratch_dir("eaglepatch-apply-")
     try:
         pp = tmp / "pp"
         pp.mkdir()

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RefusedError
 from .gitcmd import open_repo, run
 from .interrupts import held_interrupts, stop_point
+from .outputs import scratch_dir
 from .series import Series, header_to_message
 
 BUSY = (("MERGE_HEAD", "a merge", "git merge --continue, or git merge --abort"),
@@ -151,7 +151,8 @@ def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
         head = parent  # detached
     env = _identity_env(g)
     blobs: dict = {}  # rel -> (mode, sha) | None, after the last patch
-    with tempfile.TemporaryDirectory(prefix="eaglepatch-index-") as td:
+    td = scratch_dir("eaglepatch-index-")
+    try:
         ienv = dict(os.environ, **env, GIT_INDEX_FILE=str(Path(td) / "index"))
         g("read-tree", "HEAD", env=ienv)
         prev = {rel: tree.read(rel) for rel in final}
@@ -190,6 +191,11 @@ def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
             else:
                 g("update-index", "--add", "--cacheinfo", f"{b[0]},{b[1]},{prefix + rel}", env=wenv)
         index = work.read_bytes()
+    except OSError as exc:
+        raise RefusedError(f"cannot prepare the commits: {exc.strerror}",
+                           "free space and run again; nothing was changed") from None
+    finally:
+        shutil.rmtree(td, ignore_errors=True)
     return CommitPlan(root, ref, parent, old, head, index_path, index)
 
 

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import RefusedError, UsageError
 
 _EFFECTIVE = os.access in os.supports_effective_ids
 
@@ -16,6 +16,15 @@ def can_write(path: Path | str, directory: bool = True) -> bool:
     """Whether this process (its effective ids and capabilities, as for a real write) may write
     `path`: create entries in it when `directory`, else rewrite it."""
     return os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK, effective_ids=_EFFECTIVE)
+
+
+def scratch_dir(prefix: str, then: str = "run again; nothing was changed") -> Path:
+    """A new temporary directory (the caller removes it), or a one-line refusal saying why not."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    except OSError as exc:
+        raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
+                           f"free space in the temp dir (TMPDIR) and {then}") from None
 
 
 def check_output_file(path: Path | str, flag: str) -> Path:

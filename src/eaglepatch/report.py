@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .applier import edit_causes, git_apply, plan_series
 from .errors import EaglepatchError, RefusedError
 from .lock import tree_lock
-from .outputs import write_atomic
+from .outputs import scratch_dir, write_atomic
 from .series import Series
 from .static_check import SmokeResult, static_check
 from .tree import UpstreamTree
@@ -172,11 +171,7 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
         rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "skipped",
                                      "the series does not apply cleanly; smoke tests not run"))
         return rep, None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-verify-"))
-    except OSError as exc:
-        raise RefusedError(f"cannot create a temporary directory for the smoke tests: {exc.strerror}",
-                           "free space in the temp dir (TMPDIR), or pass --smoke none") from None
+    tmp = scratch_dir("eaglepatch-verify-", "run again, or pass --smoke none")
     try:
         say(f"copying {tree.package_parent / 'sglang'} to a temporary dir for smoke tests ...")
         pp = tmp / "pp"

@@ -15,7 +15,7 @@ from .. import gitcmd
 from ..errors import RefusedError, UsageError
 from ..export import build_export
 from ..fetch import FIXED_DATE, git_env
-from ..outputs import write_atomic
+from ..outputs import scratch_dir, write_atomic
 from ..series import Patch, header_to_message
 from .result import PortResult
 
@@ -45,11 +45,7 @@ def _header_with(patch: Patch, updates: dict) -> str:
 def export_ported(snapshots, new_upstream, to_release, series_version, semantics, date, res) -> dict:
     """The ported series' files (name -> bytes): the kept patches committed in a scratch git
     repository and exported with `eaglepatch.export`, the same bytes tools/export.py writes."""
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-port-"))
-    except OSError as exc:
-        raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
-                           "free space in the temp dir (TMPDIR) and run again; nothing was written") from None
+    tmp = scratch_dir("eaglepatch-port-", "run again; nothing was written")
     try:
         env = git_env({"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE,
                        "GIT_CEILING_DIRECTORIES": str(tmp)})
