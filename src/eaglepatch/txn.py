@@ -412,6 +412,10 @@ def recover(pp: Path | str) -> str | None:
         return None
     plan = _read_plan(txn)
     with held_interrupts():
+        if plan is None and (txn / "READY").exists():
+            raise RefusedError(f"{txn} holds a committed transaction this version of eaglepatch cannot read",
+                               "finish it with the eaglepatch that made it, or restore the tree (git checkout / "
+                               f"reinstall sglang) and remove {txn}")
         if plan is None:  # stopped before plan.json was complete: nothing else was written yet
             try:
                 shutil.rmtree(txn)
