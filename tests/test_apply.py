@@ -187,7 +187,13 @@ def test_fetch_makes_a_patched_checkout(tmp_path):
     assert set(manifest_state(dest / "python").values()) == {"patched"}
     tag = subprocess.run(["git", "tag"], cwd=dest, capture_output=True, text=True).stdout.split()
     assert tag == ["v0.5.9"]
+    before = hashes(dest)
     r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
+    assert r.returncode == 0 and "already fetched" in r.stdout, r.stdout + r.stderr  # the same command again
+    assert hashes(dest) == before
+    other = tmp_path / "other"
+    (other / "x").mkdir(parents=True)
+    r = run_tool("apply", "--fetch", "0.5.9", other, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
     assert r.returncode == 2 and "not empty" in one_line_error(r)
 
 
