@@ -92,14 +92,17 @@ def apply(tree, *args, env=None):
 # ------------------------------------------------------------------------------------------
 # permissions, filesystems, space
 
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=+dac_read_search",
+          "--ambient-caps=+dac_read_search"]
+
+
 def as_nobody(*args) -> subprocess.CompletedProcess:
     """A tool run as uid/gid 65534 (not root). It may read everything (CAP_DAC_READ_SEARCH, so it
     can reach the interpreter under /root) but writes only where a normal user may."""
     needs_root()
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
-    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=+dac_read_search",
-           "--ambient-caps=+dac_read_search", sys.executable, str(REPO / "tools" / args[0]), *map(str, args[1:])]
+    cmd = [*NOBODY, sys.executable, str(REPO / "tools" / args[0]), *map(str, args[1:])]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HOME="/tmp"), cwd="/")
 
 
@@ -129,6 +132,29 @@ def test_read_only_directory_for_a_non_root_user(small):
     r = as_nobody("apply.py", small, "--series", BASIC, "--reverse")
     assert r.returncode == 1 and "is not writable" in one_line_error(r)
     assert hashes(small) == patched and not leftovers(small)
+
+
+def test_a_redo_that_cannot_proceed_is_undone(small):
+    """A run dies after its commit point, then a directory becomes read-only for the user: the next
+    run cannot finish the change, so it puts every file back (one line says so); once the directory
+    is writable again the run after that cleans up and applies."""
+    subprocess.run(["chown", "-R", "65534:65534", str(small)], check=True)
+    before = hashes(small)
+    kill(start_stopped("apply", small, "--series", BASIC, stage="ready", prefix=NOBODY, env={"HOME": "/tmp"}))
+    models = small / MODELS
+    os.chown(models, 0, 0)
+    models.chmod(0o555)
+    r = as_nobody("apply.py", small, "--series", BASIC)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = one_line_error(r)
+    assert "could not complete the change" in err and "Permission denied" in err, err
+    assert state(small) == "upstream"  # every target has its original bytes
+    assert not (small / TXN / "READY").exists()  # the next run undoes, never redoes
+    models.chmod(0o777)
+    r = as_nobody("apply.py", small, "--series", BASIC, "--reverse")
+    assert r.returncode == 0 and "undid the unfinished" in r.stdout, r.stdout + r.stderr
+    assert hashes(small) == before
+    assert as_nobody("apply.py", small, "--series", BASIC).returncode == 0 and state(small) == "patched"
 
 
 def test_target_directory_on_another_filesystem(small, fast_tmp, mounts):

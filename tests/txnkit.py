@@ -21,10 +21,12 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
-    """Start tools/<tool>.py and return once it stopped itself at `stage` (fails if it never does)."""
+def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout: float = 120,
+                  prefix: list | None = None) -> subprocess.Popen:
+    """Start tools/<tool>.py (after `prefix`, e.g. a setpriv command) and return once it stopped
+    itself at `stage` (fails if it never does)."""
     e = dict(os.environ, EAGLEPATCH_STOP_AT=stage, **(env or {}))
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
+    proc = subprocess.Popen([*(prefix or []), sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
     t0 = time.monotonic()
     while _state(proc.pid) != "T":

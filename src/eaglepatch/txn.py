@@ -319,42 +319,68 @@ def finish(plan: dict, txn: Path) -> None:
         except (OSError, RefusedError) as exc:
             try:
                 undo(plan, txn)
-            except Exception as exc2:
-                raise RefusedError(f"could not complete the transaction in {txn} ({_why(exc)}) nor undo it "
-                                   f"({_why(exc2)})", f"fix that and run {plan.get('command') or 'the same command'}"
-                                   " again: it finishes the transaction") from None
+            except (OSError, RefusedError) as exc2:
+                raise RefusedError(f"could not complete the change ({_why(exc)}) nor put every file back "
+                                   f"({_why(exc2)}); the transaction stays in {txn}",
+                                   f"fix that and run {plan.get('command') or 'the same command'} again: it puts "
+                                   "the files back first") from None
             raise RefusedError(f"could not complete the change ({_why(exc)}); every file was put back as it was",
                                "fix that and run again") from None
         _write_synced(txn / "DONE", b"done\n")
     cleanup(plan, txn)
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        sa, sb = os.lstat(a), os.lstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _undo_git(g: dict) -> None:
+    cwd = Path(g["cwd"])
+    cur = git_run(["rev-parse", "-q", "--verify", g["ref"]], cwd, check=False).stdout.decode().strip()
+    head = git_run(["symbolic-ref", "-q", "HEAD"], cwd, check=False).stdout.decode().strip()
+    if head == g["ref"] and g["head"] != g["ref"]:
+        if g["head"].startswith("refs/"):
+            _git(g, "symbolic-ref", "HEAD", g["head"])
+        else:
+            _git(g, "update-ref", "--no-deref", "HEAD", g["head"])
+    if cur == g["new"]:
+        if g.get("old"):
+            _git(g, "update-ref", g["ref"], g["old"], g["new"])
+        else:
+            _git(g, "update-ref", "-d", g["ref"], g["new"])
+
+
 def undo(plan: dict, txn: Path) -> None:
-    g = plan.get("git")
-    if g:
-        cwd = Path(g["cwd"])
-        cur = git_run(["rev-parse", "-q", "--verify", g["ref"]], cwd, check=False).stdout.decode().strip()
-        head = git_run(["symbolic-ref", "-q", "HEAD"], cwd, check=False).stdout.decode().strip()
-        if head == g["ref"] and g["head"] != g["ref"]:
-            if g["head"].startswith("refs/"):
-                _git(g, "symbolic-ref", "HEAD", g["head"])
-            else:
-                _git(g, "update-ref", "--no-deref", "HEAD", g["head"])
-        if cur == g["new"]:
-            if g.get("old"):
-                _git(g, "update-ref", g["ref"], g["old"], g["new"])
-            else:
-                _git(g, "update-ref", "-d", g["ref"], g["new"])
+    """Put every target back as it was, also after a redo that stopped halfway (idempotent). The
+    commit point is withdrawn first, so a run that dies in here is undone again, never redone.
+    Every operation is tried; the first failure is raised at the end, the log kept for a rerun."""
+    if (txn / "READY").exists():
+        os.unlink(txn / "READY")
+        _fsync_dir(txn)
+    failed: list = []
+    if plan.get("git"):
+        try:
+            _undo_git(plan["git"])
+        except RefusedError as exc:
+            failed.append(exc)
     for o in reversed(plan["ops"]):
         op = Op(**o)
-        if op.old is not None and _lexists(op.old):
-            os.replace(op.old, op.real)
-            if _lexists(op.old):  # both names were links to the original: rename did nothing
-                os.unlink(op.old)
-        elif op.old is None and op.new is not None and _lexists(op.real) and _sha(op.real) == op.sha256:
-            os.unlink(op.real)  # a file this change created
-        if op.new is not None and _lexists(op.new):
-            os.unlink(op.new)
+        try:
+            if op.old is not None and _lexists(op.old):
+                if not _same_file(op.old, op.real):
+                    os.replace(op.old, op.real)  # the original back over the new content
+                if _lexists(op.old):
+                    os.unlink(op.old)
+            elif op.old is None and op.new is not None and _lexists(op.real) and _sha(op.real) == op.sha256:
+                os.unlink(op.real)  # a file this change created
+            if op.new is not None and _lexists(op.new):
+                os.unlink(op.new)
+        except OSError as exc:
+            failed.append(exc)
     for d in reversed(plan.get("mkdirs", [])):
         p = Path(d)
         try:
@@ -362,6 +388,8 @@ def undo(plan: dict, txn: Path) -> None:
                 shutil.rmtree(p)
         except OSError:
             pass
+    if failed:
+        raise failed[0]
     if txn.exists():
         shutil.rmtree(txn)
     _fsync_dir(txn.parent)
