@@ -23,9 +23,12 @@ from pathlib import Path
 
 import pytest
 from conftest import BASIC, REPO, copy_installed, hashes, series_files
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 from txnkit import git, small_checkout
+
+pytest.importorskip("hypothesis", reason="hypothesis is pinned in src/eaglepatch/cpu-requirements.txt; "
+                    "run the tests with python3 tools/test.py")
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 TARGETS = sorted(series_files(BASIC))
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,

@@ -10,6 +10,7 @@ under the tree's lock (`eaglepatch.lock`); `--commit` is part of the same transa
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
@@ -307,7 +308,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _remove_stale_fetches(parent: Path, name: str) -> None:
     """Temporary checkouts that killed `--fetch` runs left beside DEST."""
-    for p in parent.glob(f".{name}{FETCH_TMP}*"):
+    for p in parent.glob(f".{glob.escape(name)}{FETCH_TMP}*"):
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
