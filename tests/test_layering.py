@@ -88,7 +88,7 @@ def test_no_import_cycle_in_the_library():
 # docs/design.md, Conventions: a module imports only from its layer or below
 LAYERS = [["errors", "interrupts", "anchors", "static_check"],
           ["series", "lock", "outputs", "gitcmd"],
-          ["tree", "txn", "verdicts", "fetch"],
+          ["tree", "txn", "verdicts", "fetch", "overlay"],
           ["commit", "applier", "export"],
           ["report"],
           ["port", "drift"]]

@@ -13,18 +13,11 @@ from .errors import RefusedError, UsageError
 from .gitcmd import open_repo
 from .interrupts import held_interrupts
 from .lock import tree_lock
-from .series import (PACKAGE, SEPARATOR, dump_manifest, load_manifest, message_to_header, parse_patch,
-                     read_series_list, sha256_bytes)
+from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, message_to_header, parse_patch,
+                     read_series_list, sha256_bytes, slug)
 from .tree import locate
 
 CAPTURE_SEMANTICS = {"eagle_id_to_capture_index": "plus_one", "capture_index_to_hf_index": "identity"}
-DIFF_ARGS = ["--full-index", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv", "-U3",
-             "--src-prefix=a/", "--dst-prefix=b/", "--diff-algorithm=myers", "--indent-heuristic"]
-
-
-def slug(subject: str, limit: int = 52) -> str:
-    s = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
-    return (s[:limit].rstrip("-")) or "patch"
 
 
 @dataclass
