@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import RefusedError, UsageError
 from . import models
 
 HERE = Path(__file__).resolve().parent
@@ -485,6 +485,13 @@ def check_e(state, sglang_pp):
                      "comparisons": [], "facts": facts})
 
 
+def static_problems(opts: Options, sglang_pp: Path) -> list:
+    from .static import check_tree
+
+    kw = dict(_engine_kwargs(opts, Path("model"), Path("draft"), tp=2), load_format="dummy")
+    return check_tree(sglang_pp, kw, probe="d" in opts.checks, deferral="d" in opts.checks)
+
+
 # ---- entry --------------------------------------------------------------------------------
 
 def run_check(opts: Options) -> dict:
@@ -505,6 +512,12 @@ def run_check(opts: Options) -> dict:
     write_results(state)
     sglang_pp = patched_parent(opts)
     state.results["patched_parent"] = str(sglang_pp)
+    problems = static_problems(opts, sglang_pp)
+    state.results["static_problems"] = problems
+    write_results(state)
+    if problems:
+        raise RefusedError("the sglang under test lacks what the check needs: " + "; ".join(problems),
+                           "run the check on the release it was written for (0.5.17) or update eaglepatch.gpucheck.spy")
     if set(opts.checks) & set("abcd"):
         from .reference import build_checkpoint, write_config_only
 
