@@ -71,6 +71,7 @@ class Options:
     site: Path | None = None
     package_parent: Path | None = None
     series: Path | None = None
+    overlay: Path | None = None
     unpatched_parent: Path | None = None
     checks: str = TP1_CHECKS
     budget_s: float = 540.0
@@ -110,10 +111,11 @@ def preflight(opts: Options) -> dict:
     if torch.cuda.device_count() < need:
         raise UsageError("check d needs 2 GPUs, this machine has %d" % torch.cuda.device_count(),
                          "run d on a 2-GPU machine (--checks d) and the others here (--checks abce)")
-    if opts.package_parent is None and opts.series is None:
-        raise UsageError("no sglang under test", "pass --series DIR (applied to --site's sglang) or --package-parent DIR")
-    if opts.series is not None and opts.site is None:
-        raise UsageError("--series needs --site (the unpacked bundle holding the upstream sglang)",
+    if opts.package_parent is None and opts.series is None and opts.overlay is None:
+        raise UsageError("no sglang under test",
+                         "pass --overlay DIR or --series DIR (laid over --site's sglang) or --package-parent DIR")
+    if (opts.series is not None or opts.overlay is not None) and opts.site is None:
+        raise UsageError("--series and --overlay need --site (the unpacked bundle holding the upstream sglang)",
                          "pass --site /tmp/site")
     for what, p in (("--site", opts.site), ("--package-parent", opts.package_parent),
                     ("--unpatched-parent", opts.unpatched_parent)):
@@ -134,6 +136,11 @@ def preflight(opts: Options) -> dict:
 def patched_parent(opts: Options) -> Path:
     if opts.package_parent is not None:
         return Path(opts.package_parent).resolve()
+    if opts.overlay is not None:
+        from .overlay import apply_overlay
+
+        _say(opts, "gpucheck: laying %s over a copy of %s/sglang" % (opts.overlay, opts.site))
+        return apply_overlay(Path(opts.overlay), Path(opts.site), Path(opts.work) / "patched").resolve()
     from ..smoke.tree import patched_tree
 
     dest = Path(opts.work) / "patched"
@@ -485,6 +492,13 @@ def check_e(state, sglang_pp):
                      "comparisons": [], "facts": facts})
 
 
+def _overlay_info(overlay):
+    if overlay is None:
+        return None
+    p = Path(overlay) / "overlay.json"
+    return json.loads(p.read_text()) if p.is_file() else str(overlay)
+
+
 def static_problems(opts: Options, sglang_pp: Path) -> list:
     from .static import check_tree
 
@@ -502,6 +516,7 @@ def run_check(opts: Options) -> dict:
     state = State(opts, t0)
     state.results.update({"format": 1, "tool": "gpucheck", "host": host, "checks": opts.checks,
                           "series": str(opts.series) if opts.series else None,
+                          "overlay": _overlay_info(opts.overlay),
                           "package_parent": str(opts.package_parent) if opts.package_parent else None,
                           "criterion": {"tol": None, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
                           "model": models.CHECK_MODEL, "shaping": models.SHAPING, "eagle_ids": models.EAGLE_IDS,
