@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """The GPU check of a patched SGLang (checks a-e of docs/gpu.md) on a CUDA machine.
 
-  python3 tools/gpucheck.py --make-overlay --series patches/sglang-<release> [--release R] [--overlay DIR]
-  python3 tools/gpucheck.py --site DIR (--overlay DIR | --series DIR | --package-parent DIR)
+  python3 tools/gpucheck.py --make-patched-files --series patches/sglang-<release> [--release R] [--patched-files DIR]
+  python3 tools/gpucheck.py --site DIR (--patched-files DIR | --series DIR | --package-parent DIR)
                             [--checks abce] [--out FILE] [--logs FILE.tar.gz] [--work DIR] [--budget-s 540]
                             [--unpatched-parent DIR] [--dump-ids -1,1,2,3] [--new-tokens 16] [--prefill-graph]
 
 --site is the unpacked GPU bundle (tools/gpu_bundle.py; it holds the upstream sglang and what it
-needs). The sglang under test is --site's sglang with the series laid over a copy: --overlay is
-the series applied here (--make-overlay writes it, default .gpu-bundle/overlay; no git needed on
+needs). The sglang under test is --site's sglang with the series laid over a copy: --patched-files is
+the series applied here (--make-patched-files writes it, default .gpu-bundle/patched-files; no git needed on
 the GPU machine), --series applies it there with git. a, b, c and e run on one GPU; d needs two
 (run it alone: --checks d). Raw results go to --out as JSON (docs/results/ keeps them).
 Exit: 0 every check passed, 1 a check failed, 2 usage error (no CUDA, no sglang, bad arguments).
@@ -35,10 +35,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gpucheck.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--site", type=Path, help="unpacked GPU bundle (holds the upstream sglang)")
     ap.add_argument("--series", type=Path, help="series applied to a copy of --site's sglang")
-    ap.add_argument("--overlay", type=Path, help="files of the series applied here (--make-overlay writes them)")
-    ap.add_argument("--make-overlay", action="store_true",
-                    help="apply --series to the released wheel here and write --overlay (default .gpu-bundle/overlay)")
-    ap.add_argument("--release", help="release of --make-overlay (default: the series directory's name)")
+    ap.add_argument("--patched-files", type=Path, help="files of the series applied here (--make-patched-files writes them)")
+    ap.add_argument("--make-patched-files", action="store_true",
+                    help="apply --series to the released wheel here and write --patched-files (default .gpu-bundle/patched-files)")
+    ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
     ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs)")
@@ -55,15 +55,15 @@ def main(argv=None) -> int:
         from eaglepatch.errors import UsageError
         from eaglepatch.gpucheck.check import CHECKS, Options, run_check
 
-        if a.make_overlay:
-            from eaglepatch.gpucheck.overlay import make_overlay
+        if a.make_patched_files:
+            from eaglepatch.gpucheck.patched_files import make_patched_files
 
             if a.series is None:
-                raise UsageError("--make-overlay needs --series", "pass --series patches/sglang-<release>")
+                raise UsageError("--make-patched-files needs --series", "pass --series patches/sglang-<release>")
             release = a.release or a.series.resolve().name.replace("sglang-", "")
-            out = a.overlay or REPO / ".gpu-bundle" / "overlay"
-            m = make_overlay(a.series, release, out)
-            print("overlay: %d files of %s for sglang %s in %s" % (len(m["files"]), a.series, release, out))
+            out = a.patched_files or REPO / ".gpu-bundle" / "patched_files"
+            m = make_patched_files(a.series, release, out)
+            print("patched files: %d files of %s for sglang %s in %s" % (len(m["files"]), a.series, release, out))
             return 0
         bad = sorted(set(a.checks) - set(CHECKS))
         if bad or not a.checks:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         if a.new_tokens < 2:
             raise UsageError("--new-tokens %d is too small" % a.new_tokens, "use at least 2 (verify needs decoding)")
         opts = Options(out=a.out, work=a.work, site=a.site, package_parent=a.package_parent, series=a.series,
-                       overlay=a.overlay,
+                       patched_files=a.patched_files,
                        unpatched_parent=a.unpatched_parent, checks=a.checks, budget_s=a.budget_s,
                        new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph)
         try:

@@ -71,7 +71,7 @@ class Options:
     site: Path | None = None
     package_parent: Path | None = None
     series: Path | None = None
-    overlay: Path | None = None
+    patched_files: Path | None = None
     unpatched_parent: Path | None = None
     checks: str = TP1_CHECKS
     budget_s: float = 540.0
@@ -111,11 +111,11 @@ def preflight(opts: Options) -> dict:
     if torch.cuda.device_count() < need:
         raise UsageError("check d needs 2 GPUs, this machine has %d" % torch.cuda.device_count(),
                          "run d on a 2-GPU machine (--checks d) and the others here (--checks abce)")
-    if opts.package_parent is None and opts.series is None and opts.overlay is None:
+    if opts.package_parent is None and opts.series is None and opts.patched_files is None:
         raise UsageError("no sglang under test",
-                         "pass --overlay DIR or --series DIR (laid over --site's sglang) or --package-parent DIR")
-    if (opts.series is not None or opts.overlay is not None) and opts.site is None:
-        raise UsageError("--series and --overlay need --site (the unpacked bundle holding the upstream sglang)",
+                         "pass --patched-files DIR or --series DIR (laid over --site's sglang) or --package-parent DIR")
+    if (opts.series is not None or opts.patched_files is not None) and opts.site is None:
+        raise UsageError("--series and --patched-files need --site (the unpacked bundle holding the upstream sglang)",
                          "pass --site /tmp/site")
     for what, p in (("--site", opts.site), ("--package-parent", opts.package_parent),
                     ("--unpatched-parent", opts.unpatched_parent)):
@@ -136,11 +136,11 @@ def preflight(opts: Options) -> dict:
 def patched_parent(opts: Options) -> Path:
     if opts.package_parent is not None:
         return Path(opts.package_parent).resolve()
-    if opts.overlay is not None:
-        from .overlay import apply_overlay
+    if opts.patched_files is not None:
+        from .patched_files import lay_patched_files
 
-        _say(opts, "gpucheck: laying %s over a copy of %s/sglang" % (opts.overlay, opts.site))
-        return apply_overlay(Path(opts.overlay), Path(opts.site), Path(opts.work) / "patched").resolve()
+        _say(opts, "gpucheck: laying %s over a copy of %s/sglang" % (opts.patched_files, opts.site))
+        return lay_patched_files(Path(opts.patched_files), Path(opts.site), Path(opts.work) / "patched").resolve()
     from ..smoke.tree import patched_tree
 
     dest = Path(opts.work) / "patched"
@@ -492,11 +492,11 @@ def check_e(state, sglang_pp):
                      "comparisons": [], "facts": facts})
 
 
-def _overlay_info(overlay):
-    if overlay is None:
+def _patched_files_info(files):
+    if files is None:
         return None
-    p = Path(overlay) / "overlay.json"
-    return json.loads(p.read_text()) if p.is_file() else str(overlay)
+    p = Path(files) / "patched-files.json"
+    return json.loads(p.read_text()) if p.is_file() else str(files)
 
 
 def static_problems(opts: Options, sglang_pp: Path) -> list:
@@ -516,7 +516,7 @@ def run_check(opts: Options) -> dict:
     state = State(opts, t0)
     state.results.update({"format": 1, "tool": "gpucheck", "host": host, "checks": opts.checks,
                           "series": str(opts.series) if opts.series else None,
-                          "overlay": _overlay_info(opts.overlay),
+                          "patched_files": _patched_files_info(opts.patched_files),
                           "package_parent": str(opts.package_parent) if opts.package_parent else None,
                           "criterion": {"tol": None, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
                           "model": models.CHECK_MODEL, "shaping": models.SHAPING, "eagle_ids": models.EAGLE_IDS,

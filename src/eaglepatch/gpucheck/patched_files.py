@@ -1,11 +1,11 @@
 """A series applied here, carried to the GPU machine as the files it changes (no git needed there).
 
-``make_overlay(series_dir, release, out_dir)`` applies the series (product patches only, no smoke
+``make_patched_files(series_dir, release, out_dir)`` applies the series (product patches only, no smoke
 patches) to the released wheel of ``release`` and writes the patched versions of the files the
-series touches under ``out_dir/sglang/...``, with ``overlay.json`` (release, series, and for each
-file the upstream and patched sha256). ``apply_overlay(overlay_dir, site, dest)`` copies
-``site/sglang`` to ``dest/sglang`` and lays the overlay over it after checking that every
-upstream file it replaces is byte for byte the one the overlay was made from.
+series touches under ``out_dir/sglang/...``, with ``patched-files.json`` (release, series, and for each
+file the upstream and patched sha256). ``lay_patched_files(files_dir, site, dest)`` copies
+``site/sglang`` to ``dest/sglang`` and lays them over it after checking that every
+upstream file it replaces is byte for byte the one the patched files were made from.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def series_files(series_dir: Path) -> list[str]:
     return sorted(files)
 
 
-def make_overlay(series_dir: Path, release: str, out_dir: Path) -> dict:
+def make_patched_files(series_dir: Path, release: str, out_dir: Path) -> dict:
     from ..fetch import unpacked_release
     from ..smoke.tree import patched_tree
 
@@ -45,14 +45,14 @@ def make_overlay(series_dir: Path, release: str, out_dir: Path) -> dict:
     upstream = unpacked_release(release, quiet=True)
     files = series_files(series_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".overlay-", dir=out_dir.parent))
+    work = Path(tempfile.mkdtemp(prefix=".patched-files-", dir=out_dir.parent))
     try:
         try:
             patched = patched_tree(upstream, series_dir, work / "tree", smoke=False)
         except RuntimeError as exc:
             raise UsageError("the series does not apply to sglang %s (%s)" % (release, str(exc)[:200]),
                              "pass the series made for that release") from None
-        stage = work / "overlay"
+        stage = work / "patched_files"
         manifest = {"format": 1, "release": release, "series": series_dir.name, "files": {}}
         for rel in files:
             src = patched / rel
@@ -61,7 +61,7 @@ def make_overlay(series_dir: Path, release: str, out_dir: Path) -> dict:
             (stage / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, stage / rel)
             manifest["files"][rel] = {"upstream_sha256": _sha(upstream / rel), "patched_sha256": _sha(src)}
-        (stage / "overlay.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (stage / "patched-files.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(stage, out_dir)
@@ -70,25 +70,25 @@ def make_overlay(series_dir: Path, release: str, out_dir: Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def apply_overlay(overlay_dir: Path, site: Path, dest: Path) -> Path:
-    overlay_dir, site, dest = Path(overlay_dir), Path(site), Path(dest)
-    mf = overlay_dir / "overlay.json"
+def lay_patched_files(files_dir: Path, site: Path, dest: Path) -> Path:
+    files_dir, site, dest = Path(files_dir), Path(site), Path(dest)
+    mf = files_dir / "patched-files.json"
     if not mf.is_file():
-        raise UsageError("%s has no overlay.json" % overlay_dir,
-                         "make it here: python3 tools/gpucheck.py --make-overlay --series patches/sglang-<release>")
+        raise UsageError("%s has no patched-files.json" % files_dir,
+                         "make it here: python3 tools/gpucheck.py --make-patched-files --series patches/sglang-<release>")
     manifest = json.loads(mf.read_text())
     stale = [rel for rel, h in manifest["files"].items() if _sha(site / rel) != h["upstream_sha256"]]
     if stale:
-        raise UsageError("the overlay was made for sglang %s but %s differs in %s" % (
-            manifest["release"], site, ", ".join(stale[:3])), "unpack the bundle of that release or remake the overlay")
+        raise UsageError("the patched files were made for sglang %s but %s differs in %s" % (
+            manifest["release"], site, ", ".join(stale[:3])), "unpack the bundle of that release or remake them with --make-patched-files")
     if (dest / "sglang").exists():
         shutil.rmtree(dest / "sglang")
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(site / "sglang", dest / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
     for rel in manifest["files"]:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(overlay_dir / rel, dest / rel)
+        shutil.copy2(files_dir / rel, dest / rel)
     return dest
 
 
-__all__ = ["make_overlay", "apply_overlay", "series_files"]
+__all__ = ["make_patched_files", "lay_patched_files", "series_files"]
