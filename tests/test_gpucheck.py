@@ -174,22 +174,24 @@ def test_probe_without_the_fix_fails_on_a_partial_sum(cpu_capture, ref, small):
     assert fixed.passed, fixed.detail  # TP=1: the layer input is complete
     assert not unfixed.passed and "[]" in unfixed.detail  # nothing deferred at TP=1: nothing to catch
     # What rank 0 of a TP=2 run holds at the layer input when the previous layer deferred its
-    # all-reduce, as the probe would record it: the check without the fix must fail, with it pass.
-    parts = [ref.partial_states(p) for p in ps]
+    # all-reduce, as the probe would record it (two short requests): the check without the fix
+    # must fail there, with the all-reduce completed it must pass.
+    two = ps[:2]
+    parts = [ref.partial_states(p) for p in two]
     sim = []
-    for r in recs:
-        if r["kind"] != "probe" or r["layer_index"] == 0:
-            sim.append(r)
-            continue
-        k = r["layer_index"] - 1
-        rows = []
-        for part in parts:
-            rows.append(part["layer.%d" % k])
-        sim.append(dict(r, hidden=torch.cat(rows), flagged=True))
-    unfixed, fixed = R.check_probe("d", sim, ps, refs)
+    for i in range(1, ref.num_layers):
+        k = i - 1
+        sim.append({"kind": "probe", "pid": 1, "seq": i, "mode": "EXTEND", "layer_index": i, "flagged": True,
+                    "input_ids": torch.tensor(two[0] + two[1]), "extend_seq_lens": [len(two[0]), len(two[1])],
+                    "hidden": torch.cat([parts[0]["layer.%d" % k], parts[1]["layer.%d" % k]]),
+                    "fixed": torch.cat([refs[0]["layer.%d" % k], refs[1]["layer.%d" % k]])})
+    unfixed, fixed = R.check_probe("d", sim, two, refs[:2])
     assert unfixed.passed, unfixed.detail
     assert fixed.passed
-    assert min(c.max_err for c in unfixed.comparisons if "deferred" in c.name) > 4 * TOL
+    assert min(c.max_err for c in unfixed.comparisons) > 4 * TOL
+    # and an honest probe (complete sums) flagged as deferred is not "caught"
+    honest = [dict(r, hidden=r["fixed"]) for r in sim]
+    assert not R.check_probe("d", honest, two, refs[:2])[0].passed
 
 
 def test_draft_verdict_on_synthetic_records(ref):
@@ -275,3 +277,21 @@ def test_patched_files_carry_the_series_without_git(tmp_path):
     with pytest.raises(Exception) as e:
         lay_patched_files(ov, other, tmp_path / "laid2")
     assert "were made for sglang 0.5.9" in str(e.value)
+
+
+def test_orchestrator_and_worker_on_cpu(cpu_capture, tmp_path):
+    """tools/gpucheck.py end to end where CPU allows: the worker starts a real sglang.Engine (patched
+    0.5.9, dump on, spy on), generates, and the orchestrator judges the files against the float32
+    reference and writes the results JSON and the log bundle."""
+    out, logs = tmp_path / "r.json", tmp_path / "logs.tar.gz"
+    r = run_tool("gpucheck", "--cpu", "--checks", "c", "--package-parent", cpu_capture / "tree",
+                 "--dump-ids=-1,1,2", "--new-tokens", "2", "--work", tmp_path / "w", "--out", out, "--logs", logs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["passed"] and [x["name"][:2] for x in res["results"]] == ["c."]
+    assert res["results"][0]["facts"] == {"files": 7, "requests": 7}
+    assert res["stages"]["D"]["ok"] and res["stages"]["D"]["sglang"]["file"].startswith(str(cpu_capture / "tree"))
+    import tarfile
+
+    with tarfile.open(logs) as t:
+        assert "stages/D/log.txt" in t.getnames()

@@ -4,7 +4,7 @@
   python3 tools/gpucheck.py --make-patched-files --series patches/sglang-<release> [--release R] [--patched-files DIR]
   python3 tools/gpucheck.py --site DIR (--patched-files DIR | --series DIR | --package-parent DIR)
                             [--checks abce] [--out FILE] [--logs FILE.tar.gz] [--work DIR] [--budget-s 540]
-                            [--unpatched-parent DIR] [--dump-ids -1,1,2,3] [--new-tokens 16] [--prefill-graph]
+                            [--unpatched-parent DIR] [--dump-ids=-1,1,2,3] [--new-tokens 16] [--prefill-graph]
 
 --site is the unpacked GPU bundle (tools/gpu_bundle.py; it holds the upstream sglang and what it
 needs). The sglang under test is --site's sglang with the series laid over a copy: --patched-files is
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-ids", type=_ids, help="dump layer ids for c/d (default -1,1,2,N-1)")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request in a-d")
     ap.add_argument("--prefill-graph", action="store_true", help="keep sglang's prefill CUDA graph in a/b")
+    ap.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # check c on the CPU smoke env (tests)
     a = ap.parse_args(argv)
 
     def body() -> int:
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
         opts = Options(out=a.out, work=a.work, site=a.site, package_parent=a.package_parent, series=a.series,
                        patched_files=a.patched_files,
                        unpatched_parent=a.unpatched_parent, checks=a.checks, budget_s=a.budget_s,
-                       new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph)
+                       new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph,
+                       cpu=a.cpu)
         try:
             res = run_check(opts)
         finally:

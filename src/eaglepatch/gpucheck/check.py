@@ -79,6 +79,7 @@ class Options:
     dump_ids: list | None = None
     prefill_graph: bool = False
     e_layers: int = 4
+    cpu: bool = False  # dry run of check c on the CPU smoke environment (tests); no CUDA
     say: object = None
 
 
@@ -104,6 +105,13 @@ def preflight(opts: Options) -> dict:
         import torch
     except ImportError:
         raise UsageError("torch is not installed", "run the check where PyTorch with CUDA is installed")
+    if opts.cpu:
+        if set(opts.checks) - set("c"):
+            raise UsageError("--cpu runs check c only (EAGLE-3 serving and graphs need CUDA)", "pass --checks c")
+        if opts.package_parent is None:
+            raise UsageError("--cpu needs --package-parent (a tree patched with the smoke patches)",
+                             "pass --package-parent DIR")
+        return {"gpu": None, "torch": torch.__version__, "python": platform.python_version(), "cpu": True}
     if not torch.cuda.is_available():
         raise UsageError("CUDA is not available (torch.cuda.is_available() is False)",
                          "run the GPU check on a machine with an NVIDIA GPU; CPU tests are tests/test_gpucheck_*.py")
@@ -150,7 +158,8 @@ def patched_parent(opts: Options) -> Path:
 
 # ---- workers ------------------------------------------------------------------------------
 
-def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, dump: dict | None = None) -> dict:
+def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, dump: dict | None = None,
+               cpu: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("EAGLE3_DUMP_") and not k.startswith("EAGLEPATCH_SPY")}
     for k, v in MULTICAST_OFF.items():
@@ -158,6 +167,11 @@ def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, 
     paths = [str(sglang_parent)]
     if spy is not None:
         paths.append(str(SPY))
+    if cpu:
+        from ..smoke import STUBS
+
+        paths.append(str(STUBS))
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     if site is not None and Path(site).resolve() != Path(sglang_parent).resolve():
         paths.append(str(site))
     paths.append(str(SRC))
@@ -223,7 +237,7 @@ def _reference(state: State, ckpt: Path):
     from .reference import Reference
 
     if state.ref_model is None:
-        state.ref_model = Reference(ckpt, device="cuda")
+        state.ref_model = Reference(ckpt, device="cpu" if state.opts.cpu else "cuda")
     return state.ref_model
 
 
@@ -242,12 +256,17 @@ def release_reference(state: State) -> None:
         state.ref_model.model.to("cpu")
         state.ref_model.device = "cpu"
         state.ref_model = None
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ---- stages -------------------------------------------------------------------------------
 
 def _engine_kwargs(opts: Options, ckpt: Path, draft: Path | None, tp: int = 1, emulate: bool = False) -> dict:
+    if opts.cpu:
+        from ..smoke._common import CPU_SERVER_ARGS
+
+        return dict(CPU_SERVER_ARGS, model_path=str(ckpt), log_level="warning")
     kw = dict(BASE_ENGINE, model_path=str(ckpt), tp_size=tp)
     if opts.prefill_graph:
         kw.pop("disable_prefill_cuda_graph")
@@ -353,16 +372,16 @@ def stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, name, tp=1, em
     spec = {"engine": _engine_kwargs(opts, ck, draft, tp=tp, emulate=emulate),
             "runs": _runs(opts, prompts, opts.new_tokens),
             "wait_files": {"dir": str(dump_dir), "count": n_req, "timeout_s": 120}}
-    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy=spy, dump=dump))
+    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy=spy, dump=dump, cpu=opts.cpu))
     recs = R.load_records(spy_dir) if res.get("ok") else []
     if res.get("ok"):
         state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
     return res, recs, dump_dir, ids
 
 
-def _dump_meta(tp: int) -> dict:
+def _dump_meta(tp: int, dtype: str = "bfloat16") -> dict:
     return {"format": "eagle3-dump/1", "final": "post_norm", "architecture": "DeepseekV3ForCausalLM",
-            "dtype": "bfloat16", "tp_size": str(tp),
+            "dtype": dtype, "tp_size": str(tp),
             "hidden_size": str(models.CHECK_MODEL["hidden_size"]),
             "num_hidden_layers": str(models.CHECK_MODEL["num_hidden_layers"])}
 
@@ -376,12 +395,12 @@ def check_c(state, ck, draft, sglang_pp, prompts, refs):
         return
     all_prompts = [p for b in prompts.values() for p in b]
     all_refs = [r for b in prompts for r in refs[b]]
-    meta = dict(_dump_meta(1), model_path=str(ck))
+    meta = dict(_dump_meta(1, "float32" if state.opts.cpu else "bfloat16"), model_path=str(ck))
     v = R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta)
-    cap = R.check_capture("c. (same engine) EAGLE-3 capture with the dump on == reference", recs, all_prompts,
-                          all_refs, models.EAGLE_IDS)
     _add(state, v)
-    _add(state, cap)
+    if draft is not None:
+        _add(state, R.check_capture("c. (same engine) EAGLE-3 capture with the dump on == reference", recs,
+                                    all_prompts, all_refs, models.EAGLE_IDS))
 
 
 def check_d(state, ck, draft, sglang_pp, prompts, refs):
@@ -527,7 +546,7 @@ def run_check(opts: Options) -> dict:
     write_results(state)
     sglang_pp = patched_parent(opts)
     state.results["patched_parent"] = str(sglang_pp)
-    problems = static_problems(opts, sglang_pp)
+    problems = [] if opts.cpu else static_problems(opts, sglang_pp)
     state.results["static_problems"] = problems
     write_results(state)
     if problems:
@@ -539,7 +558,9 @@ def run_check(opts: Options) -> dict:
         mroot = Path(opts.work) / "models"
         ck = build_checkpoint(mroot / ("check-" + models.checkpoint_key()))
         draft = write_config_only(mroot / "draft", models.draft_config(models.CHECK_MODEL))
-        prompts = {b: models.prompts(b) for b in models.BATCHES}
+        prompts = {b: models.prompts(b) for b in (("small",) if opts.cpu else models.BATCHES)}
+        if opts.cpu:
+            draft = None  # EAGLE-3 serving does not run on CPU
         _say(opts, "gpucheck: float32 reference for %d prompts" % sum(len(p) for p in prompts.values()))
         refs = {b: [ref_states(state, ck, p) for p in ps] for b, ps in prompts.items()}
         release_reference(state)
