@@ -24,53 +24,31 @@ import hashlib
 import json
 import random
 
+from ..smoke import tinyconfig
+
 EAGLE_IDS = [-1, 1, 2]
 SEED = 20261130
 BUILDER_VERSION = "1"
 FUSE_ALLREDUCE_MAX_TOKENS = 2048  # sglang's FUSE_ALLREDUCE_MAX_BATCH_SIZE (0.5.9 .. 0.5.23)
 
-_ROPE = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
-         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-CHECK_MODEL = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 4096,
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_shared_experts": 1,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "hidden_act": "silu",
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
-    "rope_scaling": dict(_ROPE),
-    "rms_norm_eps": 1e-6,
-    "initializer_range": 0.02,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "torch_dtype": "bfloat16",
-}
+CHECK_MODEL = dict(
+    tinyconfig.DEEPSEEK_V3,  # the CPU smoke model, widened to the real MLA head dimensions
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=768,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=4096,
+    rope_scaling=dict(tinyconfig.DEEPSEEK_V3["rope_scaling"], original_max_position_embeddings=1024),
+    initializer_range=0.02,
+    torch_dtype="bfloat16",
+)
 
 # How the check model's weights are drawn (reference.build_checkpoint); part of its cache key.
 SHAPING = {
