@@ -4,11 +4,12 @@ Checks (issue 12, item 3), on CUDA with bf16 and CUDA graphs:
 
 - a. capture: the target's EAGLE-3 capture for ids [-1, 1, 2] (the hidden states it hands to the
   draft after prefill) equals the float32 reference per request, for a batch of mixed lengths in
-  one forward below 2048 tokens and one above (engine S: EAGLE-3 with a random draft).
+  one forward below 2048 tokens and one above.
 - b. draft parity: what the draft receives in prefill and in graph-replayed target verify equals
-  the reference for the same tokens (engine S).
-- c. dump: one file per request with ids [-1, 1, 2, N-1] and ``final``, equal to the reference
-  (engine D: dump on, EAGLE-3 on, the configuration of check d).
+  the reference for the same tokens.
+- c. dump: one file per request with ids [-1, 1, 2, N-1] and ``final``, equal to the reference.
+  a, b and c share one engine (D: EAGLE-3 with a random draft, dump and spy on; the configuration
+  of check d); if the dump is refused at start, a and b run on an engine without it (S).
 - d. TP=2 (two GPUs): the engine of c at TP=1 and at TP=2 with FlashInfer's all-reduce fusion off,
   then at TP=2 with the fusion's data flow emulated (every non-last layer defers its MLP
   all-reduce to the next layer): one file per request, rows and draft inputs equal TP=1's and the
@@ -317,6 +318,7 @@ C_NAME = "c. dump: one file per request, layers [-1,1,2,N-1] and final == refere
 
 
 def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", checks=("a", "b")):
+    """EAGLE-3 on, dump off: checks a and b."""
     from . import records as R
 
     opts = state.opts
@@ -325,12 +327,16 @@ def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", chec
     spy_dir.mkdir(parents=True)
     spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(opts, prompts, opts.new_tokens)}
     res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
-    wanted = [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in checks]
     if not res.get("ok"):
-        _failed_stage(state, wanted, res)
+        _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in checks], res)
         return
-    recs = R.load_records(spy_dir)
     state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
+    evaluate_ab(state, ck, R.load_records(spy_dir), res, prompts, refs, checks)
+
+
+def evaluate_ab(state, ck, recs, res, prompts, refs, checks) -> None:
+    from . import records as R
+
     all_prompts = [p for b in prompts.values() for p in b]
     all_refs = [r for b in prompts for r in refs[b]]
     outputs = [o for run in res["runs"] for o in run["output_ids"]]
@@ -343,11 +349,33 @@ def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", chec
             v.detail = "forwards of %s tokens: want one at most %d and one above | " % (fw, lim) + v.detail
         _add(state, v)
     if "b" in checks:
-        ck_path = ck
-        v = R.check_draft(B_NAME, recs, all_prompts, outputs, lambda toks: ref_states(state, ck_path, toks),
+        v = R.check_draft(B_NAME, recs, all_prompts, outputs, lambda toks: ref_states(state, ck, toks),
                           models.EAGLE_IDS)
         release_reference(state)
         _add(state, v)
+
+
+def check_abc(state, ck, draft, sglang_pp, prompts, refs) -> None:
+    """One engine (EAGLE-3, dump and spy on) serves a, b and c; when the dump is refused at start,
+    a and b run again on an engine without it."""
+    opts = state.opts
+    ab = tuple(c for c in "ab" if c in opts.checks and draft is not None)
+    if "c" not in opts.checks:
+        if ab:
+            stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S", ab)
+        return
+    res, recs, dump_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, "D")
+    if not res.get("ok"):
+        _failed_stage(state, [C_NAME], res)
+        refused = "EAGLE3_DUMP" in str(res.get("error")) + "\n".join(res.get("log_tail", []))
+        if ab and refused and not res.get("skipped"):
+            stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S", ab)
+        elif ab:
+            _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in ab], res)
+        return
+    evaluate_c(state, ck, dump_dir, ids, prompts, refs)
+    if ab:
+        evaluate_ab(state, ck, recs, res, prompts, refs, ab)
 
 
 def stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, name, tp=1, emulate=False, probe=False):
@@ -386,21 +414,13 @@ def _dump_meta(tp: int, dtype: str = "bfloat16") -> dict:
             "num_hidden_layers": str(models.CHECK_MODEL["num_hidden_layers"])}
 
 
-def check_c(state, ck, draft, sglang_pp, prompts, refs):
+def evaluate_c(state, ck, dump_dir, ids, prompts, refs) -> None:
     from . import records as R
 
-    res, recs, dump_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, "D")
-    if not res.get("ok"):
-        _failed_stage(state, [C_NAME], res)
-        return
     all_prompts = [p for b in prompts.values() for p in b]
     all_refs = [r for b in prompts for r in refs[b]]
     meta = dict(_dump_meta(1, "float32" if state.opts.cpu else "bfloat16"), model_path=str(ck))
-    v = R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta)
-    _add(state, v)
-    if draft is not None:
-        _add(state, R.check_capture("c. (same engine) EAGLE-3 capture with the dump on == reference", recs,
-                                    all_prompts, all_refs, models.EAGLE_IDS))
+    _add(state, R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta))
 
 
 def check_d(state, ck, draft, sglang_pp, prompts, refs):
@@ -564,11 +584,8 @@ def run_check(opts: Options) -> dict:
         _say(opts, "gpucheck: float32 reference for %d prompts" % sum(len(p) for p in prompts.values()))
         refs = {b: [ref_states(state, ck, p) for p in ps] for b, ps in prompts.items()}
         release_reference(state)
-        if "a" in opts.checks or "b" in opts.checks:
-            stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S",
-                              tuple(c for c in "ab" if c in opts.checks))
-        if "c" in opts.checks:
-            check_c(state, ck, draft, sglang_pp, prompts, refs)
+        if set(opts.checks) & set("abc"):
+            check_abc(state, ck, draft, sglang_pp, prompts, refs)
         if "d" in opts.checks:
             check_d(state, ck, draft, sglang_pp, prompts, refs)
     if "e" in opts.checks:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .criterion import TOL, Comparison, compare, merge
+from .criterion import TOL, compare, merge
 
 
 def dump_key(ids) -> str:
