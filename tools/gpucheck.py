@@ -8,7 +8,7 @@
 
 --site is the unpacked GPU bundle (tools/gpu_bundle.py; it holds the upstream sglang and what it
 needs). The sglang under test is --site's sglang with the series laid over a copy: --patched-files is
-the series applied here (--make-patched-files writes it, default .gpu-bundle/patched-files; no git needed on
+the series applied here (--make-patched-files writes it, default .gpu-patched; no git needed on
 the GPU machine), --series applies it there with git. a, b, c and e run on one GPU; d needs two
 (run it alone: --checks d). Raw results go to --out as JSON (docs/results/ keeps them).
 Exit: 0 every check passed, 1 a check failed, 2 usage error (no CUDA, no sglang, bad arguments).
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--series", type=Path, help="series applied to a copy of --site's sglang")
     ap.add_argument("--patched-files", type=Path, help="files of the series applied here (--make-patched-files writes them)")
     ap.add_argument("--make-patched-files", action="store_true",
-                    help="apply --series to the released wheel here and write --patched-files (default .gpu-bundle/patched-files)")
+                    help="apply --series to the released wheel here and write --patched-files (default .gpu-patched)")
     ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")

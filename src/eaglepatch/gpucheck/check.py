@@ -46,6 +46,7 @@ TP1_CHECKS = "abce"
 # Environment the lent machines set (NVLink multicast off); kept for every process the check starts.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STAGE_MAX_S = 420
+STAGE_MIN_S = 120  # an engine start alone takes 35-150 s: a stage with less left is not started
 NUM_STEPS = 3  # EAGLE-3: 3 draft steps, chain (topk 1), 4 verified tokens per request
 
 BASE_ENGINE = dict(
@@ -197,7 +198,7 @@ def run_worker(state: State, name: str, spec: dict, env: dict) -> dict:
     out = d / "result.json"
     left = opts.budget_s - (time.monotonic() - state.t0) - 30
     timeout = min(STAGE_MAX_S, left)
-    if timeout < 60:
+    if timeout < STAGE_MIN_S:
         return {"ok": False, "error": "not run: %.0f s of the %.0f s budget left" % (max(left + 30, 0), opts.budget_s),
                 "skipped": True}
     _say(opts, "gpucheck: stage %s (timeout %.0f s) ..." % (name, timeout))
