@@ -10,8 +10,9 @@ Installed by the check's ``sitecustomize`` in every process of an engine started
   runners replay inside it), so records hold what the replayed graphs produced.
 - the draft-extend CUDA-graph runner's ``execute`` / ``replay``: a ``draft`` record of its input.
 - with EAGLEPATCH_SPY_PROBE="i,j,...": before decoder layer i of DeepSeek (eager EXTEND only), a
-  ``probe`` record of ``hidden_states + residual`` (the 0.5.9 capture point) and of the same with
-  the all-reduce completed when the previous layer deferred it (``_sglang_needs_allreduce_fusion``).
+  ``probe`` record of ``hidden_states + residual`` (what unfixed 0.5.9 captures there) and of the
+  series' ``eagle3_capture.residual_stream`` (the fix: it completes the all-reduce when the
+  previous layer deferred it, ``_sglang_needs_allreduce_fusion``).
   Every rank runs the probe (its all-reduce is collective); rank 0 records.
 - with EAGLEPATCH_SPY_DEFER_ALLREDUCE=1: ``LayerCommunicator.should_fuse_mlp_allreduce_with_next_layer``
   also answers True where FlashInfer's fusion would (tp > 1, 1..2048 tokens, not the last layer),
@@ -247,13 +248,11 @@ def hook_decoder_layer(mod) -> None:
         idx = getattr(self, "layer_id", None)
         if idx in PROBE and fb is not None and _mode(fb) == "EXTEND" and hs is not None and hs.shape[0] > 0 \
                 and not _capturing():
-            flagged = bool(getattr(hs, "_sglang_needs_allreduce_fusion", False))
-            raw = hs.clone() if residual is None else hs + residual
-            fixed = raw
-            if flagged:
-                from sglang.srt.distributed import tensor_model_parallel_all_reduce
+            from sglang.srt.eagle3_capture import residual_stream  # the series' 0.5.9 capture point
 
-                fixed = tensor_model_parallel_all_reduce(hs.clone()) + residual
+            flagged = bool(getattr(hs, "_sglang_needs_allreduce_fusion", False))
+            raw = hs.clone() if residual is None else hs + residual  # what unfixed 0.5.9 captures
+            fixed = residual_stream(hs, residual)
             save("probe", fb, raw, {"layer_index": int(idx), "flagged": flagged, "fixed": _cpu(fixed)})
         return orig(self, *args, **kwargs)
 
