@@ -100,13 +100,13 @@ def check_a(ckpt: Path, work: Path, ref) -> None:
     _rt.release(runner)
 
 
-REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain)
+REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, what must then be in force])
     ("radix cache on", {"disable_radix_cache": False}, "--disable-radix-cache"),
     ("mixed chunk", {"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
     ("two-batch overlap", {"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ("piecewise cuda graph", {"enable_piecewise_cuda_graph": True}, "--enable-piecewise-cuda-graph"),
     ("prefill cuda graph", {"disable_cuda_graph": False, "cuda_graph_backend_prefill": "full"},
-     "--disable-prefill-cuda-graph"),
+     "--disable-prefill-cuda-graph", "prefill_graph"),
     ("dp attention", {"enable_dp_attention": True}, "DP attention"),
     ("attention dp size", {"attn_dp_size": 2}, "DP attention"),
     ("pp > 1", {"pp_size": 2}, "--pp-size"),
@@ -142,6 +142,7 @@ def check_e(ckpt: Path, work: Path) -> None:
     of defence). A setting this release does not have, refuses by itself on this CPU, or
     resolves to another value (so it cannot take effect) is logged, not checked."""
     from sglang.srt import eagle3_capture
+    from sglang.srt.eagle3_capture import settings as settings_mod
     from sglang.srt.eagle3_capture.settings import resolved
 
     dump = work / "dump-refused"
@@ -151,7 +152,7 @@ def check_e(ckpt: Path, work: Path) -> None:
     try:
         probe = _rt.server_args(ckpt, load_format="dummy")
         eagle3_capture.check_launch(probe)  # the control: these CPU settings pass
-        for label, settings, needle in REFUSALS:
+        for label, settings, needle, *effect in REFUSALS:
             missing = [a for a in settings if not hasattr(probe, a)]
             if missing:
                 log("refusal %r: this release's ServerArgs has no %s" % (label, missing))
@@ -165,6 +166,9 @@ def check_e(ckpt: Path, work: Path) -> None:
             changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
             if changed:
                 log("refusal %r not reachable: this release resolves %s to %s" % (label, settings, changed))
+                continue
+            if effect and getattr(settings_mod, "_" + effect[0])(view) is None:
+                log("refusal %r not reachable: with these CPU settings the release turns it off (%s)" % (label, settings))
                 continue
             try:
                 eagle3_capture.check_launch(sa)
