@@ -136,8 +136,9 @@ def _pinned(requirements: Path, name: str) -> str | None:
 
 def stubs_for(requirements: Path, work: Path) -> Path:
     """The import stubs for an environment. transformers 5 reads torchvision's version from its
-    metadata and fails on none, so there the stub gets a 0.0.0 dist-info (older than any real
-    release: transformers then uses none of its features); transformers 4 must see no metadata."""
+    metadata (found through the distribution's top_level.txt) and fails on none, so there the stub
+    gets a 0.0.0 dist-info (older than any real release: transformers then uses none of its
+    features); transformers 4 must see no metadata."""
     major = int((_pinned(requirements, "transformers") or "4").split(".")[0])
     if major < 5:
         return STUBS
@@ -149,6 +150,7 @@ def stubs_for(requirements: Path, work: Path) -> Path:
         meta = dest / "torchvision-0.0.0.dist-info"
         meta.mkdir()
         (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.0.0\n")
+        (meta / "top_level.txt").write_text("torchvision\n")  # transformers maps import names through it
     return dest
 
 
