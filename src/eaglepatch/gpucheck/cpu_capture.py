@@ -20,17 +20,17 @@ from pathlib import Path
 SMOKE = Path(__file__).resolve().parents[1] / "smoke"
 sys.path.insert(0, str(SMOKE))
 
-import _runner  # noqa: E402  (eaglepatch.smoke's in-process ModelRunner helpers)
+import _rt  # noqa: E402  (eaglepatch.smoke: the in-process ModelRunner, through the release's one-batch module)
 
 
 def main() -> int:
     ckpt, draft, prompts_file = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     prompts = json.loads(prompts_file.read_text())
-    sa = _runner.server_args(ckpt, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
-                             speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2,
-                             context_length=2048, max_total_tokens=8192)
-    runner = _runner.make_runner(sa)
-    out = _runner.extend(runner, prompts, capture_full=True)
+    sa = _rt.server_args(ckpt, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                         speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2,
+                         context_length=2048, max_total_tokens=8192)
+    runner = _rt.make_runner(sa)
+    out = _rt.extend(runner, prompts, capture_full=True)
     shape = list(out.hidden_states.shape) if out.hidden_states is not None else None
     files = 0
     if os.environ.get("EAGLE3_DUMP_DIR"):
