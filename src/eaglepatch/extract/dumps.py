@@ -138,8 +138,8 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
         raise BadDump(f"{path.name}: hidden_size {H}, the model's config says {hidden_size}")
     layer_ids = _json_list(meta, "eagle3_layer_ids", path)
     hf = _json_list(meta, "hf_hidden_state_indices", path)
-    if len(hf) != len(layer_ids):
-        raise BadDump(f"{path.name}: {len(layer_ids)} layer ids but {len(hf)} HF indices")
+    if hf != [k + 1 for k in layer_ids]:
+        raise BadDump(f"{path.name}: HF indices {hf} are not the EAGLE-3 ids {layer_ids} plus one")
     want_dtype = meta["dtype"]
     layers = {}
     expected = {f"layer.{k}" for k in layer_ids} | {"input_ids"}
