@@ -3,10 +3,14 @@
 
   python tools/export.py REPO --base v0.5.9 [--branch B] [--out patches/sglang-0.5.9]
                          [--series-version 0.5.9-1] [--check]
+  python tools/export.py --overlay [--out SERIES_DIR] [--check]
 
 One patch per commit base..branch (NNNN-<slug of Subject>.patch, header = commit message);
 commits whose Subject starts with 'smoke:' go to smoke.series. Writes series, smoke.series and
 manifest.json. --check writes nothing and exits 1 if anything on disk differs by one byte.
+
+--overlay regenerates the first patch of every series (or of --out), the one that adds the
+package in sglang-overlay/, and its manifest entries; with --check it only compares.
 """
 import argparse
 import sys
@@ -19,8 +23,10 @@ from eaglepatch.errors import run_main  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("repo", help="git checkout holding the edit branch (upstream release tagged v<release>)")
-    ap.add_argument("--base", required=True, help="upstream base revision, e.g. v0.5.9")
+    ap.add_argument("repo", nargs="?", help="git checkout holding the edit branch (upstream release tagged v<release>)")
+    ap.add_argument("--base", help="upstream base revision, e.g. v0.5.9 (required with REPO)")
+    ap.add_argument("--overlay", action="store_true",
+                    help="regenerate each series' new-file patch from sglang-overlay/ (no REPO)")
     ap.add_argument("--branch", help="edit branch (default: HEAD)")
     ap.add_argument("--out", type=Path, help="series dir (default: patches/sglang-<release of --base>)")
     ap.add_argument("--series-version", help="series version for manifest.json (default: kept, else <release>-1)")
@@ -32,6 +38,14 @@ def main(argv=None) -> int:
         from eaglepatch.export import export_series
         from eaglepatch.series import default_patches_root
 
+        if a.overlay:
+            if a.repo or a.base or a.branch or a.series_version:
+                raise UsageError("--overlay takes no REPO, --base, --branch or --series-version",
+                                 "run: export.py --overlay [--out SERIES_DIR] [--check]")
+            return overlay_body(a.out, a.check)
+        if not a.repo or not a.base:
+            raise UsageError("REPO and --base are required (or pass --overlay)",
+                             "run: export.py REPO --base v<release> [--out DIR]")
         out = a.out
         if out is None:
             rel = a.base[1:] if a.base.startswith("v") else None
@@ -53,6 +67,24 @@ def main(argv=None) -> int:
         return 0
 
     return run_main(body)
+
+
+def overlay_body(out, check: bool) -> int:
+    from eaglepatch.overlay import sync_series
+    from eaglepatch.series import available_series
+
+    dirs = [out] if out else list(available_series().values())
+    bad = 0
+    for d in dirs:
+        diffs = sync_series(d, check=check)
+        bad += bool(diffs)
+        verb = "differs" if check else "regenerated"
+        print(f"{d}: " + (f"{verb}: {', '.join(diffs)}" if diffs else "matches sglang-overlay/"))
+    if check and bad:
+        print(f"export --overlay --check: {bad} series differ from sglang-overlay/; run tools/export.py --overlay "
+              "(edit the package in sglang-overlay/, never in a series)")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,17 +9,10 @@ from pathlib import Path
 
 from .anchors import anchor_at, hunk_anchor_line
 from .errors import RefusedError, UsageError
-from .series import (PACKAGE, SEPARATOR, dump_manifest, load_manifest, parse_patch, read_series_list,
-                     sha256_bytes)
+from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, parse_patch, read_series_list,
+                     sha256_bytes, slug)
 
 CAPTURE_SEMANTICS = {"eagle_id_to_capture_index": "plus_one", "capture_index_to_hf_index": "identity"}
-DIFF_ARGS = ["--full-index", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv", "-U3",
-             "--src-prefix=a/", "--dst-prefix=b/", "--diff-algorithm=myers", "--indent-heuristic"]
-
-
-def slug(subject: str, limit: int = 52) -> str:
-    s = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
-    return (s[:limit].rstrip("-")) or "patch"
 
 
 def message_to_header(message: str) -> str:

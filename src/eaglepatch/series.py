@@ -16,6 +16,15 @@ from .errors import UsageError
 HEADER_FIELDS = ("Subject", "Description", "Why", "Origin", "Forwarded", "Last-Update", "Drop-When")
 SEPARATOR = b"---\n"
 PACKAGE = "sglang"
+# How the project writes every diff body (export and the overlay's new-file patch alike).
+DIFF_ARGS = ["--full-index", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv", "-U3",
+             "--src-prefix=a/", "--dst-prefix=b/", "--diff-algorithm=myers", "--indent-heuristic"]
+
+
+def slug(subject: str, limit: int = 52) -> str:
+    """File-name part of a patch from its subject: NNNN-<slug>.patch."""
+    s = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
+    return (s[:limit].rstrip("-")) or "patch"
 
 
 def sha256_bytes(data: bytes | None) -> str | None:

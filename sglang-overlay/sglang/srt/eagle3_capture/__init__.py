@@ -1,0 +1,181 @@
+"""EAGLE-3 hidden-state capture for DeepSeek-V2/V3 and Kimi-K2.5 (eaglepatch series).
+
+The upstream files call into this package with one-line hooks; all logic lives here, the same
+for every sglang release the series covers (release differences are detected at run time;
+``release`` names the release this copy was generated for):
+
+- ``residual_stream``: the residual stream entering a decoder layer, as an owned tensor,
+  also at the first layer where the residual is still ``None`` (EAGLE-3 layer id -1). Used by
+  releases that capture in ``DeepseekV2Model.forward``'s layer loop.
+- ``set_eagle3_layers``: draft-config id k is the output of decoder layer k and -1 the
+  embedding output, for every id list, and a call without ids keeps an explicitly configured
+  set, so CUDA-graph capture and warm-up runs do not reset the layers to the defaults. Where
+  unpatched sglang would read the ids differently, a warning names both readings.
+- ``configure_runner``: configures capture before device graphs are captured (releases that
+  set the draft's ids only afterwards) and starts the per-request prefill hidden-state dump
+  when ``EAGLE3_DUMP_DIR`` is set.
+- ``after_model``: hands captured states to the dump and the EAGLE-3 subset to the logits
+  processor (as a list, or as one packed ``[T, K * hidden]`` tensor where the release packs).
+- ``LanguageModelDelegate`` / ``capture_target``: capture and dump through a multimodal
+  wrapper that holds the text model as ``language_model``.
+
+Capture index i is the residual stream entering decoder layer i (0 = embedding output), the
+same as the index into Hugging Face ``output_hidden_states``; EAGLE-3 id k -> index k + 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from .settings import (
+    SERIES_VERSION,
+    DumpConfigError,
+    DumpSettings,
+    capture_index,
+    check_layer_ids,
+    upstream_capture_indices,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SERIES_VERSION",
+    "DumpConfigError",
+    "LanguageModelDelegate",
+    "after_model",
+    "capture_target",
+    "configure_runner",
+    "residual_stream",
+    "set_eagle3_layers",
+]
+
+
+class CaptureState:
+    """Which capture indices feed the EAGLE-3 draft and which feed the dump."""
+
+    def __init__(self):
+        self.eagle: Optional[List[int]] = None
+        self.eagle_configured = False
+        self.dump: Optional[List[int]] = None
+        self.writer = None
+
+    def order(self) -> List[int]:
+        return sorted(set(self.eagle or ()) | set(self.dump or ()))
+
+
+def _state(model) -> CaptureState:
+    state = getattr(model, "_eagle3_capture_state", None)
+    if state is None:
+        state = CaptureState()
+        model._eagle3_capture_state = state
+    return state
+
+
+def _sync(model, state: CaptureState) -> None:
+    model.model.layers_to_capture = state.order()
+
+
+def residual_stream(hidden_states, residual):
+    """The residual stream entering a layer; an owned tensor even when residual is None."""
+    if residual is None:
+        return hidden_states.clone()
+    return hidden_states + residual
+
+
+def set_eagle3_layers(model, layer_ids: Optional[List[int]] = None) -> None:
+    """Configure EAGLE-3 capture on a DeepseekV2ForCausalLM (last pipeline rank)."""
+    state = _state(model)
+    num_layers = model.config.num_hidden_layers
+    if layer_ids is not None:
+        layer_ids = list(layer_ids)
+        check_layer_ids(layer_ids, num_layers, "eagle_aux_hidden_state_layer_ids")
+        state.eagle = [capture_index(k) for k in layer_ids]
+        state.eagle_configured = True
+        upstream = upstream_capture_indices(layer_ids)
+        if sorted(upstream) != sorted(state.eagle):
+            logger.warning(
+                "EAGLE-3 draft layer ids %s are read as outputs of decoder layers %s "
+                "(capture indices %s, the eaglepatch convention, as in sglang 0.5.9); unpatched "
+                "sglang of this release would capture indices %s. Train and serve drafts with "
+                "one convention.",
+                layer_ids, layer_ids, state.eagle, upstream,
+            )
+    elif not state.eagle_configured:
+        state.eagle = [2, num_layers // 2, num_layers - 3]
+    model.capture_aux_hidden_states = True
+    _sync(model, state)
+
+
+class LanguageModelDelegate:
+    """Mixin for wrappers that hold the text model as ``self.language_model``."""
+
+    def set_eagle3_layers_to_capture(self, layer_ids: Optional[List[int]] = None):
+        return self.language_model.set_eagle3_layers_to_capture(layer_ids)
+
+    def get_embed_and_head(self):
+        return self.language_model.get_embed_and_head()
+
+    def set_embed_and_head(self, embed, head):
+        return self.language_model.set_embed_and_head(embed, head)
+
+
+def capture_target(model):
+    """The module that owns the decoder stack (the language model of a wrapper)."""
+    inner = getattr(model, "language_model", None)
+    if inner is not None and hasattr(inner, "set_eagle3_layers_to_capture") and hasattr(inner, "model"):
+        return inner
+    return model
+
+
+def _draft_ids_to_configure(runner) -> Optional[List[int]]:
+    """The draft's ids where the runner sets them only after device graphs (sglang <= 0.5.10
+    keeps them on the runner itself; later releases configure them before graphs)."""
+    if getattr(runner, "eagle_use_aux_hidden_state", False):
+        return list(runner.eagle_aux_hidden_state_layer_ids)
+    return None
+
+
+def configure_runner(runner) -> None:
+    """Called by ModelRunner after the model is loaded, before device graphs are captured."""
+    ids = _draft_ids_to_configure(runner)
+    if ids is not None:
+        runner.model.set_eagle3_layers_to_capture(ids)
+    settings = DumpSettings.from_env()
+    if settings is None or runner.is_draft_worker:
+        return
+    from .dump import start_dump
+
+    target = capture_target(runner.model)
+    state = _state(target)
+    state.dump, state.writer = start_dump(runner, target, settings)
+    _sync(target, state)
+
+
+def _split(aux, count: int):
+    """Captured states as a list (releases that pack them use one [T, K * H] tensor)."""
+    if isinstance(aux, (list, tuple)):
+        return list(aux)
+    return list(aux.split(aux.shape[-1] // count, dim=-1))
+
+
+def after_model(model, output, forward_batch):
+    """Route the output of DeepseekV2Model.forward: dump first, then the EAGLE-3 subset."""
+    state = getattr(model, "_eagle3_capture_state", None)
+    if state is None or state.dump is None or not isinstance(output, tuple):
+        return output
+    final, aux = output
+    order = state.order()
+    captured = dict(zip(order, _split(aux, len(order))))
+    state.writer.submit(forward_batch, captured, final)
+    if not model.capture_aux_hidden_states:
+        return final
+    eagle = sorted(set(state.eagle))
+    if eagle == order:
+        return final, aux
+    subset = [captured[i] for i in eagle]
+    if isinstance(aux, (list, tuple)):
+        return final, subset
+    import torch
+
+    return final, torch.cat(subset, dim=-1)
