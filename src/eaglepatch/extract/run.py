@@ -354,6 +354,12 @@ class Extractor:
         if list(dump.layer_ids) != self.dump_ids:
             raise Fatal(f"the server dumps EAGLE-3 layers {dump.layer_ids}, earlier {self.dump_ids}",
                         "keep EAGLE3_DUMP_LAYERS fixed while extracting")
+        last = self.layout.last
+        if last is not None and dump.final is not None and dump.layers[f"layer.{last}"].equal(dump.final):
+            raise Fatal(f"the dump's layer.{last} equals the post-norm final state: the server stores the normalised "
+                        f"state as the last layer's output (speculators would normalise it twice)",
+                        "serve with a series whose EAGLE-3 id N-1 is the last layer's output before the final norm "
+                        "(series version 0.5.9-2 or later)")
         return dump
 
     def _first_dump(self, dump, cfg: dict) -> None:
