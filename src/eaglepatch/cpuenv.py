@@ -43,40 +43,60 @@ def _py_version() -> str:
     return "%d.%d.%d" % sys.version_info[:3]
 
 
-def env_key() -> str:
+def requirements_for(release: str | None) -> Path:
+    """The requirement list of the environment that runs sglang ``release`` on CPU:
+    ``cpu-requirements-<release>.txt`` when there is one, else the main list (the pinned
+    release, which is also the environment the tests run in)."""
+    if release:
+        own = REQUIREMENTS.with_name("cpu-requirements-%s.txt" % release)
+        if own.is_file():
+            return own
+    return REQUIREMENTS
+
+
+def env_key(requirements: Path | None = None) -> str:
     h = hashlib.sha256()
-    h.update(REQUIREMENTS.read_bytes())
+    h.update((requirements or REQUIREMENTS).read_bytes())
     h.update(b"\0python=" + _py_version().encode())
     return h.hexdigest()[:12]
 
 
-def env_dir() -> Path:
-    return cache_dir() / ("cpu-env-" + env_key())
+def env_dir(requirements: Path | None = None) -> Path:
+    return cache_dir() / ("cpu-env-" + env_key(requirements))
 
 
 def _python_of(d: Path) -> Path:
     return d / "bin" / "python"
 
 
-def _requirements() -> tuple[str, list[str], list[str], list[str]]:
-    """(torch pin, the other pins, the no-deps pins, the modules those must import) from the file."""
+def _requirements(requirements: Path | None = None) -> tuple[str, list[str]]:
+    """(torch pin, the other pins) from the requirements file."""
+    requirements = requirements or REQUIREMENTS
     torch_pin = None
-    rest, nodeps, modules = [], [], []
-    for raw in REQUIREMENTS.read_text().splitlines():
-        line, _, comment = (part.strip() for part in raw.partition("#"))
+    rest = []
+    for raw in requirements.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         name = line.split("==", 1)[0].strip().lower()
         if name == "torch":
             torch_pin = line
-        elif comment.startswith("no-deps"):
-            nodeps.append(line)
-            modules += comment.partition(":")[2].split()
         else:
             rest.append(line)
     if torch_pin is None or "==" not in torch_pin:
-        raise RuntimeError("error: %s has no 'torch==<version>' pin; add one" % REQUIREMENTS)
-    return torch_pin, rest, nodeps, modules
+        raise RuntimeError("error: %s has no 'torch==<version>' pin; add one" % requirements)
+    return torch_pin, rest
+
+
+def _no_deps(requirements: Path) -> tuple[list[str], list[str]]:
+    """(the pins marked '# no-deps: MODULE ...', the modules the build must import) from the file."""
+    pins, modules = [], []
+    for raw in requirements.read_text().splitlines():
+        line, _, comment = (part.strip() for part in raw.partition("#"))
+        if line and comment.startswith("no-deps"):
+            pins.append(line)
+            modules += comment.partition(":")[2].split()
+    return pins, modules
 
 
 def _log(msg: str) -> None:
@@ -109,8 +129,10 @@ def _run_logged(cmd: list[str], logf: Path, what: str) -> None:
     _log("%s done (%.0f s)" % (what, time.monotonic() - t0))
 
 
-def _build(d: Path) -> None:
-    torch_pin, rest, nodeps, modules = _requirements()
+def _build(d: Path, requirements: Path) -> None:
+    torch_pin, rest = _requirements(requirements)
+    nodeps, modules = _no_deps(requirements)
+    rest = [r for r in rest if r not in nodeps]
     t0 = time.monotonic()
     _log("building %s (python %s, %d pinned requirements)" % (d, _py_version(), len(rest) + 1))
     venv.EnvBuilder(with_pip=True, clear=True, symlinks=True).create(d)
@@ -144,13 +166,16 @@ def _build(d: Path) -> None:
         raise RuntimeError("error: environment has torch %s, wanted %s; rerun" % (got_torch, want_torch))
     freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
     (d / "freeze.txt").write_text(freeze)
-    (d / COMPLETE_MARKER).write_text("key=%s\npython=%s\n" % (env_key(), _py_version()))
+    (d / COMPLETE_MARKER).write_text("key=%s\npython=%s\nrequirements=%s\n"
+                                     % (env_key(requirements), _py_version(), requirements.name))
     _log("environment ready: torch %s (%.0f s)" % (got_torch, time.monotonic() - t0))
 
 
-def ensure_env() -> Path:
-    """Return the python of the CPU SGLang environment, building it first when absent."""
-    d = env_dir()
+def ensure_env(requirements: Path | None = None) -> Path:
+    """Return the python of the CPU SGLang environment of ``requirements`` (default: the main
+    list), building it first when absent."""
+    requirements = requirements or REQUIREMENTS
+    d = env_dir(requirements)
     if (d / COMPLETE_MARKER).is_file() and _python_of(d).exists():
         return _python_of(d)
     d.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +195,7 @@ def ensure_env() -> Path:
                 _log("removing incomplete environment %s (an earlier build was interrupted)" % d)
                 shutil.rmtree(d)
             try:
-                _build(d)
+                _build(d, requirements)
             except BaseException:
                 # never leave a half-built env that looks usable; the next run redoes it
                 shutil.rmtree(d, ignore_errors=True)

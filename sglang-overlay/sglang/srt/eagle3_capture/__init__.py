@@ -52,13 +52,19 @@ __all__ = [
 
 
 class CaptureState:
-    """Which capture indices feed the EAGLE-3 draft and which feed the dump."""
+    """Which capture indices feed the EAGLE-3 draft and which feed the dump.
+
+    Capture index N (N = num_hidden_layers: the last layer's output before the final norm,
+    EAGLE-3 id N-1) is not in any release's layer loop; a forward hook on the final norm takes
+    it (``last``) while it is configured."""
 
     def __init__(self):
         self.eagle: Optional[List[int]] = None
         self.eagle_configured = False
         self.dump: Optional[List[int]] = None
         self.writer = None
+        self.last = None  # the residual stream entering the final norm, this forward
+        self.last_hook = None
 
     def order(self) -> List[int]:
         return sorted(set(self.eagle or ()) | set(self.dump or ()))
@@ -72,8 +78,34 @@ def _state(model) -> CaptureState:
     return state
 
 
+def _keep_last(state: CaptureState):
+    """Forward hook of the final norm: keep the residual stream it normalised (owned)."""
+
+    def hook(module, args, kwargs, output):
+        residual = args[1] if len(args) > 1 else kwargs.get("residual")
+        if residual is None:  # norm(x): x itself is the stream
+            state.last = args[0].clone()
+        elif isinstance(output, tuple) and len(output) >= 2 and output[1] is not None:
+            state.last = output[1].clone()  # norm(x, residual) -> (normed, x + residual)
+        else:
+            raise RuntimeError(
+                "eagle3_capture: the final norm returned no updated residual; the last layer's "
+                "output (EAGLE-3 id num_hidden_layers - 1) cannot be captured in this release"
+            )
+
+    return hook
+
+
 def _sync(model, state: CaptureState) -> None:
-    model.model.layers_to_capture = state.order()
+    num_layers = model.config.num_hidden_layers
+    order = state.order()
+    model.model.layers_to_capture = [i for i in order if i < num_layers]
+    wants_last = num_layers in order
+    if wants_last and state.last_hook is None:
+        state.last_hook = model.model.norm.register_forward_hook(_keep_last(state), with_kwargs=True)
+    elif not wants_last and state.last_hook is not None:
+        state.last_hook.remove()
+        state.last_hook = None
 
 
 def residual_stream(hidden_states, residual):
@@ -162,19 +194,29 @@ def _split(aux, count: int):
 def after_model(model, output, forward_batch):
     """Route the output of DeepseekV2Model.forward: dump first, then the EAGLE-3 subset."""
     state = getattr(model, "_eagle3_capture_state", None)
-    if state is None or state.dump is None or not isinstance(output, tuple):
+    if state is None:
         return output
-    final, aux = output
+    num_layers = model.config.num_hidden_layers
     order = state.order()
-    captured = dict(zip(order, _split(aux, len(order))))
-    state.writer.submit(forward_batch, captured, final)
+    in_loop = [i for i in order if i < num_layers]
+    final, aux = output if isinstance(output, tuple) else (output, None)
+    captured = dict(zip(in_loop, _split(aux, len(in_loop)) if in_loop else ()))
+    if num_layers in order:
+        last, state.last = state.last, None
+        if last is None:  # the final norm did not run: an idle batch has no rows
+            if final.shape[0]:
+                raise RuntimeError("eagle3_capture: the final norm ran without its capture hook")
+            last = final
+        captured[num_layers] = last
+    if state.dump is not None:
+        state.writer.submit(forward_batch, captured, final)
     if not model.capture_aux_hidden_states:
         return final
     eagle = sorted(set(state.eagle))
-    if eagle == order:
-        return final, aux
+    if aux is not None and eagle == in_loop:
+        return final, aux  # exactly what upstream captured
     subset = [captured[i] for i in eagle]
-    if isinstance(aux, (list, tuple)):
+    if aux is None or isinstance(aux, (list, tuple)):
         return final, subset
     import torch
 

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .staging import HostStaging
 from .settings import (
     ENV_DIR,
     SERIES_RELEASE,
@@ -38,38 +39,22 @@ logger = logging.getLogger(__name__)
 FORMAT = "eagle3-dump/1"
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def dump_key(token_ids: Sequence[int]) -> str:
     """File key of a request: sha256 of its prompt token ids written as '1,2,3'."""
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
 
 
-class _HostPool:
-    """Reusable host buffers (page-locked when CUDA is in use)."""
-
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
-        self.free: List[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self.lock:
-            fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
-            if fits:
-                return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pinned)
-
-    def give(self, buffers) -> None:
-        with self.lock:
-            self.free.extend(buffers)
-
-
 class _Job:
-    def __init__(self, tensors, buffers, event, spans, nbytes):
+    def __init__(self, tensors, buffers, held, event, spans):
         self.tensors: Dict[str, torch.Tensor] = tensors
         self.buffers = buffers
+        self.held = held
         self.event = event
         self.spans: List[Tuple[int, int]] = spans
-        self.nbytes = nbytes
 
 
 class DumpWriter:
@@ -78,17 +63,13 @@ class DumpWriter:
         self.directory = directory
         self.layer_ids = layer_ids
         self.final = final
-        self.max_pending_bytes = max_pending_bytes
         self.metadata = metadata
         self.enabled = enabled
         self.written = 0
         self.failed = 0
         self.skipped = 0
-        self.pending_bytes = 0
-        self.peak_pending_bytes = 0
-        self._cond = threading.Condition()
+        self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._pool = _HostPool(pinned=torch.cuda.is_available())
         self._thread = None
         if enabled:
             self._thread = threading.Thread(
@@ -122,32 +103,35 @@ class DumpWriter:
             sources[f"layer.{layer_id}"] = captured[capture_index(layer_id)]
         if self.final:
             sources["final"] = final
-        nbytes = sum(t.numel() * t.element_size() for t in sources.values())
-        self._reserve(nbytes)
-        tensors, buffers = {}, []
-        for name, src in sources.items():
-            if not src.is_cuda and name != "input_ids":
-                # Host tensors of this forward are fresh (captures are owned copies, the final
-                # state is a new norm output) and nothing writes them later: no copy needed.
-                tensors[name] = src.contiguous()
-                continue
-            buf = self._pool.take(src.numel() * src.element_size())
-            host = buf[: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+        # Host tensors of this forward are fresh (captures are owned copies, the final state is
+        # a new norm output) and nothing writes them later: they are written without a copy.
+        # Device tensors (and the ids, which the scheduler reuses) go through host buffers.
+        copied = [n for n, t in sources.items() if t.is_cuda or n == "input_ids"]
+        held = sum(_nbytes(t) for n, t in sources.items() if n not in copied)
+        buffers = self.staging.reserve([_nbytes(sources[n]) for n in copied], held)
+        tensors = {n: t.contiguous() for n, t in sources.items() if n not in copied}
+        for name, buf in zip(copied, buffers):
+            src = sources[name]
+            host = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
             host.copy_(src, non_blocking=True)
             tensors[name] = host
-            buffers.append(buf)
         event = None
         if sources["input_ids"].is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._queue.put(_Job(tensors, buffers, event, spans, nbytes))
+        self._queue.put(_Job(tensors, buffers, held, event, spans))
 
-    def _reserve(self, nbytes: int) -> None:
-        with self._cond:
-            while self.pending_bytes > 0 and self.pending_bytes + nbytes > self.max_pending_bytes:
-                self._cond.wait()
-            self.pending_bytes += nbytes
-            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+    @property
+    def pending_bytes(self) -> int:
+        return self.staging.in_use
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        return self.staging.peak_in_use
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return self.staging.cap
 
     # ---- writer thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -165,10 +149,7 @@ class DumpWriter:
                 self.failed += len(job.spans)
                 logger.exception("%s: a batch of %d requests was not dumped", ENV_DIR, len(job.spans))
             finally:
-                self._pool.give(job.buffers)
-                with self._cond:
-                    self.pending_bytes -= job.nbytes
-                    self._cond.notify_all()
+                self.staging.release(job.buffers, job.held)
                 self._queue.task_done()
 
     def _write_one(self, tensors, start: int, length: int) -> None:

@@ -45,12 +45,12 @@ def default_layer_ids(num_layers: int) -> List[int]:
 
 
 def check_layer_ids(ids: Sequence[int], num_layers: int, what: str) -> None:
-    bad = [k for k in ids if not -1 <= k <= num_layers - 2]
+    bad = [k for k in ids if not -1 <= k <= num_layers - 1]
     if bad:
         raise DumpConfigError(
             f"{what} {list(ids)}: ids {bad} are out of range for a {num_layers}-layer model; "
-            f"use -1 (embedding output) .. {num_layers - 2} (the last layer's output is the "
-            f"final state, stored as 'final')"
+            f"use -1 (embedding output) .. {num_layers - 1} (the last layer's output before the "
+            f"final norm)"
         )
 
 

@@ -1,0 +1,298 @@
+"""The SGLang-side package (sglang-overlay/) on its own, without SGLang: settings and layer-id
+conventions, the dump key, the bounded host staging, the writer, and the capture routing
+(set_eagle3_layers / after_model) on a small torch model shaped like DeepseekV2ForCausalLM.
+
+The smoke tests prove the same package inside real SGLang; these pin its parts down."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from eaglepatch.overlay import import_package  # noqa: E402
+
+pkg = import_package("e3c_under_test")
+settings = sys.modules["e3c_under_test.settings"]
+staging_mod = __import__("e3c_under_test.staging", fromlist=["HostStaging"])
+dump_mod = __import__("e3c_under_test.dump", fromlist=["DumpWriter"])
+
+
+# ---- settings and conventions ------------------------------------------------------------------
+
+def test_layer_ids_from_minus_one_to_last_layer():
+    settings.check_layer_ids([-1, 0, 30, 60], 61, "x")  # 60 = the last layer, before the final norm
+    for bad in ([61], [-2], [-1, 2, 61]):
+        with pytest.raises(settings.DumpConfigError, match=r"use -1 \(embedding output\) \.\. 60"):
+            settings.check_layer_ids(bad, 61, "x")
+
+
+def test_conventions_agree():
+    # EAGLE-3 id k = output of decoder layer k; HF index (0 = embedding, N = last layer pre-norm)
+    assert [settings.capture_index(k) for k in (-1, 0, 60)] == [0, 1, 61]
+    assert [settings.hf_index(k) for k in (-1, 0, 60)] == [0, 1, 61]
+    assert settings.default_layer_ids(61) == [1, 29, 57]
+
+
+def test_settings_from_env():
+    s = settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "-1, 2,60",
+                                        "EAGLE3_DUMP_FINAL": "off", "EAGLE3_DUMP_MAX_PENDING_MB": "1.5"})
+    assert (s.directory, s.layer_ids, s.final, s.max_pending_bytes) == ("/d", [-1, 2, 60], False, 1572864)
+    assert settings.DumpSettings.from_env({}) is None
+    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d"}).resolved_layer_ids(4) == [0, 1]
+    for env, needle in [({"EAGLE3_DUMP_LAYERS": "1,x"}, "comma-separated"),
+                        ({"EAGLE3_DUMP_LAYERS": "1,1"}, "each layer once"),
+                        ({"EAGLE3_DUMP_FINAL": "maybe"}, "not a boolean"),
+                        ({"EAGLE3_DUMP_MAX_PENDING_MB": "0"}, "positive number")]:
+        with pytest.raises(settings.DumpConfigError, match=needle):
+            settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_DIR="/d"))
+
+
+def test_dump_key_is_sha256_of_the_ids():
+    assert dump_mod.dump_key([1, 2, 3]) == hashlib.sha256(b"1,2,3").hexdigest()
+    assert dump_mod.dump_key(torch.tensor([1, 2, 3])) == dump_mod.dump_key([1, 2, 3])
+    assert dump_mod.dump_key([1, 2, 3]) != dump_mod.dump_key([1, 2, 4])
+
+
+# ---- the host staging stays bounded --------------------------------------------------------------
+
+HIDDEN = 7168
+GIB = 1 << 30
+
+
+def _job_sizes(tokens: int) -> list:
+    """The buffers of one prefill at hidden 7168, bf16: ids (int64), 3 layers and final."""
+    return [tokens * 8] + [tokens * HIDDEN * 2] * 4
+
+
+def _drive(pattern: str, cap: int, jobs: int = 400, seed: int = 0) -> dict:
+    """Submit jobs of the pattern's sizes from this thread; a writer thread releases them in
+    order after a short delay. torch.empty does not touch the pages, so GiB-sized buffers cost
+    no memory here."""
+    rng = random.Random(seed)
+    if pattern == "random":
+        tokens = [rng.randint(1, 16384) for _ in range(jobs)]
+    elif pattern == "sorted":
+        tokens = sorted(rng.randint(1, 16384) for _ in range(jobs))
+    else:  # slowly growing batches
+        tokens = [64 + 40 * i for i in range(jobs)]
+    st = staging_mod.HostStaging(cap, pinned=False)
+    q: list = []
+    cv = threading.Condition()
+    done = []
+
+    def writer():
+        while True:
+            with cv:
+                while not q:
+                    cv.wait()
+                item = q.pop(0)
+            if item is None:
+                return
+            time.sleep(0.0002)
+            st.release(item)
+            done.append(1)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    biggest = 0
+    try:
+        for n in tokens:
+            sizes = _job_sizes(n)
+            biggest = max(biggest, sum(sizes))
+            bufs = st.reserve(sizes)
+            assert [b.numel() >= s for b, s in zip(bufs, sizes)] == [True] * len(sizes)
+            with cv:
+                q.append(bufs)
+                cv.notify()
+    finally:
+        with cv:
+            q.append(None)
+            cv.notify()
+        t.join(60)
+    return {"peak_allocated": st.peak_allocated, "peak_in_use": st.peak_in_use, "biggest": biggest,
+            "done": len(done), "in_use_after": st.in_use, "allocated_after": st.allocated}
+
+
+@pytest.mark.parametrize("pattern", ["random", "sorted", "growing"])
+def test_staging_is_bounded_by_the_cap(pattern):
+    cap = 2 * GIB
+    r = _drive(pattern, cap)
+    assert r["done"] == 400 and r["in_use_after"] == 0
+    assert r["peak_in_use"] <= max(cap, r["biggest"])
+    assert r["peak_allocated"] <= max(cap, r["biggest"]), r
+    assert r["allocated_after"] <= cap
+
+
+def test_staging_oversized_job_goes_alone_and_is_not_kept():
+    st = staging_mod.HostStaging(1000, pinned=False)
+    a = st.reserve([600])
+    got = []
+    t = threading.Thread(target=lambda: got.append(st.reserve([3000])), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert not got, "an oversized job must wait until nothing else is in use"
+    st.release(a)
+    t.join(5)
+    assert got and st.in_use == 3000 and st.allocated == 3000
+    st.release(got[0])
+    assert st.allocated == 0 and st.in_use == 0
+
+
+def test_staging_reuses_buffers():
+    st = staging_mod.HostStaging(10_000, pinned=False)
+    a = st.reserve([1000, 10])
+    st.release(a)
+    b = st.reserve([900, 10])
+    assert b[0] is a[0] and b[1] is a[1] and st.allocated == 1010
+    st.release(b)
+    c = st.reserve([400])  # a 1000-byte buffer would waste more than half
+    assert c[0] is not a[0]
+
+
+# ---- the writer -----------------------------------------------------------------------------------
+
+class _Mode:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Batch:
+    def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND"):
+        self.forward_mode = _Mode(mode)
+        self.input_ids = ids
+        self.extend_seq_lens_cpu = list(seq_lens)
+        self.extend_prefix_lens_cpu = list(prefix_lens or [0] * len(seq_lens))
+
+
+def _states(lens, layer_ids, hidden=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    ids = torch.randint(2, 1000, (total,), generator=g)
+    captured = {settings.capture_index(k): torch.randn(total, hidden, generator=g) for k in layer_ids}
+    return ids, captured, torch.randn(total, hidden, generator=g)
+
+
+def test_writer_splits_requests_and_skips_what_it_cannot_write(tmp_path):
+    from safetensors import safe_open
+
+    layers = [-1, 1, 3]
+    w = dump_mod.DumpWriter(str(tmp_path), layers, True, 1 << 20, {"format": "eagle3-dump/1"})
+    lens = [3, 5, 4]
+    ids, cap, fin = _states(lens, layers)
+    w.submit(_Batch(ids, lens, [0, 2, 0]), cap, fin)  # the middle one has a cached prefix
+    w.submit(_Batch(ids[:3], [3], mode="DECODE"), cap, fin)  # decode writes nothing
+    w.flush()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    keys = [dump_mod.dump_key(ids[:3].tolist()), dump_mod.dump_key(ids[8:].tolist())]
+    assert files == sorted(k + ".safetensors" for k in keys)
+    assert (w.written, w.skipped, w.failed) == (2, 1, 0)
+    with safe_open(str(tmp_path / (keys[1] + ".safetensors")), "pt") as f:
+        assert f.get_tensor("input_ids").tolist() == ids[8:].tolist()
+        for k in layers:
+            assert torch.equal(f.get_tensor(f"layer.{k}"), cap[k + 1][8:])
+        assert torch.equal(f.get_tensor("final"), fin[8:])
+        meta = f.metadata()
+    assert meta["key"] == keys[1] and meta["num_tokens"] == "4"
+    w.close()
+
+
+# ---- capture routing on a model shaped like DeepseekV2ForCausalLM ---------------------------------
+
+class _Norm(torch.nn.Module):
+    """RMSNorm with sglang's calling convention: norm(x) or norm(x, residual) -> (normed, x + residual)."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        s = x + residual
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6), s
+
+
+class _Inner(torch.nn.Module):
+    """DeepseekV2Model's capture loop (0.5.9 style): index i = stream entering layer i."""
+
+    def __init__(self, n, hidden=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(n))
+        self.norm = _Norm()
+        self.layers_to_capture = []
+
+    def forward(self, x):
+        residual, aux = None, []
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                aux.append(pkg.residual_stream(x, residual))
+            residual = x if residual is None else x + residual
+            x = layer(residual)
+        final, _ = self.norm(x, residual)
+        return (final, aux) if aux else final
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.config = SimpleNamespace(num_hidden_layers=n)
+        self.model = _Inner(n)
+        self.capture_aux_hidden_states = False
+
+    def forward(self, x):
+        out = pkg.after_model(self, self.model(x), None)
+        if self.capture_aux_hidden_states:
+            return out
+        return out, None
+
+    def reference(self, x):
+        """Every residual-stream state: [embed, out of layer 0, ..., out of layer N-1 (pre-norm)]."""
+        states, residual = [x], None
+        for layer in self.model.layers:
+            residual = x if residual is None else x + residual
+            x = layer(residual)
+            states.append(x + residual)
+        return states
+
+
+@torch.no_grad()
+def test_eagle_ids_include_the_last_layer_before_the_norm():
+    m = _Model(4)
+    x = torch.randn(5, 8)
+    ref = m.reference(x)
+    pkg.set_eagle3_layers(m, [-1, 1, 3])
+    assert m.model.layers_to_capture == [0, 2]  # index 4 (after the last layer) comes from the norm hook
+    final, aux = m(x)
+    assert len(aux) == 3
+    for got, k in zip(aux, [-1, 1, 3]):
+        assert torch.allclose(got, ref[k + 1], atol=1e-6)
+    # a wrong reading of the ids (shifted by one) or a normed last state would not match
+    assert not torch.allclose(aux[1], ref[1], atol=1e-3)
+    assert not torch.allclose(aux[2], final, atol=1e-3)
+    # a call without ids keeps the configured set
+    pkg.set_eagle3_layers(m)
+    assert m.model.layers_to_capture == [0, 2]
+    _, aux2 = m(x)
+    assert all(torch.equal(a, b) for a, b in zip(aux, aux2))
+
+
+@torch.no_grad()
+def test_only_the_last_layer_and_reconfiguration_removes_the_hook():
+    m = _Model(3)
+    x = torch.randn(4, 8)
+    pkg.set_eagle3_layers(m, [2])
+    assert m.model.layers_to_capture == []  # the model returns a bare tensor; after_model adds aux
+    _, aux = m(x)
+    assert torch.allclose(aux[0], m.reference(x)[3], atol=1e-6)
+    pkg.set_eagle3_layers(m, [0])
+    assert m.model.layers_to_capture == [1] and not m.model.norm._forward_hooks
