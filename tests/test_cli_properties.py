@@ -144,8 +144,6 @@ def test_guard_cli_properties(tmp_path_factory, guard_mod, draft, data, draft_ki
         argv.append("--json")
     before = snapshot(root)
     rc, out, err = run(guard_mod, argv)
-    import os as _o
-    if _o.environ.get("H10DBG"): print("RC", rc, err.strip()[:100])
     check_outcome(rc, out, err, before, snapshot(root))
 
 

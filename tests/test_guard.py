@@ -260,3 +260,40 @@ def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
     # a [2, 30, 58]-style draft is served HF [2, 30, 58] by upstream 0.5.23, not the dataset's [0, 2, 30]
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "c", [2, 30, 58]), "--dataset", ds, "--sglang", upstream_0523)
     assert rc == 1 and "served HF hidden_states indices [2, 30, 58]" in out
+
+
+def test_malformed_inputs_are_one_line_errors(tmp_path):
+    """A config that is a JSON list, an eagle_config that is a string, num_hidden_layers 'sixty', a
+    file this user cannot read: one line each, exit 2, no traceback."""
+    import os
+
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    ok = draft(tmp_path, "ok", [1, 29, 57])
+
+    def one_line(rc, out, err, *needles):
+        assert rc == 2 and "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "; " in lines[0], err
+        for n in needles:
+            assert n in lines[0], lines[0]
+
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2, 3]")
+    one_line(*run_guard("--draft-config", lst, "--dataset", ds), "is a JSON list, not an object")
+    s = tmp_path / "str.json"
+    s.write_text(json.dumps({"eagle_config": "[1, 29, 57]"}))
+    one_line(*run_guard("--draft-config", s, "--dataset", ds), "eagle_config is a str, not an object")
+    sixty = tmp_path / "sixty"
+    sixty.mkdir()
+    (sixty / "manifest.json").write_text(json.dumps({"eagle3_layer_ids": [1, 29, 57],
+                                                     "model": {"num_hidden_layers": "sixty"}}))
+    one_line(*run_guard("--draft-config", ok, "--dataset", sixty), "num_hidden_layers='sixty' is not a positive integer")
+    lat = tmp_path / "latin1.json"
+    lat.write_bytes(b'{"eagle_config": "caf\xe9"}')
+    one_line(*run_guard("--draft-config", lat, "--dataset", ds), "is not JSON")
+    # a file that cannot be read (the tests run as root, whom permissions do not stop: /proc/self/mem
+    # opens, and reading its first page fails with EIO)
+    mem = Path("/proc/self/mem")
+    assert mem.is_file()
+    one_line(*run_guard("--draft-config", mem, "--dataset", ds), "cannot read draft config /proc/self/mem")
+    one_line(*run_guard("--draft-config", ok, "--dataset", mem), "/proc/self/mem")
