@@ -129,7 +129,8 @@ def server(assets):
                 pass
             time.sleep(1)
         FIGURES["server_start_s"] = round(time.monotonic() - t0, 1)
-        yield SimpleNamespace(url=url, dump_dir=dump_dir, pp=pp, port=port)
+        yield SimpleNamespace(url=url, dump_dir=dump_dir, pp=pp, port=port,
+                              series_version=json.loads((series / "manifest.json").read_text())["series_version"])
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -287,7 +288,7 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     assert set(d) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert d["hidden_state"].dim() == 3 and d["aux_hidden_state"].shape[-1] == 3 * d["hidden_state"].shape[-1]
     man = json.loads((out / "manifest.json").read_text())
-    assert man["series_version"] == "0.5.9-1" and man["sglang_release"].startswith("0.5.9")
+    assert man["series_version"] == server.series_version and man["sglang_release"].startswith("0.5.9")
     assert man["bytes"] == sum(x.stat().st_size for x in f)
     # used dumps were removed (the server's warm-up and health-check dumps are not ours)
     from eaglepatch.extract.dumps import dump_key
@@ -674,7 +675,7 @@ def test_one_line_errors(assets, server, reference, tmp_path):
         one_line(extract(assets, server, tmp_path / "o10", "--format", "speculators", dump_dir=dumps, url=hf.url),
                  "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
                  "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")
-    one_line(extract(assets, server, tmp_path / "o11", "--aux-layers", "-1,1,5"),
+    one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
              "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 1, 2, 3]")
     for i in range(1, 12):
         assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"

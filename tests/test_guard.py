@@ -265,8 +265,6 @@ def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
 def test_malformed_inputs_are_one_line_errors(tmp_path):
     """A config that is a JSON list, an eagle_config that is a string, num_hidden_layers 'sixty', a
     file this user cannot read: one line each, exit 2, no traceback."""
-    import os
-
     ds = manifest(tmp_path, "ds", [1, 29, 57])
     ok = draft(tmp_path, "ok", [1, 29, 57])
 

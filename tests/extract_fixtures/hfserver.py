@@ -15,8 +15,10 @@ import hashlib
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+
+from loopback import LoopbackServer
 
 
 def hf_states(model, ids):
@@ -34,7 +36,7 @@ def hf_states(model, ids):
     return tuple(t[0].float() for t in out.hidden_states), raw["x"][0].float(), out.logits[0].float()
 
 
-class HFDumpServer:
+class HFDumpServer(LoopbackServer):
     def __init__(self, model, dump_dir: Path, layers, swap_last: bool = False):
         self.model, self.dump_dir, self.layers, self.swap_last = model, Path(dump_dir), list(layers), swap_last
         self.lock = threading.Lock()
@@ -51,7 +53,7 @@ class HFDumpServer:
             t = {"input_ids": torch.tensor(ids, dtype=torch.int64), "final": hs[n].contiguous()}
             for k in server.layers:
                 t[f"layer.{k}"] = (hs[n] if server.swap_last else pre) if k == n - 1 else hs[k + 1]
-                t[f"layer.{k}"] = t[f"layer.{k}"].contiguous()
+                t[f"layer.{k}"] = t[f"layer.{k}"].clone()  # own storage (safetensors refuses shared tensors)
             key = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
             meta = {"format": "eagle3-dump/1", "key": key, "eagle3_layer_ids": json.dumps(server.layers),
                     "hf_hidden_state_indices": json.dumps([k + 1 for k in server.layers]), "final": "post_norm",
@@ -82,14 +84,4 @@ class HFDumpServer:
                 write_dump([int(x) for x in body["input_ids"]])
                 self._reply({"text": "", "meta_info": {"prompt_tokens": len(body["input_ids"])}})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)

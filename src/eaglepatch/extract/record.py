@@ -112,6 +112,13 @@ def append_progress(out: Path, rec: dict) -> None:
                     "free space or fix permissions on --out and rerun (done samples are kept)") from None
 
 
+def orphans(out: Path, fmt: str, done: dict) -> list:
+    """Sample files under ``out`` that no done record names (conversations removed from the input)."""
+    mine = {rec["file"] for rec in done.values() if rec.get("file")}
+    ext = "ckpt" if fmt == "specforge" else "safetensors"
+    return [p for p in Path(out).glob(f"samples/*/*.{ext}") if p.relative_to(out).as_posix() not in mine]
+
+
 def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict) -> dict:
     """The manifest of ``o.out``: what the dataset holds, in both layer conventions."""
     recs = [done[c.id] for c in convs if c.id in done and not done[c.id].get("skipped")]

@@ -1,7 +1,7 @@
 """The extraction run, stage by stage:
 
 1. read      the conversations, the model's sizes, the tokenizer and what OUT already holds
-             (``read_inputs``); nothing is written before all of it checks out;
+             (``inputs.read_inputs``); nothing is written before all of it checks out;
 2. tokenize  a conversation with the chat template: token ids and assistant loss mask (``tokenize``);
 3. request   ``/generate`` with the ids and one new token, then wait for the dump (``request``);
 4. validate  the dump against what was sent and against the dataset (``validate``);
@@ -17,48 +17,25 @@ directory) for the whole run; a run that fails before recording any sample leave
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from . import dumps as dumps_mod
 from . import record as rec_mod
 from .client import RequestError, SGLangClient, TransientError
-from .data import load_conversations
+from .inputs import Inputs, Options, check_options, read_inputs
 from .record import Fatal
-from .tokenize import ChatTokenizer, MaskError
-from .writers import (FORMATS, SAMPLES_DIR, Layout, LayoutError, publish_speculators, resolve_layout, sample_rel,
+from .tokenize import MaskError
+from .writers import (SAMPLES_DIR, Layout, LayoutError, publish_speculators, resolve_layout, sample_rel,
                       stale_temporaries, write_sample)
 
-
-@dataclass
-class Options:
-    server: str
-    model: Path
-    data: Path
-    dump_dir: Path
-    out: Path
-    format: str = "specforge"
-    tokenizer: Path | None = None
-    max_len: int = 2048
-    concurrency: int = 4
-    dump_timeout: float = 60.0
-    request_timeout: float = 600.0
-    retries: int = 5
-    max_attempts: int = 3
-    keep_dumps: bool = False
-    limit: int | None = None
-    mask: str = "auto"
-    aux_layers: list | None = None  # EAGLE-3 ids; None: the dumped layers except N-1
-    trust_remote_code: bool = False
-    progress: bool | None = None  # None: only on a terminal
+__all__ = ["Extractor", "Options", "Outcome", "extract"]
 
 
 @dataclass
@@ -75,89 +52,6 @@ class Outcome:
     key: str = ""
     truncated: bool = False
     attempts: int = 0
-
-
-@dataclass
-class Inputs:
-    cfg: dict
-    all_convs: list  # the whole input file
-    convs: list  # after --limit
-    tok: ChatTokenizer
-    done: dict
-    pending: list
-    settings: rec_mod.Settings
-
-
-# ---- stage 1: read ------------------------------------------------------------------------------
-
-def model_config(model_dir: Path) -> dict:
-    cfg_path = Path(model_dir) / "config.json"
-    if not cfg_path.is_file():
-        raise UsageError(f"{cfg_path} does not exist", "pass the served model's directory (with config.json) as --model")
-    try:
-        cfg = json.loads(cfg_path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{cfg_path} is not readable JSON ({type(exc).__name__})",
-                         "pass the served model's directory as --model") from None
-    text = cfg.get("text_config") or cfg if isinstance(cfg, dict) else None  # multimodal: the text model's sizes
-    if not isinstance(text, dict):
-        raise UsageError(f"{cfg_path} is not a model config (a JSON object)", "pass the served model's directory as --model")
-    out = {}
-    for k in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        v = text.get(k, cfg.get(k))
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise UsageError(f"{cfg_path} has no positive integer {k}", "pass the served model's directory as --model")
-        out[k] = v
-    archs = cfg.get("architectures")
-    out["architecture"] = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    return out
-
-
-def check_options(o: Options) -> None:
-    if o.format not in FORMATS:
-        raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(FORMATS)}")
-    nums = {"--max-len": o.max_len, "--concurrency": o.concurrency, "--max-attempts": o.max_attempts,
-            "--dump-timeout": o.dump_timeout, "--request-timeout": o.request_timeout}
-    bad = [k for k, v in nums.items() if not (v > 0 and v != float("inf"))]
-    if bad or o.retries < 0 or (o.limit is not None and o.limit < 1):
-        raise UsageError(f"{', '.join(bad) or '--retries/--limit'} out of range",
-                         "pass positive finite --max-len, --concurrency, --max-attempts, --dump-timeout, "
-                         "--request-timeout, --limit and a non-negative --retries")
-    d = Path(o.dump_dir)
-    if not d.is_dir():
-        raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
-                         "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with --dump-dir")
-    if not os.access(d, os.R_OK | os.X_OK):
-        raise UsageError(f"dump directory {d} is not readable by this user",
-                         "make it readable or run as a user who can read it")
-    if not os.access(d, os.W_OK) and not o.keep_dumps:
-        raise UsageError(f"dump directory {d} is not writable by this user (used dumps are removed)",
-                         "make it writable or pass --keep-dumps")
-    out = Path(o.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory", "pass a new or existing dataset directory")
-
-
-def read_inputs(o: Options) -> Inputs:
-    cfg = model_config(o.model)
-    all_convs = load_conversations(o.data)
-    convs = all_convs[: o.limit] if o.limit is not None else all_convs
-    tok = ChatTokenizer(o.tokenizer or o.model, trust_remote_code=o.trust_remote_code, mask_method=o.mask)
-    if len(tok) > cfg["vocab_size"]:
-        raise UsageError(f"the tokenizer in {tok.path} has {len(tok)} tokens but the model's vocab_size is "
-                         f"{cfg['vocab_size']} (tokenizer/model mismatch)",
-                         "pass the served model's own tokenizer with --tokenizer")
-    want = {"format": o.format, "max_len": o.max_len, "mask_method": tok.mask_method,
-            "chat_template_sha256": hashlib.sha256(tok.template.encode()).hexdigest(),
-            "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
-    settings = rec_mod.Settings(Path(o.out), want)
-    lay = settings.data.get("layout")
-    if lay and o.aux_layers is not None and sorted(set(o.aux_layers)) != lay.get("aux"):
-        raise UsageError(f"{o.out} holds aux layers {lay.get('aux')}, --aux-layers asks {sorted(set(o.aux_layers))}",
-                         "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
-    done = rec_mod.load_done(Path(o.out), all_convs)
-    pending = [c for c in convs if c.id not in done]
-    return Inputs(cfg, all_convs, convs, tok, done, pending, settings)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -204,7 +98,7 @@ class Extractor:
     def _run_locked(self, inp: Inputs, client: SGLangClient) -> int:
         o = self.o
         if inp.settings.data.get("layout"):
-            self.layout = Layout(**inp.settings.data["layout"])
+            self.layout = Layout.from_json(inp.settings.data["layout"])
         t0 = time.monotonic()
         outcomes: list[Outcome] = []
         if inp.pending:
@@ -335,7 +229,7 @@ class Extractor:
             return f"/generate failed: {exc}", True
         if not dumps_mod.wait_for(path, o.dump_timeout):
             if probe:
-                raise Fatal(*self._no_dump_message())
+                raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), o.dump_timeout))
             return f"no dump file {path.name} appeared within {o.dump_timeout:g} s", True
         return "", False
 
@@ -439,10 +333,7 @@ class Extractor:
         return 1 if failed else 0
 
     def _warn_orphans(self, inp: Inputs) -> None:
-        mine = {r["file"] for r in inp.done.values() if r.get("file")}
-        ext = "ckpt" if self.o.format == "specforge" else "safetensors"
-        extra = [p for p in Path(self.o.out).glob(f"{SAMPLES_DIR}/*/*.{ext}")
-                 if p.relative_to(self.o.out).as_posix() not in mine]
+        extra = rec_mod.orphans(Path(self.o.out), self.o.format, inp.done)
         if extra:
             self.log(f"warning: {len(extra)} sample file(s) under {Path(self.o.out) / SAMPLES_DIR} belong to no "
                      f"conversation of {self.o.data} (removed or edited since they were written); they are not in "
@@ -452,20 +343,6 @@ class Extractor:
     def _key_lock(self, key: str) -> threading.Lock:
         with self.lock:
             return self.key_locks.setdefault(key, threading.Lock())
-
-    def _no_dump_message(self):
-        o = self.o
-        others = dumps_mod.any_server_dumps(Path(o.dump_dir))
-        if others:
-            return (f"/generate answered but no dump for the request appeared in {o.dump_dir} within "
-                    f"{o.dump_timeout:g} s, although the directory holds {len(others)} other dump(s)",
-                    "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) or raise --dump-timeout")
-        return (f"/generate answered but no dump file appeared in {o.dump_dir} within {o.dump_timeout:g} s: "
-                f"the server is not the patched sglang, runs without EAGLE3_DUMP_DIR, or writes to a directory "
-                f"that is not {o.dump_dir} on this machine",
-                "start the patched server with EAGLE3_DUMP_DIR=<dir> and pass that same directory, as this "
-                "machine sees it, with --dump-dir")
-
 
 def _remove_empty_tree(root: Path) -> None:
     """Remove ``root`` and the directories under it that hold no file (a run that recorded nothing)."""

@@ -68,6 +68,10 @@ class Layout:
     def to_json(self) -> dict:
         return {"format": self.format, "aux": list(self.aux), "last": self.last, "num_layers": self.num_layers}
 
+    @classmethod
+    def from_json(cls, d: dict) -> "Layout":
+        return cls(d["format"], tuple(d["aux"]), d["last"], d["num_layers"])
+
 
 def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, aux=None) -> Layout:
     """The layout for ``fmt`` from the layers the server dumps; ``aux`` (EAGLE-3 ids) defaults to
