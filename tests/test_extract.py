@@ -415,7 +415,7 @@ def speculators_check(out: Path, assets, reference, expected=None) -> dict:
     assert sum(freq.values()) == man["loss_tokens"]
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=64, target_vocab_size=vc.vocab_size)
     assert d2t.shape == (64,) and int(t2d.sum()) == 64
-    return {"top1_agreement": agree / total, "tokens": total, "loss": round(float(loss), 4)}
+    return {"top1_agreement": agree / total, "tokens": total, "loss": round(float(loss.detach()), 4)}
 
 
 @pytest.fixture(scope="module")

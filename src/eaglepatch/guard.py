@@ -12,10 +12,22 @@ Every convention names the same residual stream (see docs/design.md):
 SGLang concatenates the captured states in layer order (ascending capture index), whatever the
 order of the ids in the config, so the served list is ``sorted(set(capture indices))``.
 
-The guard maps the draft's ``eagle_aux_hidden_state_layer_ids`` through the semantics of a
-release (``release_semantics``) or of an sglang tree it will serve with (``tree_semantics``,
-read from ``set_eagle3_layers_to_capture`` in ``srt/models/deepseek_v2.py`` with ``ast``) and
-compares the HF indices with those the dataset's manifest (or a dump file) records.
+Draft configs come in families, each with its own convention (``read_draft``):
+
+- ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang and SpecForge): EAGLE-3 ids, which
+  SGLang maps through the semantics of a release (``release_semantics``) or of the sglang tree it
+  will serve with (``tree_semantics``, read from ``set_eagle3_layers_to_capture`` in
+  ``srt/models/deepseek_v2.py`` with ``ast``); no ids: SGLang's default capture indices;
+- speculators (``speculators_model_type``; ids top-level): HF indices (0 = embedding output, N =
+  the last layer before the final norm), which vLLM reads as such; SGLang reads only
+  ``eagle_config`` and does not serve this family;
+- top-level ids without either: vLLM reads them as HF indices, SGLang ignores them and captures
+  its defaults; both readings are checked;
+- no ids at all: every server's defaults (HF [2, N//2, N-3]).
+
+``check`` compares, per server, the HF indices it would feed the draft with those the dataset's
+manifest (its aux layers) or a dump file (every dumped layer) records, and warns where the
+family's trainer cannot train the ids.
 """
 
 from __future__ import annotations
@@ -36,6 +48,15 @@ RULES = {
     IDENTITY: "EAGLE-3 id k -> capture index k",
 }
 KNOWN_RELEASES = {"0.5.9": PLUS_ONE}
+
+
+def _read_json(path: Path, what: str, fix: str):
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})", fix) from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"{what} {path} is not JSON ({str(exc)[:80]})", fix) from None
 
 
 @dataclass
@@ -254,15 +275,6 @@ class Draft:
     layer_ids: list | None  # as written; None: the servers' defaults
     use_aux: bool
     family: str = EAGLE_CONFIG
-
-
-def _read_json(path: Path, what: str, fix: str):
-    try:
-        return json.loads(path.read_bytes())
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})", fix) from None
-    except (ValueError, RecursionError) as exc:
-        raise UsageError(f"{what} {path} is not JSON ({str(exc)[:80]})", fix) from None
 
 
 def _int_list(v, where: str) -> list:

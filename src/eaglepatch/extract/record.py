@@ -78,7 +78,11 @@ def load_done(out: Path, convs) -> dict:
         return {}
     fps = {c.id: c.fingerprint for c in convs}
     latest = {}
-    for raw in path.read_text(errors="replace").splitlines():
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror})", "fix the permissions on --out, or pass a new --out") from None
+    for raw in text.splitlines():
         try:
             rec = json.loads(raw)
         except ValueError:  # a torn last line of a killed run
