@@ -6,9 +6,10 @@ import subprocess
 
 import pytest
 from conftest import BASIC, BASIC_ROOT, REAL, hashes, one_line_error, run_tool
+from txnkit import kill, start_stopped
 
-from eaglepatch.applier import TXN, prepare_txn
-from eaglepatch.series import load_series, sha256_bytes
+from eaglepatch.txn import TXN
+from eaglepatch.series import sha256_bytes
 
 DS = "sglang/srt/models/deepseek_v2.py"
 MR = "sglang/srt/model_executor/model_runner.py"
@@ -121,34 +122,46 @@ def test_malformed_patch_is_exit_2_and_touches_nothing(installed_059, tmp_path):
     assert hashes(installed_059) == before
 
 
-def test_dangling_txn_without_ready_is_discarded(installed_059):
+def _pending(tree, stage, *args):
+    """Leave a real transaction of `apply` killed at `stage`."""
+    kill(start_stopped("apply", tree, "--series", BASIC, *args, stage=stage))
+    assert (tree / TXN).is_dir()
+    return hashes(tree)
+
+
+def test_txn_killed_before_its_commit_point_is_undone(installed_059):
     before = hashes(installed_059)
-    prepare_txn(installed_059, {DS: b"garbage\n", NEW: b"x = 1\n"}, ready=False)
-    r = run_tool("apply", installed_059, "--series", BASIC, "--check")
-    assert r.returncode == 0, r.stderr
-    assert "discarded an unfinished eaglepatch transaction" in r.stdout
-    assert not (installed_059 / TXN).exists()
-    after = hashes(installed_059)
-    assert after == {k: v for k, v in before.items()}
-
-
-def test_dangling_txn_with_ready_is_completed(installed_059, tmp_path):
-    # compute the patched contents in a scratch copy, then leave a READY txn in the real tree
-    scratch = tmp_path / "scratch"
-    shutil.copytree(installed_059, scratch)
-    assert run_tool("apply", scratch, "--series", BASIC).returncode == 0
-    files = load_series(BASIC).files()
-    txn = prepare_txn(installed_059, {rel: (scratch / rel).read_bytes() for rel in files}, ready=True)
-    # the interrupted run had already moved its first file into place
-    op = json.loads((txn / "plan.json").read_text())["ops"][0]
-    (installed_059 / op["path"]).parent.mkdir(parents=True, exist_ok=True)
-    (txn / op["blob"]).replace(installed_059 / op["path"])
+    pending = _pending(installed_059, "staged")
+    staged = [k for k in pending if k.endswith(".eaglepatch-new")]
+    assert staged and all(pending[k] == before[k] for k in before if k in pending)  # targets untouched
+    for args, what in ((["--check"], "apply --check"), (["--reverse", "--check"], "apply --check")):
+        r = run_tool("apply", installed_059, "--series", BASIC, *args)
+        assert r.returncode == 1, r.stdout + r.stderr
+        err = one_line_error(r)
+        assert "interrupted transaction is pending" in err and "before its commit point" in err
+        assert f"tools/apply.py {installed_059} --series {BASIC}" in err and what in err
+        assert hashes(installed_059) == pending  # --check writes nothing, not even a recovery
     r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "none")
-    assert "completed an interrupted eaglepatch transaction" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and "verify writes nothing" in one_line_error(r)
+    assert hashes(installed_059) == pending
+    r = run_tool("apply", installed_059, "--series", BASIC, "--reverse")  # a write run: undo, then act
+    assert r.returncode == 0, r.stderr
+    assert "undid the unfinished" in r.stdout and "nothing to reverse" in r.stdout
+    assert hashes(installed_059) == before
+
+
+def test_txn_killed_after_its_commit_point_is_completed(installed_059):
+    pending = _pending(installed_059, "replacing")
+    assert set(manifest_state(installed_059).values()) == {"upstream", "patched"}  # one file replaced
+    r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "none")
+    assert r.returncode == 1 and "after its commit point" in one_line_error(r)
+    assert hashes(installed_059) == pending
+    r = run_tool("apply", installed_059, "--series", BASIC)
+    assert r.returncode == 0, r.stderr
+    assert "completed the interrupted" in r.stdout and "already applied" in r.stdout
     assert not (installed_059 / TXN).exists()
     assert set(manifest_state(installed_059).values()) == {"patched"}
-    r = run_tool("apply", installed_059, "--series", BASIC)
-    assert r.returncode == 0 and "already applied" in r.stdout
+    assert not [k for k in hashes(installed_059) if "eaglepatch-" in k]
 
 
 def test_commit_creates_one_commit_per_patch(checkout_059):
@@ -174,7 +187,13 @@ def test_fetch_makes_a_patched_checkout(tmp_path):
     assert set(manifest_state(dest / "python").values()) == {"patched"}
     tag = subprocess.run(["git", "tag"], cwd=dest, capture_output=True, text=True).stdout.split()
     assert tag == ["v0.5.9"]
+    before = hashes(dest)
     r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
+    assert r.returncode == 0 and "already fetched" in r.stdout, r.stdout + r.stderr  # the same command again
+    assert hashes(dest) == before
+    other = tmp_path / "other"
+    (other / "x").mkdir(parents=True)
+    r = run_tool("apply", "--fetch", "0.5.9", other, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
     assert r.returncode == 2 and "not empty" in one_line_error(r)
 
 

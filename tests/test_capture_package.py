@@ -171,11 +171,18 @@ class _Mode:
 
 
 class _Batch:
-    def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND"):
+    """The ForwardBatch fields the writer reads (slots and full lengths for chunked prefill)."""
+
+    def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND", slots=None, totals=None):
         self.forward_mode = _Mode(mode)
         self.input_ids = ids
         self.extend_seq_lens_cpu = list(seq_lens)
         self.extend_prefix_lens_cpu = list(prefix_lens or [0] * len(seq_lens))
+        n = len(seq_lens)
+        self.req_pool_indices = torch.tensor(slots if slots is not None else list(range(n)))
+        pre = self.extend_prefix_lens_cpu
+        self.orig_seq_lens = torch.tensor(totals if totals is not None else
+                                          [a + b for a, b in zip(pre, seq_lens)], dtype=torch.int32)
 
 
 def _states(lens, layer_ids, hidden=16, seed=0):
@@ -296,3 +303,135 @@ def test_only_the_last_layer_and_reconfiguration_removes_the_hook():
     assert torch.allclose(aux[0], m.reference(x)[3], atol=1e-6)
     pkg.set_eagle3_layers(m, [0])
     assert m.model.layers_to_capture == [1] and not m.model.norm._forward_hooks
+
+
+# ---- chunked prefill: a request's rows gathered across forwards ------------------------------------
+
+class _Prefill:
+    """Requests with their full rows; `forward(...)` cuts them into the chunks a scheduler makes."""
+
+    def __init__(self, lens, layers, hidden=16, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.layers = layers
+        self.reqs = []
+        for n in lens:
+            self.reqs.append({"ids": torch.randint(2, 1000, (n,), generator=g),
+                              "layers": {k: torch.randn(n, hidden, generator=g) for k in layers},
+                              "final": torch.randn(n, hidden, generator=g)})
+
+    def forward(self, writer, parts):
+        """parts: [(request index, slot, start row, rows)] in batch order."""
+        ids, lay, fin = [], {k: [] for k in self.layers}, []
+        for r, _, a, n in parts:
+            req = self.reqs[r]
+            ids.append(req["ids"][a:a + n])
+            fin.append(req["final"][a:a + n])
+            for k in self.layers:
+                lay[k].append(req["layers"][k][a:a + n])
+        batch = _Batch(torch.cat(ids), [n for *_, n in parts], [a for _, _, a, _ in parts],
+                       slots=[s for _, s, _, _ in parts], totals=[len(self.reqs[r]["ids"]) for r, *_ in parts])
+        captured = {settings.capture_index(k): torch.cat(v) for k, v in lay.items()}
+        writer.submit(batch, captured, torch.cat(fin))
+
+    def check(self, directory, r):
+        from safetensors import safe_open
+
+        req = self.reqs[r]
+        path = directory / (dump_mod.dump_key(req["ids"].tolist()) + ".safetensors")
+        with safe_open(str(path), "pt") as f:
+            assert torch.equal(f.get_tensor("input_ids"), req["ids"])
+            if "final" in f.keys():
+                assert torch.equal(f.get_tensor("final"), req["final"])
+            for k in self.layers:
+                assert torch.equal(f.get_tensor(f"layer.{k}"), req["layers"][k])
+            assert f.metadata()["num_tokens"] == str(len(req["ids"]))
+
+
+def test_chunked_requests_are_gathered_and_written_once(tmp_path):
+    layers = [-1, 2]
+    pf = _Prefill([150, 30, 64, 10], layers)
+    w = dump_mod.DumpWriter(str(tmp_path), layers, True, 1 << 20, {}, chunked=True)
+    # the forwards sglang made with --chunked-prefill-size 64 (see dump.py): request 0 over
+    # three forwards, request 2 over two, requests 1 and 3 whole, several in one forward
+    pf.forward(w, [(0, 0, 0, 64)])
+    pf.forward(w, [(0, 0, 64, 64)])
+    pf.forward(w, [(0, 0, 128, 22), (1, 1, 0, 30), (2, 2, 0, 12)])
+    pf.forward(w, [(2, 2, 12, 52), (3, 3, 0, 10)])
+    w.flush()
+    assert (w.written, w.dropped, w.failed) == (4, 0, 0)
+    assert len(list(tmp_path.iterdir())) == 4
+    for r in range(4):
+        pf.check(tmp_path, r)
+    assert w.staging.in_use == 0
+    w.close()
+
+
+def test_an_abandoned_chunked_request_writes_nothing_and_is_counted(tmp_path, caplog):
+    layers = [1]
+    pf = _Prefill([100, 100, 20], layers)
+    w = dump_mod.DumpWriter(str(tmp_path), layers, False, 1 << 20, {}, chunked=True)
+    pf.forward(w, [(0, 5, 0, 40)])
+    pf.forward(w, [(2, 6, 0, 20)])  # request 0 is not continued: aborted between chunks
+    pf.forward(w, [(1, 5, 0, 40)])  # its slot is reused by a new request
+    pf.forward(w, [(1, 5, 60, 40)])  # a chunk of request 1 is missing
+    w.flush()
+    assert (w.written, w.dropped) == (1, 2)
+    pf.check(tmp_path, 2)
+    assert [p.name for p in tmp_path.iterdir()] == [dump_mod.dump_key(pf.reqs[2]["ids"].tolist()) + ".safetensors"]
+    assert "not dumped" in caplog.text
+    assert w.staging.in_use == 0
+    w.close()
+
+
+def test_chunked_rows_over_the_cap_never_make_the_forward_wait(tmp_path):
+    """Rows held for an unfinished request only the writer frees; they must never make the
+    forward wait (it would wait for ever). The one request being chunked may pass the cap alone
+    (as one oversized forward may); another one that does not fit is dropped and counted."""
+    layers = [1]
+    pf = _Prefill([2000, 10, 900], layers, hidden=64)
+    cap = 300_000  # request 0: 2000 rows x 64 x 4 bytes x 2 tensors = 1 MB
+    w = dump_mod.DumpWriter(str(tmp_path), layers, True, cap, {}, chunked=True)
+    done = threading.Event()
+
+    def run():
+        pf.forward(w, [(0, 0, 0, 500)])
+        pf.forward(w, [(0, 0, 500, 500), (2, 2, 0, 300)])  # a second chunked request: no room
+        pf.forward(w, [(0, 0, 1000, 1000), (2, 2, 300, 300), (1, 1, 0, 10)])
+        pf.forward(w, [(2, 2, 600, 300)])
+        w.flush()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(30), "the forward waited for rows only the writer could free"
+    assert (w.written, w.dropped) == (2, 1)
+    pf.check(tmp_path, 0)
+    pf.check(tmp_path, 1)
+    biggest_forward = 1310 * 64 * 4 * 2 + 1310 * 8
+    assert w.staging.peak_allocated <= cap + 2000 * (64 * 4 * 2 + 8) + biggest_forward
+    assert w.staging.in_use == 0
+    w.close()
+
+
+def test_image_pad_values_are_stored_as_the_placeholder_id(tmp_path):
+    """A multimodal wrapper replaces image tokens by pad values (>= the vocabulary) and clamps
+    them in place; the dump stores and keys the ids with the placeholder id instead."""
+    from safetensors import safe_open
+
+    ph, vocab = 1000, 1024
+    w = dump_mod.DumpWriter(str(tmp_path), [1], False, 1 << 20, {}, placeholder_id=ph, vocab_size=vocab)
+    text = torch.tensor([5, 6, 7, 8, 9])
+    raw = torch.tensor([5, 6, 7, 1_069_556_834, 1_069_556_834, 8, 9])
+    processor_ids = [5, 6, 7, ph, ph, 8, 9]
+    clamped = raw.clamp(0, vocab - 1)
+    lens = [5, 7]
+    states = {2: torch.randn(12, 4)}
+    w.submit(_Batch(torch.cat([text, clamped]), lens), states, None, input_ids=torch.cat([text, raw]))
+    w.submit(_Batch(clamped, [7]), {2: torch.randn(7, 4)}, None)  # no ids from before the clamp
+    w.flush()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    want = sorted(dump_mod.dump_key(x) + ".safetensors" for x in (text.tolist(), processor_ids))
+    assert names == want and w.failed == 1
+    with safe_open(str(tmp_path / (dump_mod.dump_key(processor_ids) + ".safetensors")), "pt") as f:
+        assert f.get_tensor("input_ids").tolist() == processor_ids
+    assert dump_mod.dump_key(clamped.tolist()) + ".safetensors" not in names
+    w.close()

@@ -1,10 +1,13 @@
-"""Property-style tests of the extract and guard command lines (hypothesis): random flags, paths and
-malformed files. Whatever they get, the tools exit 0, 1 or 2, never raise (no traceback), say an
-error in one ``error: <problem>; <fix>`` line, and a refusal leaves every file as it was (extract
-creates no --out directory).
+"""Property tests over the command lines of apply, verify, export, port and drift (hypothesis):
+random flags, paths (missing, a file, a directory, `~`, empty), damaged series (patch files cut,
+CRLF, stray bytes, wrong hunk counts; series lists; manifests of any JSON shape) and damaged
+target files (CRLF, deleted, cut, a directory, a dangling link, partly patched), on the real
+sglang 0.5.9 files. For every run: the exit code is 0, 1 or 2; stderr has no traceback and at
+most one `error:` line; a run that refuses (or only checks) leaves the tree byte-identical; no
+transaction or staging file is ever left.
 
-The tools run in this process (their ``main``), so an escaping exception is a failure here. No
-server runs: extract always meets a closed port or a malformed URL, so it must refuse.
+The tools run in this process (their `main(argv)`), with EAGLEPATCH_DEBUG=1 so that anything
+`run_main` would report as an internal error fails the test with its traceback instead.
 """
 
 from __future__ import annotations
@@ -14,207 +17,352 @@ import importlib.util
 import io
 import json
 import os
-import socket
-import sys
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import BASIC, REPO, copy_installed, hashes, series_files
+from txnkit import git, small_checkout
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+pytest.importorskip("hypothesis", reason="hypothesis is pinned in src/eaglepatch/cpu-requirements.txt; "
+                    "run the tests with python3 tools/test.py")
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "tests" / "extract_fixtures"))
-
-SETTINGS = settings(max_examples=80, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+TARGETS = sorted(series_files(BASIC))
+SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_cli", REPO / "tools" / f"{name}.py")
+def _load(tool: str):
+    spec = importlib.util.spec_from_file_location(f"eaglepatch_tool_{tool}", REPO / "tools" / f"{tool}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    return mod.main
 
 
-def run(mod, argv) -> tuple[int, str, str]:
+TOOLS = {t: _load(t) for t in ("apply", "verify", "export", "port", "drift")}
+
+
+def run(tool: str, argv: list, cwd: Path | None = None) -> tuple[int, str, str]:
+    """Run a tool's main(argv) here, in `cwd` (where a default --fetch DEST would go)."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or REPO):
         try:
-            rc = mod.main([str(a) for a in argv])
-        except SystemExit as exc:  # argparse
-            rc = exc.code
+            rc = TOOLS[tool]([str(a) for a in argv])
+        except SystemExit as exc:  # argparse: usage errors (2) and --help (0)
+            rc = exc.code if isinstance(exc.code, int) else 2
     return rc, out.getvalue(), err.getvalue()
 
 
-def snapshot(root: Path) -> dict:
-    snap = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = Path(d) / n
-            st_ = p.lstat()
-            snap[str(p)] = (st_.st_mode, st_.st_size, st_.st_mtime_ns)
-    return snap
+def check_result(tool, argv, rc, out, err) -> None:
+    where = f"{tool} {argv}\nexit {rc}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
+    assert rc in (0, 1, 2), where
+    assert "Traceback" not in err and "internal error" not in err, where
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) <= 1, where
+    if rc == 2 and not err.startswith("usage:"):  # exit 1 may be a report (drift, conflicts, --check differs)
+        assert errors and "; " in errors[0], where
 
 
-def check_outcome(rc, out, err, before, after):
-    assert rc in (0, 1, 2), (rc, err)
-    assert "Traceback" not in err and "Traceback" not in out
-    if rc == 2 and not err.startswith("usage:"):
-        lines = [x for x in err.strip().splitlines() if x]
-        assert len(lines) == 1 and lines[0].startswith("error: ") and "; " in lines[0], err
-    if rc != 0:
-        assert after == before, "a refused run changed files"
+def leftovers(*roots) -> list:
+    return [str(p) for r in roots if Path(r).exists() for p in Path(r).rglob("*")
+            if ".eaglepatch-" in p.name or p.name == ".eaglepatch-txn"]
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 100) | st.text(max_size=8)
-                    | st.floats(allow_nan=False, allow_infinity=False),
-                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
-                    max_leaves=12)
-IDS = st.one_of(st.lists(st.integers(-3, 70), min_size=0, max_size=5), JSON)
-NUM = st.one_of(st.integers(-5, 10**6).map(str), st.sampled_from(["nan", "inf", "-inf", "0", "1e308", "x", ""]))
-
-
-def _file_bytes():
-    """Contents for config/manifest/data files: valid-looking structures with random values, random
-    JSON and random bytes (not UTF-8 either)."""
-    draftish = st.fixed_dictionaries({}, optional={
-        "eagle_config": st.one_of(JSON, st.fixed_dictionaries({}, optional={
-            "eagle_aux_hidden_state_layer_ids": IDS, "use_aux_hidden_state": JSON})),
-        "speculators_model_type": JSON,
-        "eagle_aux_hidden_state_layer_ids": IDS,
-        "eagle3_layer_ids": IDS,
-        "hf_hidden_state_indices": IDS,
-        "num_hidden_layers": st.one_of(st.integers(-2, 70), st.sampled_from(["sixty", "61", "", None])),
-        "model": st.one_of(JSON, st.fixed_dictionaries({"num_hidden_layers": st.one_of(st.integers(-2, 70), JSON)})),
-        "dataset_format": JSON,
-        "hidden_size": JSON, "vocab_size": JSON, "text_config": JSON, "architectures": JSON,
-    })
-    return st.one_of(draftish.map(lambda d: json.dumps(d).encode()), JSON.map(lambda d: json.dumps(d).encode()),
-                     st.binary(max_size=64), st.just(b'{"eagle_config": "[1, 2, 3]"}'),
-                     st.just(b'{"model": {"num_hidden_layers": "sixty"}, "eagle3_layer_ids": [1, 2, 3]}'))
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- guard ----------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------
+# the world the tools run in (built once), and a fresh copy of it per example
 
 @pytest.fixture(scope="module")
-def guard_mod():
-    return load_tool("guard")
+def world(release_059, release_0510):
+    base = Path(tempfile.mkdtemp(prefix="eaglepatch-props-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
+                                 else None))
+    up = copy_installed(release_059, base / "upstream", TARGETS)
+    patched = base / "patched"
+    shutil.copytree(up, patched)
+    assert run("apply", [patched, "--series", BASIC])[0] == 0
+    newer = copy_installed(release_059, base / "newer", TARGETS)
+    v = newer / "sglang" / "_version.py"
+    v.write_text(v.read_text().replace("0.5.9", "0.5.9.1"))
+    co = small_checkout(release_059, base / "co", TARGETS)
+    committed = base / "committed"
+    shutil.copytree(co, committed, symlinks=True)
+    assert run("apply", [committed, "--series", BASIC, "--commit"])[0] == 0
+    patches = base / "patches"
+    shutil.copytree(BASIC, patches / BASIC.name)
+    old_env = {k: os.environ.get(k) for k in ("EAGLEPATCH_PATCHES", "EAGLEPATCH_DEBUG", "EAGLEPATCH_LOCK_TIMEOUT",
+                                              "EAGLEPATCH_CACHE", "HOME")}
+    from eaglepatch.fetch import cache_root
+    os.environ.update(EAGLEPATCH_PATCHES=str(patches), EAGLEPATCH_DEBUG="1", EAGLEPATCH_LOCK_TIMEOUT="5",
+                      EAGLEPATCH_CACHE=str(cache_root().parent), HOME=str(base))
+    yield {"base": base, "upstream": up, "patched": patched, "newer": newer, "co": co, "committed": committed,
+           "hashes": {"upstream": hashes(up), "patched": hashes(patched)}}
+    for k, v in old_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(base, ignore_errors=True)
 
 
-@SETTINGS
-@given(draft=_file_bytes(), data=_file_bytes(), draft_kind=st.sampled_from(["file", "dir", "missing", "unreadable"]),
-       data_kind=st.sampled_from(["dir", "file", "missing", "dump"]),
-       release=st.sampled_from([None, None, None, None, "0.5.9", "0.5.23", "9.9.9", ""]),
-       sglang=st.sampled_from([None, None, None, "missing", "empty-dir", "file"]), as_json=st.booleans())
-def test_guard_cli_properties(tmp_path_factory, guard_mod, draft, data, draft_kind, data_kind, release, sglang,
-                              as_json):
-    root = tmp_path_factory.mktemp("g")
-    d = root / "draft"
-    d.mkdir()
-    (d / "config.json").write_bytes(draft)
-    dpath = {"file": d / "config.json", "dir": d, "missing": root / "nope.json",
-             "unreadable": d / "config.json"}[draft_kind]
-    if draft_kind == "unreadable":
-        (d / "config.json").unlink()
-        (d / "config.json").mkdir()  # a directory where the file should be: reading it fails
-        dpath = d / "config.json" / "config.json"
-        dpath.mkdir()
-    ds = root / "ds"
-    ds.mkdir()
-    (ds / "manifest.json").write_bytes(data)
-    if data_kind == "dump":
-        (ds / "x.safetensors").write_bytes(data)
-    spath = {"dir": ds, "file": ds / "manifest.json", "missing": root / "none", "dump": ds / "x.safetensors"}[data_kind]
-    argv = ["--draft-config", dpath, "--dataset", spath]
-    if sglang is not None:
-        sg = {"missing": root / "no-tree", "empty-dir": root, "file": ds / "manifest.json"}[sglang]
-        argv += ["--sglang", sg]
-    elif release is not None:
-        argv += ["--release", release]
-    if as_json:
-        argv.append("--json")
-    before = snapshot(root)
-    rc, out, err = run(guard_mod, argv)
-    check_outcome(rc, out, err, before, snapshot(root))
+class Scratch:
+    """A per-example directory: a fresh tree, a series copy, an output dir, a file, a missing path."""
+
+    def __init__(self, world, tree="upstream"):
+        self.dir = Path(tempfile.mkdtemp(dir=world["base"]))
+        self.tree = self.dir / "tree"
+        shutil.copytree(world[tree], self.tree, symlinks=True)
+        self.series = self.dir / "sglang-0.5.9"
+        shutil.copytree(BASIC, self.series)
+        self.out = self.dir / "out"
+        self.afile = self.dir / "afile"
+        self.afile.write_text("not a directory\n")
+        self.missing = self.dir / "missing"
+
+    def path(self, key: str):
+        return {"tree": self.tree, "tree/sglang": self.tree / "sglang", "series": self.series, "out": self.out,
+                "out.json": self.out / "r.json", "r.json": self.dir / "r.json", "afile": self.afile,
+                "afile/x": self.afile / "x",
+                "missing": self.missing, "missing/x": self.missing / "x", "dir": self.dir, "empty": "",
+                "tilde": "~/nothing-here", "basic": BASIC, "basic/series": BASIC / "series"}[key]
+
+    def close(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-# ---- extract --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def ex(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    import tinychat
-
-    root = tmp_path_factory.mktemp("exprop")
-    tok = tinychat.build_tokenizer(root / "tok")
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 1024,
-                                                   "hidden_size": 256, "num_hidden_layers": 4}))
-    data = tinychat.write_jsonl(root / "conv.jsonl", tinychat.conversations(4))
-    dumps = root / "dumps"
-    dumps.mkdir()
-    return {"root": root, "tok": tok, "model": model, "data": data, "dumps": dumps, "mod": load_tool("extract"),
-            "port": closed_port()}
+PATHS = st.sampled_from(["tree", "tree/sglang", "series", "out", "out.json", "afile", "afile/x", "missing",
+                         "missing/x", "dir", "empty", "tilde", "basic", "basic/series"])
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                    max_leaves=6)
 
 
-def mostly(common, *rare):
-    """``common`` three times in four, else one of ``rare`` (keeps most runs past argument parsing)."""
-    return st.one_of(st.just(common), st.just(common), st.just(common), st.sampled_from(rare))
+@st.composite
+def damage(draw):
+    """A function that damages a series dir in one of the ways a hostile world does (or not at all)."""
+    kind = draw(st.sampled_from(["none"] * 12 + [
+        "cut", "insert", "crlf", "hunk-count", "no-separator", "not-utf8", "empty", "series-list", "smoke-list",
+        "manifest-json", "manifest-files", "manifest-hunks", "no-manifest"]))
+    frac = draw(st.floats(0, 1))
+    blob = draw(st.binary(max_size=12))
+    text = draw(st.text(max_size=20))
+    any_json = draw(JSON)
+
+    def apply(d: Path) -> None:
+        patches = sorted(d.glob("*.patch"))
+        p = patches[int(frac * (len(patches) - 1))]
+        data = p.read_bytes()
+        at = int(frac * len(data))
+        if kind == "cut":
+            p.write_bytes(data[:at])
+        elif kind == "insert":
+            p.write_bytes(data[:at] + blob + data[at:])
+        elif kind == "crlf":
+            p.write_bytes(data.replace(b"\n", b"\r\n"))
+        elif kind == "hunk-count":
+            p.write_bytes(data.replace(b"@@ -", b"@@ -1", 1))
+        elif kind == "no-separator":
+            p.write_bytes(data.replace(b"\n---\n", b"\n", 1))
+        elif kind == "not-utf8":
+            p.write_bytes(data[:at] + b"\xff\xfe" + data[at:])
+        elif kind == "empty":
+            p.write_bytes(b"")
+        elif kind == "series-list":
+            (d / "series").write_text(text)
+        elif kind == "smoke-list":
+            (d / "smoke.series").write_bytes(blob)
+        elif kind == "manifest-json":
+            (d / "manifest.json").write_text(json.dumps(any_json))
+        elif kind == "manifest-files":
+            m = json.loads((d / "manifest.json").read_text())
+            m["files"][sorted(m["files"])[int(frac * (len(m["files"]) - 1))]] = any_json
+            (d / "manifest.json").write_text(json.dumps(m))
+        elif kind == "manifest-hunks":
+            m = json.loads((d / "manifest.json").read_text())
+            m["patches"][0]["hunks"] = any_json
+            (d / "manifest.json").write_text(json.dumps(m))
+        elif kind == "no-manifest":
+            (d / "manifest.json").unlink()
+
+    apply.kind = kind
+    return apply
 
 
-@SETTINGS
-@given(data_kind=mostly("good", "bytes", "missing", "dir"), data_bytes=_file_bytes(),
-       model_kind=mostly("good", "bytes", "missing"), model_bytes=_file_bytes(),
-       tok_kind=mostly("good", "model", "missing"), dump_kind=mostly("good", "missing", "file"),
-       out_kind=mostly("new", "nested-new", "file", "under-file", "empty-dir"),
-       server=st.one_of(st.just("closed"), st.sampled_from(["", "nonsense", "http://[::1", "ftp://x", "http://a..b:1"]),
-                        st.text(max_size=12)),
-       fmt=mostly(None, "specforge", "speculators", "other"),
-       nums=st.dictionaries(st.sampled_from(["--max-len", "--concurrency", "--dump-timeout", "--request-timeout",
-                                             "--retries", "--max-attempts", "--limit"]), NUM, max_size=2),
-       aux=mostly(None, "-1,1,2", "1,2", "7", "-2", "1,,2", "x"),
-       mask=mostly(None, "auto", "generation", "offsets", "bogus"))
-def test_extract_cli_properties(ex, tmp_path_factory, data_kind, data_bytes, model_kind, model_bytes, tok_kind,
-                                dump_kind, out_kind, server, fmt, nums, aux, mask):
-    root = tmp_path_factory.mktemp("e")
-    data = {"good": ex["data"], "missing": root / "none.jsonl", "dir": root}.get(data_kind)
-    if data_kind == "bytes":
-        data = root / "d.jsonl"
-        data.write_bytes(data_bytes)
-    model = {"good": ex["model"], "missing": root / "no-model"}.get(model_kind)
-    if model_kind == "bytes":
-        model = root / "m"
-        model.mkdir()
-        (model / "config.json").write_bytes(model_bytes)
-    tok = {"good": ex["tok"], "model": model, "missing": root / "no-tok"}[tok_kind]
-    dump = {"good": ex["dumps"], "missing": root / "no-dumps", "file": ex["data"]}[dump_kind]
-    (root / "f").write_text("x")
-    (root / "empty").mkdir()
-    out = {"new": root / "out", "nested-new": root / "a" / "b" / "out", "file": root / "f",
-           "under-file": root / "f" / "out", "empty-dir": root / "empty"}[out_kind]
-    url = f"http://127.0.0.1:{ex['port']}" if server == "closed" else server
-    argv = ["--server", url, "--model", model, "--tokenizer", tok, "--data", data, "--dump-dir", dump,
-            "--out", out, "--no-progress"]
-    if fmt:
-        argv += ["--format", fmt]
-    if mask:
-        argv += ["--mask", mask]
-    if aux is not None:
-        argv.append(f"--aux-layers={aux}")
-    for k, v in nums.items():
-        argv.append(f"{k}={v}")
-    before = snapshot(root)
-    rc, stdout, err = run(ex["mod"], argv)
-    check_outcome(rc, stdout, err, before, snapshot(root))
-    assert rc != 0  # no server answers
+@st.composite
+def tree_damage(draw):
+    kind = draw(st.sampled_from(["none"] * 8 + ["crlf", "delete", "cut", "garbage", "a-directory", "dangling-link",
+                                 "partly-patched", "local-edit"]))
+    rel = draw(st.sampled_from(TARGETS))
+    frac = draw(st.floats(0, 1))
+
+    def apply(tree: Path, world) -> None:
+        p = tree / rel
+        if kind == "none" or (not p.exists() and kind != "a-directory"):
+            return
+        if kind == "crlf":
+            p.write_bytes(p.read_bytes().replace(b"\n", b"\r\n"))
+        elif kind == "delete":
+            p.unlink()
+        elif kind == "cut":
+            p.write_bytes(p.read_bytes()[: int(frac * p.stat().st_size)])
+        elif kind == "garbage":
+            p.write_bytes(os.urandom(64))
+        elif kind == "a-directory":
+            if p.exists():
+                p.unlink()
+            p.mkdir(parents=True)
+        elif kind == "dangling-link":
+            p.unlink()
+            p.symlink_to(tree / "no-such-file")
+        elif kind == "partly-patched":
+            src = world["patched"] / rel
+            if src.exists():
+                shutil.copy(src, p)
+        elif kind == "local-edit":
+            p.write_bytes(p.read_bytes() + b"# a local edit\n")
+
+    apply.kind = kind
+    return apply
+
+
+def exercise(world, tool: str, argv_keys: list, scratch: Scratch) -> None:
+    argv = [scratch.path(a[1:]) if isinstance(a, str) and a.startswith("@") else a for a in argv_keys]
+    before = hashes(scratch.tree)
+    rc, out, err = run(tool, argv, cwd=scratch.dir)
+    check_result(tool, argv, rc, out, err)
+    event(f"exit {rc}")
+    after = hashes(scratch.tree)
+    writes = tool == "apply" and not ({"--check"} & set(map(str, argv)))
+    if rc != 0 or not writes:
+        assert after == before, f"{tool} {argv} exit {rc} changed the tree\n{out}\n{err}"
+    assert not leftovers(scratch.tree, scratch.dir), leftovers(scratch.tree, scratch.dir)
+
+
+# ------------------------------------------------------------------------------------------
+# the properties
+
+@settings(max_examples=300, **SETTINGS)
+@given(root=st.sampled_from(["tree"] * 12) | PATHS,
+       flags=st.tuples(st.sampled_from([[], ["--check"]]), st.sampled_from([[], [], ["--reverse"]]),
+                       st.sampled_from([[]] * 3 + [["--force"]]), st.sampled_from([[]] * 4 + [["--commit"]]),
+                       st.sampled_from([[]] * 19 + [["--bogus"]])).map(lambda t: sum(t, [])),
+       series=st.sampled_from([None, "@series"] * 6 + ["@afile", "@missing", "@tilde", "@basic/series", "@empty"]),
+       start=st.sampled_from(["upstream", "patched", "co", "committed"]), dmg=damage(), tdmg=tree_damage(),
+       fetch=st.sampled_from([None] * 20 + [[], ["abc"], ["0.5.10"], ["0.5.9", "@afile"], ["0.5.9", "@dir"]]))
+def test_apply_cli(world, root, flags, series, start, dmg, tdmg, fetch):
+    s = Scratch(world, start)
+    try:
+        dmg(s.series)
+        tdmg(s.tree if start in ("upstream", "patched") else s.tree / "python", world)
+        argv = [] if (fetch is not None and root != "tree") else [f"@{root}"]
+        argv += flags + (["--series", series] if series else [])
+        if fetch is not None:
+            argv += ["--fetch", *fetch]
+        exercise(world, "apply", argv, s)
+    finally:
+        s.close()
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(root=st.sampled_from(["tree"] * 12) | PATHS,
+       series=st.sampled_from([None, "@series"] * 6 + ["@afile", "@missing", "@tilde", "@basic/series"]),
+       json_out=st.sampled_from([None, "@r.json"] * 4 + ["@afile/x", "@missing/x", "@dir", "@empty", "@afile"]),
+       smoke=st.sampled_from([None, "none", "static"] * 3 + ["bogus"]),
+       start=st.sampled_from(["upstream", "patched", "newer"]),
+       dmg=damage(), tdmg=tree_damage())
+def test_verify_cli(world, root, series, json_out, smoke, start, dmg, tdmg):
+    s = Scratch(world, start)
+    try:
+        s.out.mkdir()
+        dmg(s.series)
+        tdmg(s.tree, world)
+        argv = [f"@{root}"] + (["--series", series] if series else []) + (["--json", json_out] if json_out else [])
+        argv += ["--smoke", smoke] if smoke else ["--smoke", "none"]
+        exercise(world, "verify", argv, s)
+    finally:
+        s.close()
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(repo=st.sampled_from(["committed"] * 12 + ["co", "tree", "missing", "afile"]),
+       base=st.sampled_from(["v0.5.9"] * 6 + ["v9.9.9", "HEAD", "", "main", "v"]),
+       branch=st.sampled_from([None] * 12 + ["HEAD", "eaglepatch/sglang-0.5.9", "nope", "-x"]),
+       out=st.sampled_from(["@series", "@out"] * 6 + ["@afile", "@afile/x", "@missing/x", "@dir"]),
+       check=st.booleans(), version=st.sampled_from([None] * 4 + ["0.5.9-2", "", "x y"]), dmg=damage())
+def test_export_cli(world, repo, base, branch, out, check, version, dmg):
+    s = Scratch(world, "committed" if repo in ("committed", "tree") else "co")
+    try:
+        dmg(s.series)
+        root = {"committed": s.tree, "co": s.tree, "tree": s.tree / "python", "missing": s.missing,
+                "afile": s.afile}[repo]
+        argv = [root, "--base", base, "--out", out] + (["--branch", branch] if branch else [])
+        argv += (["--check"] if check else []) + (["--series-version", version] if version is not None else [])
+        head = git(s.tree, "rev-parse", "HEAD")
+        exercise(world, "export", argv, s)
+        assert git(s.tree, "rev-parse", "HEAD") == head and git(s.tree, "status", "--porcelain") == ""
+    finally:
+        s.close()
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(frm=st.sampled_from([None] * 12 + ["0.5.9", "0.5.10", "abc", ""]),
+       to=st.sampled_from([None] * 6 + ["0.5.9", "0.5.9.1", "abc"]),
+       from_tree=st.sampled_from(["tree"] * 6 + [None, "missing", "afile"]),
+       to_tree=st.sampled_from(["newer"] * 6 + [None, "tree", "missing", "afile"]),
+       series=st.sampled_from(["@series"] * 6 + [None, "@afile", "@missing"]),
+       out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir"]),
+       json_out=st.sampled_from([None, "@r.json"] * 3 + ["@afile/x", "@dir", "@out.json"]),
+       flags=st.lists(st.sampled_from(["--dry-run", "--force"]), unique=True), dmg=damage())
+def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, flags, dmg):
+    if to_tree is None and to not in (None, "0.5.9") or from_tree is None and frm not in (None, "0.5.9", "0.5.10",
+                                                                                           "abc", ""):
+        return  # a release without a local tree would be downloaded: only cached ones are used here
+    s = Scratch(world)
+    try:
+        dmg(s.series)
+        trees = {"tree": s.tree, "newer": world["newer"], "missing": s.missing, "afile": s.afile}
+        argv = []
+        for flag, val in (("--from", frm), ("--to", to), ("--series", series), ("--json", json_out)):
+            if val is not None:
+                argv += [flag, val]
+        for flag, key in (("--from-tree", from_tree), ("--to-tree", to_tree)):
+            if key is not None:
+                argv += [flag, trees[key]]
+        argv += ["--out", out] + flags
+        newer = hashes(world["newer"])
+        exercise(world, "port", argv, s)
+        assert hashes(world["newer"]) == newer
+    finally:
+        s.close()
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(releases=st.sampled_from([None, "0.5.9", "0.5.9,0.5.10", "x", ",", "0.5.10,abc"]),
+       out=st.sampled_from(["@r.json"] * 4 + ["@afile", "@afile/x", "@dir", "@missing/x"]),
+       flags=st.lists(st.sampled_from(["--strict", "--pinned"]), unique=True))
+def test_drift_cli(world, releases, out, flags):
+    if releases is None and "--pinned" not in flags:
+        return  # every release on the package index: not here
+    s = Scratch(world)
+    try:
+        s.out.mkdir()
+        argv = (["--releases", releases] if releases is not None else []) + ["--out", out] + flags
+        exercise(world, "drift", argv, s)
+    finally:
+        s.close()
+
+
+def test_the_damage_is_seen(world):
+    """The properties are not vacuous: damaged inputs do reach the tools' refusals."""
+    s = Scratch(world)
+    try:
+        p = next(s.series.glob("0002-*.patch"))
+        p.write_bytes(p.read_bytes().replace(b"\n", b"\r\n"))
+        rc, out, err = run("apply", [s.tree, "--series", s.series])
+        assert rc == 2 and "CRLF" in err
+        (s.tree / TARGETS[-1]).write_bytes(b"garbage\n")
+        rc, out, err = run("apply", [s.tree, "--series", BASIC])
+        assert rc == 1 and "local edits" in err
+    finally:
+        s.close()

@@ -9,7 +9,7 @@ from conftest import REPO, one_line_error, run_tool
 def test_pinned_gate_passes_on_the_real_series():
     r = run_tool("drift", "--pinned")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "sglang-0.5.9 on sglang 0.5.9: all exact (11/11 hunks exact)" in r.stdout
+    assert "sglang-0.5.9 on sglang 0.5.9: all exact (15/15 hunks exact)" in r.stdout
     assert "sglang-0.5.23 on sglang 0.5.23: all exact" in r.stdout
 
 
@@ -30,8 +30,8 @@ def test_matrix_uses_the_nearest_older_series_and_names_the_port(tmp_path):
     r = run_tool("drift", "--releases", "0.5.23,0.5.9,0.5.10", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
     md = out.read_text()
-    assert "| 0.5.9 | sglang-0.5.9 | 11/11 exact | all exact |" in md
-    assert "| 0.5.23 | sglang-0.5.23 | 8/8 exact | all exact |" in md
+    assert "| 0.5.9 | sglang-0.5.9 | 15/15 exact | all exact |" in md
+    assert "| 0.5.23 | sglang-0.5.23 | 12/12 exact | all exact |" in md
     row = next(ln for ln in md.splitlines() if ln.startswith("| 0.5.10 | sglang-0.5.9 |"))
     assert "drift:" in row and "`python3 tools/port.py --from 0.5.9 --to 0.5.10`" in row
     # release x hunk table of the 0.5.9 series: the 0.5.10 capture-loop hunk lost its context
@@ -40,7 +40,7 @@ def test_matrix_uses_the_nearest_older_series_and_names_the_port(tmp_path):
     r510 = next(ln for ln in table.splitlines() if ln.startswith("| 0.5.10 |")).split(" | ")
     assert r510[head.index("2.deepseek_v2.py#1")] == "ctx"
     assert r510[head.index("1.settings.py#0")] == "exact"
-    assert "Footprint: 9 line(s) added and 3 removed in 3 upstream file(s)" in table
+    assert "Footprint: 11 line(s) added and 3 removed in 4 upstream file(s)" in table
     assert "## Series sglang-0.5.23" in md and "`kimi_k25.py`" not in md.split("## Series sglang-0.5.23")[1]
     assert r.stdout.strip().endswith(f"wrote {out}")
     # --strict turns the drift into exit 1, and the file is still written in one piece

@@ -172,6 +172,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
 if __name__ != "__main__":
     import pytest
     from conftest import REAL, hashes, run_tool
+    from txnkit import kill, start_stopped
 
     from eaglepatch.series import load_series, sha256_bytes
 
@@ -288,27 +289,20 @@ if __name__ != "__main__":
         return states.pop() if len(states) == 1 else "mixed"
 
     def _kill_at(pp: Path, args, stage: str, delay: float) -> str:
-        """Start apply.py, SIGKILL it at `stage`; returns what the redo log looked like."""
+        """Run apply.py and SIGKILL it at `stage` of its transaction (a stop point: `staged` = before
+        the commit point, `ready` = just after it, `replacing` = one file replaced) or, for
+        `delay`, after `delay` seconds wherever it is; returns what the redo log looked like."""
         txn = pp / ".eaglepatch-txn"
-        first_target = pp / sorted(_targets())[0]
-        ino = first_target.stat().st_ino if first_target.exists() else None
-        proc = subprocess.Popen([sys.executable, str(TOOLS / "apply.py"), str(pp), *args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        t0 = time.monotonic()
-        try:
-            while proc.poll() is None and time.monotonic() - t0 < 60:
-                if stage == "delay" and time.monotonic() - t0 >= delay:
-                    break
-                if stage == "txn" and txn.exists():
-                    break
-                if stage == "ready" and (txn / "READY").exists():
-                    break
-                if stage == "replacing" and first_target.exists() and first_target.stat().st_ino != ino:
-                    break
-        except FileNotFoundError:  # a file vanished between two checks: kill now
-            pass
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        if stage == "delay":
+            proc = subprocess.Popen([sys.executable, str(TOOLS / "apply.py"), str(pp), *args],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                proc.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        else:
+            kill(start_stopped("apply", pp, *args, stage=stage))
         if not txn.exists():
             return "no log"
         return "log with READY" if (txn / "READY").exists() else "log without READY"
@@ -329,7 +323,7 @@ if __name__ != "__main__":
         assert r.returncode == 0 and hashes(pp) == orig, r.stderr
         seen = []
         rng = random.Random(3)
-        stages = ["txn", "ready", "replacing", "delay"]
+        stages = ["staged", "ready", "replacing", "delay"]
         for i in range(24):
             stage = stages[i % len(stages)]
             reverse = (i // len(stages)) % 2 == 1
@@ -339,6 +333,8 @@ if __name__ != "__main__":
             found = _kill_at(pp, args, stage, rng.uniform(0.0, full_run))
             st = _state(pp, orig)
             seen.append((stage, "reverse" if reverse else "apply", found, st))
+            if stage != "delay":
+                assert found == ("log without READY" if stage == "staged" else "log with READY"), seen[-1]
             if found != "log with READY":  # nothing committed yet, or all done: never a mix
                 assert st in ("upstream", "patched"), seen[-1]
             r = run_tool("apply", pp, *args)  # the next run completes or discards, then acts

@@ -1,8 +1,11 @@
-"""Smoke checks of the 0.5.9 series on CPU with real SGLang code (issue 3, Proof a-e).
+"""Smoke checks of every series on CPU with real SGLang code (one harness for all releases).
 
-The patched tree is the unpacked sglang 0.5.9 wheel + patches/sglang-0.5.9/series + smoke.series,
-built once per session; the checks run through eaglepatch.smoke.run_smoke in the cached CPU
-environment, each worker group once per session (the tests of a group share its results).
+For each series under patches/ the patched tree is the unpacked release wheel + its series +
+smoke.series, built once per session; the checks run through eaglepatch.smoke.run_smoke in the
+cached CPU environment of that release, each worker group once per session (the tests of a
+group share its results). Every reference check also reports the nearest wrong reference (ids
+shifted by one, the final state without its norm, the last layer after the norm) and fails when
+that one is not far off: the checks can tell a wrong layer from the right one.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eaglepatch import cpuenv  # noqa: E402
-from eaglepatch.smoke import STUBS, run_smoke  # noqa: E402
+from eaglepatch import PINNED_RELEASE, cpuenv  # noqa: E402
+from eaglepatch.fetch import unpacked_release  # noqa: E402
+from eaglepatch.series import available_series  # noqa: E402
+from eaglepatch.smoke import STUBS, _common, run_smoke  # noqa: E402
 from eaglepatch.smoke.tree import patched_tree  # noqa: E402
 
-SERIES = REPO / "patches" / "sglang-0.5.9"
+SERIES = available_series()
 TOL = 1e-4
 
 
@@ -39,26 +44,42 @@ def _explain(results) -> str:
                      for r in results)
 
 
+@pytest.fixture(scope="session", params=sorted(SERIES), ids=lambda r: "sglang-" + r)
+def release(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def smoke_tree(tmp_path_factory, release_059) -> Path:
+def _trees(tmp_path_factory):
+    return {}
+
+
+@pytest.fixture(scope="session")
+def smoke_tree(release, _trees, tmp_path_factory) -> Path:
     """Package parent of the patched tree under test (series + test-only smoke series)."""
-    if not (SERIES / "series").is_file():
-        pytest.fail("no series at %s" % SERIES)
-    return patched_tree(release_059, SERIES, tmp_path_factory.mktemp("smoke-tree"))
+    if release not in _trees:
+        _trees[release] = patched_tree(unpacked_release(release, quiet=True), SERIES[release],
+                                       tmp_path_factory.mktemp("smoke-tree-" + release))
+    return _trees[release]
 
 
 @pytest.fixture(scope="session")
-def smoke_groups(smoke_tree, tmp_path_factory):
-    """group -> results, each worker group run at most once per session."""
-    cache: dict = {}
+def _group_cache():
+    return {}
+
+
+@pytest.fixture
+def smoke_groups(release, smoke_tree, _group_cache, tmp_path_factory):
+    """group -> results, each worker group of each release run at most once per session."""
 
     def get(group: str):
-        if group not in cache:
+        key = (release, group)
+        if key not in _group_cache:
             level = "import" if group == "import" else "functional"
             checks = None if level == "import" else [group]
-            cache[group] = run_smoke(level, smoke_tree, SERIES, checks=checks,
-                                     work_dir=tmp_path_factory.mktemp("smoke-%s" % group.replace(":", "-")))
-        return cache[group]
+            _group_cache[key] = run_smoke(level, smoke_tree, SERIES[release], checks=checks,
+                                          work_dir=tmp_path_factory.mktemp("smoke-%s-%s" % (release, group)))
+        return _group_cache[key]
 
     return get
 
@@ -67,6 +88,14 @@ def _select(results, prefix: str):
     sel = [r for r in results if r.name.startswith(prefix)]
     assert sel, "no result named %r in:\n%s" % (prefix, _explain(results))
     return sel
+
+
+def _passed_and_discriminating(r):
+    """Passed, within TOL, and the nearest wrong reference is at least WRONG_MARGIN x TOL off."""
+    assert r.passed, _explain([r])
+    assert _figure(r) <= TOL
+    m = re.search(r"nearest wrong reference ([0-9.eE+-]+)", r.detail)
+    assert m and float(m.group(1)) >= _common.WRONG_MARGIN * TOL, _explain([r])
 
 
 # ---- cheap checks of the harness itself ------------------------------------------------------
@@ -126,27 +155,25 @@ def test_import_level(smoke_groups):
     assert all(r.passed for r in results), _explain(results)
 
 
-def test_import_level_fails_on_the_unpatched_release(release_059):
-    """The import level must be able to fail: upstream 0.5.9 lacks the series."""
-    results = run_smoke("import", release_059, None)
+def test_import_level_fails_on_the_unpatched_release(release):
+    """The import level must be able to fail: the upstream release lacks the series."""
+    results = run_smoke("import", unpacked_release(release, quiet=True), SERIES[release])
     failed = {r.name for r in results if not r.passed}
     assert "import sglang.srt.eagle3_capture" in failed, _explain(results)
     assert "import: series symbols and hooks present" in failed, _explain(results)
 
 
-# ---- functional level: issue 3 checks a-e ------------------------------------------------------
+# ---- functional level: checks a-e, g -----------------------------------------------------------
 
 def test_a_eagle3_capture_matches_hf(smoke_groups):
-    results = smoke_groups("runner")
-    (r,) = _select(results, "a.")
-    assert r.passed, _explain([r])
-    assert _figure(r) <= TOL
-    assert "layers_to_capture before init_device_graphs=[0, 2, 3]" in r.detail
+    (r,) = _select(smoke_groups("runner"), "a.")
+    _passed_and_discriminating(r)
+    assert re.search(r"layers_to_capture before init_(device|cuda)_graphs=\[0, 2\] \(\+ final-norm hook\)", r.detail)
 
 
 def test_a_fails_without_the_smoke_patch(release_059, tmp_path):
     """Check a can fail: without the test-only smoke patch the torch_native MHA prefill is wrong."""
-    pp = patched_tree(release_059, SERIES, tmp_path / "no-smoke", smoke=False)
+    pp = patched_tree(release_059, SERIES[PINNED_RELEASE], tmp_path / "no-smoke", smoke=False)
     results = run_smoke("functional", pp, None, checks=["runner:a"], work_dir=tmp_path / "work")
     (r,) = _select(results, "a.")
     assert not r.passed and _figure(r) > 100 * TOL, _explain([r])
@@ -154,34 +181,65 @@ def test_a_fails_without_the_smoke_patch(release_059, tmp_path):
 
 def test_b_dump_through_engine_matches_hf(smoke_groups):
     (r,) = _select(smoke_groups("engine"), "b.")
-    assert r.passed, _explain([r])
-    assert _figure(r) <= TOL
+    _passed_and_discriminating(r)
 
 
-def test_c_dump_through_kimi_k25_wrapper_matches_hf(smoke_groups):
+def test_c_dump_through_kimi_k25_wrapper_under_chunked_prefill_matches_hf(smoke_groups):
     (r,) = _select(smoke_groups("engine"), "c.")
-    assert r.passed, _explain([r])
-    assert _figure(r) <= TOL
+    _passed_and_discriminating(r)
+    assert "lengths [64, 3, 17, 129, 200, 311, 45]" in r.detail  # one chunk exactly, several, mixed
 
 
 def test_d_outputs_identical_with_dump_on_and_off(smoke_groups):
     (r,) = _select(smoke_groups("runner"), "d.")
     assert r.passed, _explain([r])
     assert _figure(r) == 0.0
+    assert "dump-on run wrote 4 files" in r.detail
 
 
-def test_e_refused_at_engine_start(smoke_groups):
-    (r,) = _select(smoke_groups("engine"), "e.")
-    assert r.passed, _explain([r])
-    assert "--disable-radix-cache" in r.detail
+def test_e_refused_before_any_worker_starts(smoke_groups):
+    engine = _select(smoke_groups("engine"), "e.")
+    assert {r.name for r in engine} == {_common.E_ENGINE_NAME, _common.E_LAUNCH_NAME}
+    assert all(r.passed for r in engine), _explain(engine)
 
 
-def test_e_refused_in_model_runner_init(smoke_groups):
+def test_e_every_rule_refused_at_launch_and_in_the_runner(smoke_groups):
     results = _select(smoke_groups("runner"), "e.")
-    refused = [r for r in results if r.name.startswith("e. refused")]
-    assert len(refused) >= 9, _explain(results)
+    launch = [r for r in results if r.name.startswith("e. refused at launch")]
+    assert len(launch) >= 6, _explain(results)
+    assert any(r.name == _common.E_RUNNER_NAME for r in results)
     assert all(r.passed for r in results), _explain(results)
-    # the control: the same ModelRunner init without a refused setting starts and dumps (check d)
-    (d,) = _select(smoke_groups("runner"), "d.")
-    assert d.passed and "dump-on run wrote 4 files" in d.detail, _explain([d])
 
+
+def test_g_image_prompt_ids_and_rows(smoke_groups):
+    (r,) = _select(smoke_groups("runner"), "g.")
+    _passed_and_discriminating(r)
+    assert "clamped to 1023" in r.detail and "placeholder 1000" in r.detail
+
+
+# ---- the reference check itself --------------------------------------------------------------
+
+def test_row_check_fails_on_a_wrong_layer_and_a_skipped_norm():
+    """RowCheck (the comparison every check above uses) flags a state read one layer off, a
+    final state without its norm and a last-layer state after the norm."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "src" / "eaglepatch" / "smoke"))
+    import _common as worker_common  # the module the workers import by path
+    from _hf import Ref
+
+    g = torch.Generator().manual_seed(0)
+    stream = tuple(torch.randn(5, 8, generator=g) for _ in range(5))  # embed, 3 layers, last pre-norm
+    final = stream[-1] / stream[-1].pow(2).mean(-1, keepdim=True).sqrt()
+    ref = Ref(stream, final, None)
+    ok = worker_common.RowCheck(TOL)
+    for k in (-1, 1, 3):
+        ok.layer(stream[k + 1].clone(), ref, k)
+    ok.final(final.clone(), ref)
+    assert ok.problems() == [] and ok.wrong > 0.1
+    for wrong in [lambda c: c.layer(stream[2], ref, 0),  # id 0 read as HF index 2
+                  lambda c: c.layer(stream[1], ref, 1),  # id 1 read as HF index 1
+                  lambda c: c.final(stream[-1], ref),  # final without its norm
+                  lambda c: c.layer(final, ref, 3)]:  # the last layer after the norm
+        c = worker_common.RowCheck(TOL)
+        wrong(c)
+        assert any("max abs diff" in p for p in c.problems())

@@ -5,9 +5,12 @@
   python tools/apply.py --fetch [RELEASE [DEST]]
 
 ROOT is an SGLang git checkout (python/sglang/...) or a dir holding the installed sglang/ package.
+The tree is locked while the tool runs; a change is one transaction (an interrupted one is
+finished or undone by the next run that writes the tree; --check writes nothing).
 Exit: 0 applied / already applied, 1 refused (tree untouched), 2 usage or input error.
 """
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eaglepatch import PINNED_RELEASE  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
-from eaglepatch.tree import pick_series  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,40 +29,46 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="apply over local edits / anchor drift (still zero fuzz)")
     ap.add_argument("--commit", action="store_true", help="git checkouts: one commit per patch on a branch")
     ap.add_argument("--fetch", nargs="*", metavar="RELEASE [DEST]",
-                    help=f"download RELEASE (default: the pinned release, {PINNED_RELEASE}) into a new git repo DEST and apply there")
+                    help=f"download RELEASE (default: the pinned release, {PINNED_RELEASE}) into a new git repo "
+                         "DEST and apply there")
     a = ap.parse_args(argv)
+    command = " ".join(shlex.quote(x) for x in ["python3", "tools/apply.py", *(sys.argv[1:] if argv is None
+                                                                                else argv)])
 
     def body() -> int:
-        from eaglepatch.applier import apply_series
+        from eaglepatch.applier import apply_series, fetch_and_apply
         from eaglepatch.errors import UsageError
-        from eaglepatch.tree import UpstreamTree
+        from eaglepatch.series import available_series, check_release, load_series
+        from eaglepatch.tree import pick_series
 
         if a.fetch is not None:
-            from eaglepatch.fetch import make_git_checkout
-            from eaglepatch.series import available_series
             if a.root or len(a.fetch) > 2:
                 raise UsageError("--fetch takes at most RELEASE and DEST and no ROOT",
                                  "run: apply.py --fetch [RELEASE [DEST]]")
-            have = available_series()
+            if a.check or a.reverse:
+                raise UsageError("--fetch makes a new patched checkout; --check and --reverse do not apply",
+                                 "drop --check / --reverse")
+            release = check_release(a.fetch[0], "--fetch") if a.fetch else PINNED_RELEASE
             if a.series is not None:
-                from eaglepatch.series import load_series
-                have = {load_series(a.series).release: a.series}
+                series = load_series(a.series)
+                have = {series.release: a.series}
+            else:
+                have = available_series()
             if not have:
                 raise UsageError("no series under patches/", "pass --series DIR")
-            release = a.fetch[0] if a.fetch else PINNED_RELEASE
             if release not in have:
                 raise UsageError(f"no series for sglang {release} (series that exist: "
                                  + ", ".join(f"sglang-{r}" for r in have) + ")",
                                  f"fetch one of those, e.g. --fetch {list(have)[-1]}")
             dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
-            a.root = str(make_git_checkout(release, dest))
-            a.commit = True
+            tree = fetch_and_apply(release, dest, load_series(have[release]), command=command)
+            print(f"patched sglang {release} is in {tree.root} (package parent {tree.package_parent})")
+            return 0
         if not a.root:
             raise UsageError("ROOT is missing", "pass an SGLang checkout or site-packages dir, or use --fetch")
         series, tree = pick_series(a.root, a.series)
-        apply_series(tree, series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit)
-        if a.fetch is not None:
-            print(f"patched sglang {series.release} is in {tree.root} (package parent {tree.package_parent})")
+        apply_series(tree, series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit,
+                     command=command)
         return 0
 
     return run_main(body)

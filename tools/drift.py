@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch import drift
         from eaglepatch.errors import UsageError
-        from eaglepatch.series import available_series
+        from eaglepatch.outputs import check_output_file, write_atomic
+        from eaglepatch.series import available_series, check_release
 
         if a.pinned:
             if a.releases:
@@ -38,21 +39,20 @@ def main(argv=None) -> int:
             rc = drift.pinned_gate()
             print(f"drift --pinned: {'all series all-exact' if rc == 0 else 'DRIFT'} (exit {rc})")
             return rc
+        check_output_file(a.out, "--out")
         have = available_series()
         if not have:
             raise UsageError("there is no series under patches/", "run from the repository")
-        if a.releases:
-            releases = [r.strip() for r in a.releases.split(",") if r.strip()]
+        if a.releases is not None:
+            releases = [check_release(r.strip(), "--releases") for r in a.releases.split(",") if r.strip()]
+            if not releases:
+                raise UsageError("--releases names no release", "pass --releases R1,R2,... e.g. 0.5.9,0.5.10")
             cmd = f"python3 tools/drift.py --releases {','.join(releases)}"
         else:
             releases = drift.index_releases(next(iter(have)))
             cmd = "python3 tools/drift.py"
         rows, loaded = drift.matrix(releases, say=lambda m: print(m, file=sys.stderr, flush=True))
-        text = drift.render(rows, loaded, cmd)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_name(f".{a.out.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(a.out)
+        write_atomic(a.out, drift.render(rows, loaded, cmd), "--out")
         drifting = [r for r in rows if not r.applies]
         print(f"drift: {len(rows)} release(s), {len(drifting)} with drift "
               + (f"({', '.join(r.release for r in drifting)})" if drifting else "")

@@ -6,8 +6,10 @@
   python tools/export.py --overlay [--out SERIES_DIR] [--check]
 
 One patch per commit base..branch (NNNN-<slug of Subject>.patch, header = commit message);
-commits whose Subject starts with 'smoke:' go to smoke.series. Writes series, smoke.series and
-manifest.json. --check writes nothing and exits 1 if anything on disk differs by one byte.
+commits whose Subject starts with 'smoke:' go to smoke.series (a branch without any, e.g. one
+made by apply --commit, keeps the smoke patches already in the series dir). Writes series,
+smoke.series and manifest.json, all or nothing. --check writes nothing and exits 1 if anything
+on disk differs by one byte.
 
 --overlay regenerates the first patch of every series (or of --out), the one that adds the
 package in sglang-overlay/, and its manifest entries; with --check it only compares.
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch.errors import UsageError
         from eaglepatch.export import export_series
-        from eaglepatch.series import default_patches_root
+        from eaglepatch.series import check_release, default_patches_root
 
         if a.overlay:
             if a.repo or a.base or a.branch or a.series_version:
@@ -51,19 +53,22 @@ def main(argv=None) -> int:
             rel = a.base[1:] if a.base.startswith("v") else None
             if not rel:
                 raise UsageError(f"cannot name the series dir from --base {a.base}", "pass --out DIR")
-            out = default_patches_root() / f"sglang-{rel}"
-        exp, changes = export_series(a.repo, a.base, out, a.branch, a.series_version, check=a.check)
+            out = default_patches_root() / f"sglang-{check_release(rel, '--base v')}"
+        res = export_series(a.repo, a.base, out, a.branch, a.series_version, check=a.check)
         if a.check:
-            for d in changes:
+            for d in res.changes:
                 print(d)
-            if changes:
-                print(f"export --check: {out} differs from a fresh export of {a.branch or 'HEAD'} "
-                      f"({len(changes)} file(s))")
+            if res.changes:
+                print(f"export --check: {res.out} differs from a fresh export of {a.branch or 'HEAD'} "
+                      f"({len(res.changes)} file(s))")
                 return 1
-            print(f"export --check: {out} is byte-identical to a fresh export ({len(exp.files)} files)")
+            print(f"export --check: {res.out} is byte-identical to a fresh export ({len(res.exp.files)} files)")
             return 0
-        print(f"exported {len(exp.product)} patch(es) + {len(exp.smoke)} smoke patch(es) to {out}; "
-              + (f"changed: {', '.join(changes)}" if changes else "nothing changed"))
+        if res.kept_smoke:
+            print(f"the branch has no smoke: commits; kept the smoke patch(es) in {res.out}: "
+                  + ", ".join(res.kept_smoke))
+        print(f"exported {len(res.exp.product)} patch(es) + {len(res.exp.smoke)} smoke patch(es) to {res.out}; "
+              + (f"changed: {', '.join(res.changes)}" if res.changes else "nothing changed"))
         return 0
 
     return run_main(body)

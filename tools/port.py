@@ -35,32 +35,17 @@ def main(argv=None) -> int:
 
     def body() -> int:
         from eaglepatch import port
-        from eaglepatch.errors import UsageError
-        from eaglepatch.fetch import unpacked_release
-        from eaglepatch.series import default_patches_root
-        from eaglepatch.tree import UpstreamTree
+        from eaglepatch.errors import RefusedError, UsageError
+        from eaglepatch.lock import tree_locks
+        from eaglepatch.outputs import check_output_file
+        from eaglepatch.series import default_patches_root, load_series
 
-        def open_tree(root, release, which):
-            if root is not None:
-                t = UpstreamTree.open(root)
-                rel = release or t.release
-                if rel is None:
-                    raise UsageError(f"cannot tell the sglang release of {t.root}",
-                                     f"pass --{which} RELEASE")
-                if release and t.release and release != t.release:
-                    raise UsageError(f"--{which} {release} but {t.root} holds sglang {t.release}",
-                                     f"drop --{which} or pass the matching tree")
-                return t, rel
-            if not release:
-                raise UsageError(f"--{which} is missing", f"pass --{which} RELEASE or --{which}-tree ROOT")
-            pp = unpacked_release(release)
-            return UpstreamTree("installed", pp, pp, release, "dist-info"), release
-
+        if a.json is not None:
+            check_output_file(a.json, "--json")
         if a.series is not None and a.from_release is None and a.from_tree is None:
-            from eaglepatch.series import load_series
             a.from_release = load_series(a.series).release
-        old_tree, from_rel = open_tree(a.from_tree, a.from_release, "from")
-        new_tree, to_rel = open_tree(a.to_tree, a.to_release, "to")
+        old_tree, from_rel = port.open_release_tree(a.from_tree, a.from_release, "from")
+        new_tree, to_rel = port.open_release_tree(a.to_tree, a.to_release, "to")
         old = port.load_old_series(from_rel, a.series)
         if old.release and old.release != from_rel:
             raise UsageError(f"{old.dir} was made for sglang {old.release}, not {from_rel}",
@@ -69,19 +54,18 @@ def main(argv=None) -> int:
             raise UsageError(f"--from and --to are both {to_rel}", "pass the release to port to as --to")
         out = a.out or default_patches_root() / f"sglang-{to_rel}"
         if out.exists() and not (a.force or a.dry_run):
-            from eaglepatch.errors import RefusedError
             raise RefusedError(f"{out} already exists", "pass --force to replace it, --out DIR, or --dry-run")
-        res = port.port_series(old, old_tree.read, new_tree.read, from_rel, to_rel, date=a.date)
+        with tree_locks(old_tree.package_parent, new_tree.package_parent):
+            res = port.port_series(old, old_tree.read, new_tree.read, from_rel, to_rel, date=a.date)
+        if a.json:
+            port.write_json(a.json, res)
         print(port.hunk_table(res))
         print()
         print(port.review(res))
-        if a.json:
-            port.write_json(a.json, res)
         if not res.clean:
             print()
             print(port.conflict_report(res))
-            n = sum(1 for h in res.hunks if h.status == port.CONFLICT) + len(res.file_conflicts)
-            print(f"port: CONFLICT ({n} hunk(s)); nothing written (exit 1)")
+            print(f"port: CONFLICT ({res.conflict_count} hunk(s)); nothing written (exit 1)")
             return 1
         if a.dry_run:
             print(f"port: clean; --dry-run, nothing written (would write {out})")

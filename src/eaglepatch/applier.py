@@ -1,159 +1,43 @@
-"""Transactional, zero-fuzz apply of a series (git apply is the ground truth).
+"""Zero-fuzz apply of a series (`git apply` is the ground truth), all or nothing.
 
-Every result is computed first (in memory, and by `git apply` in a temp dir outside any git
-repository). The tree is then changed through a redo log in `<package parent>/.eaglepatch-txn/`:
-new contents + plan.json, fsync, an atomic READY marker, os.replace of each target, removal of the
-txn dir. Any later run completes a txn that has READY and deletes one that has not.
+Every result is computed first, in memory and by `git apply` in a scratch directory outside any
+git repository, and the two must agree on every offset. The tree is then changed as one
+transaction (`eaglepatch.txn`: preflight, staging beside each target, a commit point, renames),
+under the tree's lock (`eaglepatch.lock`); `--commit` is part of the same transaction
+(`eaglepatch.commit`). Write runs first finish or undo a transaction an interrupted run left;
+`--check` writes nothing and refuses while one is pending.
 """
 
 from __future__ import annotations
 
-import json
+import glob
+import hashlib
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .commit import committed, prepare_commit
 from .errors import RefusedError, UsageError
+from .gitcmd import clean_env, require_git
+from .fetch import make_git_checkout
+from .interrupts import held_interrupts, stop_point
+from .lock import tree_lock
+from .outputs import can_write, scratch_dir
 from .series import Patch, Series, sha256_bytes
 from .tree import UpstreamTree
+from .txn import Transaction, recover, refuse_if_pending
 from .verdicts import ANCHOR_DRIFT, SeriesCheck, check_series
 
-TXN = ".eaglepatch-txn"
 HUNK_RE = re.compile(r"^Hunk #(\d+) succeeded at (\d+)(?: \(offset (-?\d+) lines?\))?\.", re.M)
 CHECKING_RE = re.compile(r"^Checking patch (.+?)\.\.\.$", re.M)
 
 
 # ------------------------------------------------------------------------------------------
-# redo log
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes, mode: int = 0o644) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(path, mode)
-
-
-def prepare_txn(pp: Path, changes: dict, ready: bool = True) -> Path:
-    """Write the redo log for `changes` (rel path -> bytes, or None to delete). With ready=True the
-    READY marker is created atomically: from then on the change is committed."""
-    txn = pp / TXN
-    txn.mkdir()
-    ops = []
-    rmdirs = set()
-    for i, (rel, data) in enumerate(sorted(changes.items())):
-        target = pp / rel
-        if data is None:
-            ops.append({"path": rel, "blob": None})
-            parent = Path(rel).parent
-            while parent.parts and parent.parts[0] == "sglang" and len(parent.parts) > 1:
-                rmdirs.add(str(parent))
-                parent = parent.parent
-            continue
-        mode = (target.stat().st_mode & 0o7777) if target.exists() else 0o644
-        blob = f"{i:04d}.new"
-        _write_synced(txn / blob, data, mode)
-        ops.append({"path": rel, "blob": blob, "sha256": sha256_bytes(data)})
-    plan = {"ops": ops, "rmdirs": sorted(rmdirs, key=lambda p: -len(Path(p).parts))}
-    _write_synced(txn / "plan.json", json.dumps(plan, indent=1, sort_keys=True).encode())
-    _fsync_dir(txn)
-    if ready:
-        _write_synced(txn / "READY.tmp", b"ready\n")
-        os.replace(txn / "READY.tmp", txn / "READY")
-        _fsync_dir(txn)
-    _fsync_dir(pp)
-    return txn
-
-
-def _redo(pp: Path, txn: Path) -> int:
-    plan = json.loads((txn / "plan.json").read_text())
-    touched = set()
-    n = 0
-    for op in plan["ops"]:
-        target = pp / op["path"]
-        if op["blob"] is None:
-            if target.exists() or target.is_symlink():
-                target.unlink()
-                n += 1
-        else:
-            src = txn / op["blob"]
-            if src.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(src, target)
-                n += 1
-        touched.add(target.parent)
-    for d in plan.get("rmdirs", []):
-        p = pp / d
-        try:
-            if p.is_dir() and not any(x for x in p.iterdir() if x.name != "__pycache__"):
-                shutil.rmtree(p)
-                touched.add(p.parent)
-        except OSError:
-            pass
-    for d in touched:
-        _fsync_dir(d)
-    return n
-
-
-def finish_txn(pp: Path) -> int:
-    txn = pp / TXN
-    n = _redo(pp, txn)
-    shutil.rmtree(txn)
-    _fsync_dir(pp)
-    return n
-
-
-def recover(pp: Path) -> str | None:
-    """Complete (READY present) or discard (no READY) a txn left by an interrupted run."""
-    txn = Path(pp) / TXN
-    if not txn.exists():
-        return None
-    if (txn / "READY").exists() and (txn / "plan.json").exists():
-        n = finish_txn(Path(pp))
-        return f"recovered: completed an interrupted eaglepatch transaction in {txn} ({n} file operations redone)"
-    shutil.rmtree(txn)
-    _fsync_dir(Path(pp))
-    return f"recovered: discarded an unfinished eaglepatch transaction in {txn} (it had not changed any file)"
-
-
-def commit_changes(pp: Path, changes: dict) -> None:
-    if not changes:
-        return
-    pp = Path(pp)
-    try:
-        prepare_txn(pp, changes, ready=True)
-    except OSError as exc:  # e.g. ENOSPC before READY: nothing was changed yet
-        shutil.rmtree(pp / TXN, ignore_errors=True)
-        raise RefusedError(f"could not write the transaction log in {pp / TXN}: {exc.strerror or exc}",
-                           "free disk space or fix permissions and run again (no file was changed)") from None
-    finish_txn(pp)
-
-
-# ------------------------------------------------------------------------------------------
 # git apply, the ground truth
-
-def _clean_git_env(ceiling: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env["GIT_CEILING_DIRECTORIES"] = str(ceiling)
-    env["LC_ALL"] = "C"
-    return env
-
 
 @dataclass
 class GitApplyResult:
@@ -170,8 +54,9 @@ class GitApplyResult:
 def git_apply(originals: dict, patches: list[Patch], reverse: bool = False) -> GitApplyResult:
     """Apply `patches` with `git apply` to a temp copy of `originals` (rel -> bytes|None),
     outside any git repository; the snapshot after each patch and git's reported offsets."""
+    require_git()
     res = GitApplyResult()
-    tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-apply-"))
+    tmp = scratch_dir("eaglepatch-apply-")
     try:
         pp = tmp / "pp"
         pp.mkdir()
@@ -179,14 +64,15 @@ def git_apply(originals: dict, patches: list[Patch], reverse: bool = False) -> G
             if data is not None:
                 (pp / rel).parent.mkdir(parents=True, exist_ok=True)
                 (pp / rel).write_bytes(data)
-        env = _clean_git_env(tmp.parent)
+        env = clean_env(ceiling=tmp.parent)
         order = list(reversed(patches)) if reverse else list(patches)
         for i, p in enumerate(order):
             pf = tmp / f"{i:04d}.diff"
             pf.write_bytes(p.body)
             cmd = ["git", "apply", "-v", "--whitespace=nowarn"] + (["-R"] if reverse else []) + [str(pf)]
-            r = subprocess.run(cmd, cwd=pp, env=env, capture_output=True, text=True)
-            out = r.stdout + r.stderr
+            with held_interrupts():
+                r = subprocess.run(cmd, cwd=pp, env=env, capture_output=True)
+            out = (r.stdout + r.stderr).decode("utf-8", "replace")
             if r.returncode != 0:
                 res.error = "\n".join(ln for ln in out.splitlines() if ln.startswith(("error", "fatal")))[:2000] \
                     or out.strip()[:2000]
@@ -207,6 +93,9 @@ def git_apply(originals: dict, patches: list[Patch], reverse: bool = False) -> G
                 snap[rel] = f.read_bytes() if f.exists() else None
             res.snapshots.append(snap)
         return res
+    except OSError as exc:
+        raise RefusedError(f"cannot write the scratch copy for git apply: {exc.strerror}",
+                           "free space in the temp dir (TMPDIR) and run again; nothing was changed") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -272,44 +161,109 @@ def plan_series(tree: UpstreamTree, series: Series, patches: list[Patch], revers
     return chk, ga
 
 
+def edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
+    """Target files that are not what the series expects before it runs: rel -> cause
+    ('missing' | 'crlf' | 'edited' | 'other side', the last = already in the state it leads to)."""
+    key, other = ("patched_sha256", "upstream_sha256") if reverse else ("upstream_sha256", "patched_sha256")
+    out = {}
+    for rel, h in series.manifest_files().items():
+        data = tree.read(rel)
+        cur = sha256_bytes(data)
+        if cur == h.get(key):
+            continue
+        if cur == h.get(other):
+            out[rel] = "other side"
+        elif data is None:
+            out[rel] = "missing"
+        elif b"\r\n" in data and hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest() in (h.get(key),
+                                                                                          h.get(other)):
+            out[rel] = "crlf"
+        else:
+            out[rel] = "edited"
+    return out
+
+
+def _refuse_edits(tree: UpstreamTree, series: Series, reverse: bool, force: bool) -> None:
+    causes = edit_causes(tree, series, reverse)
+    if not causes:
+        return
+    side = "patched" if reverse else "upstream"
+    broken = {r: c for r, c in causes.items() if c in ("missing", "crlf")}
+    if broken:  # no --force can help: zero fuzz never matches a missing or CRLF file
+        what = {"missing": "is missing", "crlf": "has CRLF (Windows) line endings"}
+        fixes = []
+        if "missing" in broken.values():
+            fixes.append("restore missing files (git checkout -- FILE, or reinstall sglang)")
+        if "crlf" in broken.values():
+            fixes.append("convert CRLF files back to LF (dos2unix FILE, or git config core.autocrlf false and "
+                         "check them out again)")
+        raise RefusedError(", ".join(f"{tree.path(r)} {what[c]}" for r, c in broken.items())
+                           + f" (the series expects the {side} sglang {series.release} file)",
+                           " and ".join(fixes) + ", then run again")
+    if force:
+        return
+    if all(c == "other side" for c in causes.values()):
+        partial = list(causes)
+        raise RefusedError(f"the tree is partly patched: {', '.join(partial)} "
+                           f"{'are' if len(partial) > 1 else 'is'} {'upstream' if reverse else 'patched'}"
+                           " but other target files are not",
+                           "restore the upstream files (git checkout / reinstall sglang) and apply again")
+    edited = list(causes)
+    raise RefusedError("local edits: " + ", ".join(str(tree.path(r)) for r in edited)
+                       + f" differ{'s' if len(edited) == 1 else ''} from the {side} sglang {series.release} "
+                       f"recorded in {series.dir.name}/manifest.json",
+                       "restore the file(s) or pass --force to apply anyway (still zero fuzz)")
+
+
+def _already(tree: UpstreamTree, series: Series, reverse: bool, commit: bool, say, chk=None) -> ApplyOutcome:
+    if reverse:
+        say(f"{series.name}: not applied; nothing to reverse ({tree.describe()})")
+        return ApplyOutcome("not applied", chk)
+    if commit:
+        branch = committed(tree, series)
+        if branch is None:
+            raise RefusedError(f"{series.name} is already applied in {tree.root} but not committed",
+                               f"reverse it (tools/apply.py {tree.root} --reverse), then run apply --commit again")
+        say(f"{series.name}: already applied and committed on {branch} ({tree.describe()})")
+        return ApplyOutcome("already applied", chk, branch=branch)
+    say(f"{series.name}: already applied ({tree.describe()})")
+    return ApplyOutcome("already applied", chk)
+
+
 def apply_series(tree: UpstreamTree, series: Series, *, check: bool = False, reverse: bool = False,
-                 force: bool = False, commit: bool = False, say: Callable[[str], None] = print) -> ApplyOutcome:
-    msg = recover(tree.package_parent)
-    if msg:
-        say(msg)
+                 force: bool = False, commit: bool = False, say: Callable[[str], None] = print,
+                 command: str | None = None) -> ApplyOutcome:
+    """Apply (or with reverse=True remove) `series` on `tree` under the tree's lock.
+    `command` is what a later run names to finish an interrupted transaction."""
     if commit and (reverse or tree.kind != "git"):
         raise UsageError("--commit needs a git checkout and cannot be combined with --reverse",
                          "drop --commit, or run it on an SGLang git checkout")
-    if not series.patches:
-        raise UsageError(f"{series.dir}/series lists no patches", "regenerate the series with tools/export.py")
-    state = tree.state(series)
-    if state == ("upstream" if reverse else "patched"):
-        what = "not applied; nothing to reverse" if reverse else "already applied"
-        say(f"{series.name}: {what} ({tree.describe()})")
-        return ApplyOutcome("not applied" if reverse else "already applied")
+    series.require_patches()
+    require_git()
+    with tree_lock(tree.package_parent):
+        return _apply_locked(tree, series, check, reverse, force, commit, say,
+                             command or f"python3 tools/apply.py {tree.root}" + (" --reverse" if reverse else "")
+                             + (" --commit" if commit else "") + (" --force" if force else ""))
+
+
+def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> ApplyOutcome:
+    pp = tree.package_parent
+    if check:
+        refuse_if_pending(pp, "apply --check")
+    else:
+        msg = recover(pp)
+        if msg:
+            say(msg)
+    if tree.state(series) == ("upstream" if reverse else "patched"):
+        return _already(tree, series, reverse, commit, say)
     if series.manifest:
-        key = "patched_sha256" if reverse else "upstream_sha256"
-        edited = [rel for rel, h in series.manifest_files().items() if tree.sha256(rel) != h.get(key)]
-        if edited and not force:
-            other = "upstream_sha256" if reverse else "patched_sha256"
-            partial = [r for r in edited if tree.sha256(r) == series.manifest_files()[r].get(other)]
-            if partial and len(partial) == len(edited):
-                raise RefusedError(f"the tree is partly patched: {', '.join(partial)} "
-                                   f"{'are' if len(partial) > 1 else 'is'} {'upstream' if reverse else 'patched'}"
-                                   " but other target files are not",
-                                   "restore the upstream files (git checkout / reinstall sglang) and apply again")
-            raise RefusedError("local edits: " + ", ".join(str(tree.path(r)) for r in edited)
-                               + f" differ{'s' if len(edited) == 1 else ''} from the "
-                               + ("patched" if reverse else "upstream") + f" sglang {series.release} recorded in "
-                               f"{series.dir.name}/manifest.json",
-                               "restore the file(s) or pass --force to apply anyway (still zero fuzz)")
+        _refuse_edits(tree, series, reverse, force)
     try:
         chk, ga = plan_series(tree, series, series.patches, reverse, force)
     except RefusedError:
         chk = check_series(tree.read, series.patches, series, reverse=reverse)
         if chk.all_already_applied:
-            say(f"{series.name}: {'not applied; nothing to reverse' if reverse else 'already applied'}")
-            return ApplyOutcome("not applied" if reverse else "already applied", chk)
+            return _already(tree, series, reverse, commit, say, chk)
         for ln in _fmt_verdicts(chk, series.patches, reverse):
             say(ln)
         raise
@@ -320,115 +274,97 @@ def apply_series(tree: UpstreamTree, series: Series, *, check: bool = False, rev
         say(f"check: {series.name} {'reverses' if reverse else 'applies'} cleanly to {tree.describe()}; "
             f"{len(changes)} file(s) would change; nothing written")
         return ApplyOutcome("checked", chk, changes)
-    branch = None
+    txn = Transaction(pp, changes, command)
+    cp = None
     if commit:
-        commits = prepare_commits(tree, series, ga, force=force)
-    commit_changes(tree.package_parent, changes)
-    if commit:
-        branch = publish_commits(tree, series, commits, changes)
+        cp = prepare_commit(tree, series, ga.snapshots, changes, force=force)
+        txn.git = cp.txn_info()
+        txn.add(":git index", cp.index, cp.index_path)
+    txn.run(cp.create_branch if cp else None)
     offs = [v for v in chk.verdicts if v.offset]
     say(f"{'reversed' if reverse else 'applied'} {series.name}: {len(series.patches)} patch(es), "
         f"{len(chk.verdicts)} hunk(s)" + (f", {len(offs)} at an offset" if offs else "")
         + f", {len(changes)} file(s) changed in {tree.package_parent}")
-    if branch:
-        say(f"committed {len(series.patches)} patch(es) on branch {branch}")
-    return ApplyOutcome("applied", chk, changes, branch=branch)
+    if cp:
+        say(f"committed {len(series.patches)} patch(es) on branch {cp.branch}")
+    return ApplyOutcome("applied", chk, changes, branch=cp.branch if cp else None)
 
 
 # ------------------------------------------------------------------------------------------
-# --commit: one commit per patch on eaglepatch/sglang-<release>, message = the patch header
+# apply --fetch: a new patched checkout, made in a temporary directory and renamed into place
 
-def header_to_message(header: str) -> str:
-    """Patch header -> commit message: the Subject value as first line, the other fields as body."""
-    lines = header.splitlines(keepends=True)
-    subj = next((i for i, ln in enumerate(lines) if ln.startswith("Subject:")), None)
-    if subj is None:
-        return header
-    first = lines[subj][len("Subject:"):].strip()
-    rest = "".join(lines[:subj] + lines[subj + 1:])
-    return first + "\n" + ("\n" + rest if rest else "")
+FETCH_TMP = ".eaglepatch-fetch-"
 
 
-def _repo(tree: UpstreamTree):
-    import git
+def _pid_alive(pid: int) -> bool:
     try:
-        return git.Repo(tree.root)
-    except Exception:
-        raise UsageError(f"{tree.root} is not a git repository", "drop --commit or run git init there") from None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
-def _identity_env(repo) -> dict:
-    env = {}
-    for var, key, dflt in (("NAME", "user.name", "eaglepatch"), ("EMAIL", "user.email", "eaglepatch@localhost")):
+def _remove_stale_fetches(parent: Path, name: str) -> None:
+    """Temporary checkouts that killed `--fetch` runs left beside DEST."""
+    for p in parent.glob(f".{glob.escape(name)}{FETCH_TMP}*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fetched_already(dest: Path, series: Series) -> UpstreamTree | None:
+    try:
+        tree = UpstreamTree.open(dest, {series.release: series})
+        if tree.kind == "git" and tree.release == series.release and tree.state(series) == "patched" \
+                and committed(tree, series):
+            return tree
+    except (UsageError, RefusedError):
+        pass
+    return None
+
+
+def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callable[[str], None] = print,
+                    command: str | None = None) -> UpstreamTree:
+    """Fetch `release` into a new git checkout at `dest` and apply `series` there with --commit.
+    The checkout is made and patched in `.<dest>.eaglepatch-fetch-<pid>` beside `dest`, then
+    renamed: a killed run leaves no `dest` (and its leftover is removed by the next run); a
+    `dest` that a finished run made is accepted as already fetched."""
+    dest = Path(os.path.expanduser(str(dest))).absolute()
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"DEST {dest} is a file", "pass a new directory as DEST")
+    if dest.is_dir() and any(dest.iterdir()):
+        tree = _fetched_already(dest, series)
+        if tree is None:
+            raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
+        say(f"{series.name}: already fetched, applied and committed ({tree.describe()})")
+        return tree
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {dest.parent}: {exc.strerror}", "pass a DEST in a writable directory") \
+            from None
+    if not can_write(dest.parent):
+        raise UsageError(f"cannot write in {dest.parent}", "pass a DEST in a writable directory")
+    _remove_stale_fetches(dest.parent, dest.name)
+    tmp = dest.parent / f".{dest.name}{FETCH_TMP}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    messages: list = []
+    try:
+        make_git_checkout(release, tmp)
+        stop_point("fetch-cloned")
+        apply_series(UpstreamTree.open(tmp), series, commit=True, say=messages.append, command=command)
+        stop_point("fetch-patched")
         try:
-            repo.git.config(key)
-        except Exception:
-            env[f"GIT_AUTHOR_{var}"] = env[f"GIT_COMMITTER_{var}"] = dflt
-    return env
-
-
-@dataclass
-class PreparedCommits:
-    branch: str
-    shas: list
-    prefix: str
-    env: dict
-
-
-def prepare_commits(tree: UpstreamTree, series: Series, ga: GitApplyResult, force: bool = False) -> PreparedCommits:
-    """Create the commits (objects only; no ref, index or working file is touched)."""
-    repo = _repo(tree)
-    wt = Path(repo.working_tree_dir).resolve()
-    prefix = os.path.relpath(tree.package_parent, wt).replace(os.sep, "/")
-    prefix = "" if prefix == "." else prefix + "/"
-    paths = [prefix + rel for rel in ga.final]
-    dirty = repo.git.status("--porcelain", "--untracked-files=no", "--", *paths)
-    if dirty.strip():
-        raise RefusedError("uncommitted changes in " + ", ".join(ln[3:] for ln in dirty.splitlines()),
-                           "commit or stash them before apply --commit")
-    branch = f"eaglepatch/sglang-{series.release}"
-    if branch in [h.name for h in repo.heads] and not force:
-        raise RefusedError(f"branch {branch} already exists", "delete it (git branch -D) or pass --force")
-    env = _identity_env(repo)
-    shas = []
-    with tempfile.TemporaryDirectory(prefix="eaglepatch-index-") as td:
-        ienv = dict(env, GIT_INDEX_FILE=str(Path(td) / "index"))
-        g = repo.git
-        g.execute(["git", "read-tree", "HEAD"], env=ienv)
-        parent = repo.head.commit.hexsha
-        prev = {rel: None for rel in ga.final}
-        base = dict(ga.final)
-        for rel in base:
-            prev[rel] = (tree.package_parent / rel).read_bytes() if (tree.package_parent / rel).exists() else None
-        for p, snap in zip(series.patches, ga.snapshots):
-            for rel, data in snap.items():
-                if data == prev.get(rel):
-                    continue
-                if data is None:
-                    g.execute(["git", "update-index", "--force-remove", "--", prefix + rel], env=ienv)
-                else:
-                    f = Path(td) / "blob"
-                    f.write_bytes(data)
-                    sha = g.execute(["git", "hash-object", "-w", "--no-filters", str(f)], env=ienv).strip()
-                    mode = "100755" if (tree.package_parent / rel).exists() and \
-                        os.access(tree.package_parent / rel, os.X_OK) else "100644"
-                    g.execute(["git", "update-index", "--add", "--cacheinfo", f"{mode},{sha},{prefix + rel}"],
-                              env=ienv)
-            prev = snap
-            treesha = g.execute(["git", "write-tree"], env=ienv).strip()
-            mf = Path(td) / "msg"
-            mf.write_bytes(header_to_message(p.header).encode("utf-8"))
-            parent = g.execute(["git", "commit-tree", treesha, "-p", parent, "-F", str(mf)], env=ienv).strip()
-            shas.append(parent)
-    return PreparedCommits(branch, shas, prefix, env)
-
-
-def publish_commits(tree: UpstreamTree, series: Series, pc: PreparedCommits, changes: dict) -> str:
-    """Point the branch at the last commit, check it out (HEAD + index of the changed paths)."""
-    repo = _repo(tree)
-    g = repo.git
-    g.execute(["git", "update-ref", f"refs/heads/{pc.branch}", pc.shas[-1]])
-    g.execute(["git", "symbolic-ref", "HEAD", f"refs/heads/{pc.branch}"])
-    if changes:
-        g.execute(["git", "update-index", "--add", "--remove", "--"] + [pc.prefix + r for r in sorted(changes)])
-    return pc.branch
+            os.rename(tmp, dest)
+        except OSError as exc:
+            raise UsageError(f"cannot move the new checkout to {dest}: {exc.strerror}",
+                             "pass a new directory as DEST") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    stop_point("fetch-renamed")
+    for m in messages:
+        say(m.replace(str(tmp), str(dest)))
+    return UpstreamTree.open(dest)

@@ -16,7 +16,8 @@ class EaglepatchError(Exception):
             self.exit_code = exit_code
 
     def line(self) -> str:
-        return f"error: {self.problem}; {self.fix}"
+        """`error: <problem>; <fix>`, always one line (newlines inside become spaces)."""
+        return " ".join(f"error: {self.problem}; {self.fix}".split())
 
 
 class UsageError(EaglepatchError):
@@ -32,16 +33,35 @@ class RefusedError(EaglepatchError):
 
 
 def run_main(body) -> int:
-    """Run a CLI body; turn EaglepatchError into one `error: <problem>; <fix>` line and its exit code."""
+    """Run a CLI body and return its exit code. Whatever happens, stderr gets at most one
+    `error: <problem>; <fix>` line and no traceback: EaglepatchError -> its line and exit code;
+    Ctrl-C -> exit 2; an OS error that escaped the library (a path, permissions, a full disk) ->
+    exit 2; anything else is a bug, reported in one line (EAGLEPATCH_DEBUG=1 re-raises it)."""
+    import os
     import sys
+
+    def fail(line: str, code: int) -> int:
+        try:
+            sys.stdout.flush()
+        except OSError:
+            pass
+        print(" ".join(line.split()), file=sys.stderr)
+        return code
 
     try:
         return body() or 0
     except EaglepatchError as exc:
-        sys.stdout.flush()
-        print(exc.line(), file=sys.stderr)
-        return exc.exit_code
+        return fail(exc.line(), exc.exit_code)
     except KeyboardInterrupt:
-        print("error: interrupted; run the command again (an unfinished transaction is recovered)",
-              file=sys.stderr)
-        return 2
+        return fail("error: interrupted; run the command again (an interrupted change is finished or undone "
+                    "by the next run that writes the tree)", 2)
+    except OSError as exc:
+        if os.environ.get("EAGLEPATCH_DEBUG"):
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        return fail(f"error: {exc.strerror or exc}{where}; check that path (permissions, free space) and run again", 2)
+    except Exception as exc:
+        if os.environ.get("EAGLEPATCH_DEBUG"):
+            raise
+        return fail(f"error: internal error ({exc.__class__.__name__}: {exc}); please report it with the command "
+                    "(EAGLEPATCH_DEBUG=1 shows the traceback)", 2)

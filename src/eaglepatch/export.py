@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from .anchors import anchor_at, hunk_anchor_line
 from .errors import RefusedError, UsageError
-from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, parse_patch, read_series_list,
-                     sha256_bytes, slug)
+from .gitcmd import open_repo
+from .interrupts import held_interrupts
+from .lock import tree_lock
+from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, message_to_header, parse_patch,
+                     read_series_list, sha256_bytes, slug)
+from .tree import locate
 
 CAPTURE_SEMANTICS = {"eagle_id_to_capture_index": "plus_one", "capture_index_to_hf_index": "identity"}
-
-
-def message_to_header(message: str) -> str:
-    """Commit message -> patch header (inverse of applier.header_to_message)."""
-    if not message.endswith("\n"):
-        message += "\n"
-    if message.startswith("Subject:"):
-        return message
-    first, _, rest = message.partition("\n")
-    if rest.startswith("\n"):
-        rest = rest[1:]
-    return f"Subject: {first.strip()}\n" + rest
 
 
 @dataclass
@@ -39,7 +32,10 @@ def _git(repo, *args) -> bytes:
 
 
 def _raw_message(repo, sha: str) -> str:
-    raw = _git(repo, "cat-file", "commit", sha).decode("utf-8")
+    try:
+        raw = _git(repo, "cat-file", "commit", sha).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"commit {sha[:12]} has a message that is not UTF-8", "reword it (git rebase -i)") from None
     return raw.split("\n\n", 1)[1] if "\n\n" in raw else ""
 
 
@@ -52,12 +48,21 @@ def _show(repo, rev: str, path: str) -> bytes | None:
 
 def build_export(repo_path: Path | str, base: str, branch: str | None = None, release: str | None = None,
                  series_version: str | None = None, previous_manifest: dict | None = None) -> Exported:
+    """The series files of base..branch (HEAD) in `repo_path`, in memory."""
+    repo = open_repo(repo_path, "pass the git checkout that holds the edit branch")
     import git
     try:
-        repo = git.Repo(repo_path)
-    except Exception:
-        raise UsageError(f"{repo_path} is not a git repository", "pass the git checkout that holds the edit branch") \
-            from None
+        with held_interrupts():
+            return _build(repo, repo_path, base, branch, release, series_version, previous_manifest)
+    except git.GitCommandError as exc:
+        msg = (exc.stderr or "").strip().strip("'").strip().splitlines()
+        raise UsageError(f"git failed in {repo_path}: {msg[-1].strip() if msg else exc.status}",
+                         "fix the edit branch and run again") from None
+    finally:
+        repo.close()
+
+
+def _build(repo, repo_path, base, branch, release, series_version, previous_manifest) -> Exported:
     head = branch or "HEAD"
     try:
         base_sha = repo.git.rev_parse("--verify", f"{base}^{{commit}}")
@@ -157,39 +162,82 @@ def compare(out: Path, exp: Exported) -> list[str]:
 
 
 def write_export(out: Path, exp: Exported) -> list[str]:
-    """Write the files atomically, remove stale *.patch files; returns the names changed."""
-    out.mkdir(parents=True, exist_ok=True)
-    changed = []
-    for name, data in sorted(exp.files.items()):
-        p = out / name
-        if p.is_file() and p.read_bytes() == data:
-            continue
-        tmp = out / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
-        changed.append(name)
-    for p in sorted(out.glob("*.patch")):
-        if p.name not in exp.files:
+    """Write the changed files and remove stale *.patch files, all or nothing: every new file is
+    written beside its target first (any failure removes them and changes nothing), then renamed.
+    Returns the names changed."""
+    fix = "pass --out a writable directory (or free space); nothing was changed"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the series dir {out}: {exc.strerror}", fix) from None
+    todo = {name: data for name, data in sorted(exp.files.items())
+            if not ((out / name).is_file() and (out / name).read_bytes() == data)}
+    stale = [p for p in sorted(out.glob("*.patch")) if p.name not in exp.files]
+    staged = []
+    try:
+        for name, data in todo.items():
+            tmp = out / f".{name}.tmp"
+            staged.append(tmp)
+            tmp.write_bytes(data)
+        for tmp, name in zip(staged, todo):
+            os.replace(tmp, out / name)
+        for p in stale:
             p.unlink()
-            changed.append(f"removed {p.name}")
-    return changed
+    except OSError as exc:
+        for tmp in staged:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        raise UsageError(f"cannot write the series to {out}: {exc.strerror}", fix) from None
+    return list(todo) + [f"removed {p.name}" for p in stale]
+
+
+def keep_smoke(out: Path, exp: Exported) -> list[str]:
+    """A branch without smoke: commits (apply --commit makes only product commits) keeps the
+    smoke patches listed in out/smoke.series: they go into `exp` as they are on disk."""
+    if exp.smoke or not (out / "smoke.series").is_file():
+        return []
+    names = read_series_list(out / "smoke.series")
+    if not names or not all((out / n).is_file() for n in names) or any(n in exp.files for n in names):
+        return []
+    for n in names:
+        exp.files[n] = (out / n).read_bytes()
+    exp.files["smoke.series"] = (out / "smoke.series").read_bytes()
+    exp.smoke = list(names)
+    return names
+
+
+@dataclass
+class ExportResult:
+    exp: Exported
+    out: Path
+    changes: list  # --check: the differences; else the names written or removed
+    kept_smoke: list
 
 
 def export_series(repo: Path | str, base: str, out: Path | str, branch: str | None = None,
-                  series_version: str | None = None, check: bool = False) -> tuple[Exported, list[str]]:
-    out = Path(out)
+                  series_version: str | None = None, check: bool = False) -> ExportResult:
+    out = Path(os.path.expanduser(str(out)))
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file", "pass --out a series directory")
     prev = None
     if (out / "manifest.json").is_file():
         try:
             prev = load_manifest(out / "manifest.json")
         except UsageError:
             prev = None
-    exp = build_export(repo, base, branch, series_version=series_version, previous_manifest=prev)
+    try:
+        _, _, pp = locate(repo)
+    except UsageError:
+        pp = None
+    with tree_lock(pp) if pp is not None else nullcontext():
+        exp = build_export(repo, base, branch, series_version=series_version, previous_manifest=prev)
+    kept = keep_smoke(out, exp)
     if check:
-        diffs = compare(out, exp)
-        return exp, diffs
-    return exp, write_export(out, exp)
+        return ExportResult(exp, out, compare(out, exp), kept)
+    return ExportResult(exp, out, write_export(out, exp), kept)
 
 
-__all__ = ["build_export", "compare", "write_export", "export_series", "slug", "message_to_header",
+__all__ = ["build_export", "compare", "write_export", "export_series", "keep_smoke", "slug", "message_to_header",
            "read_series_list", "RefusedError"]

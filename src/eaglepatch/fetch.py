@@ -1,4 +1,9 @@
-"""Fetch sglang releases from the package index, cache and unpack them, make git checkouts."""
+"""Fetch sglang releases from the package index, cache and unpack them, make git checkouts.
+
+The cache (`${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}/releases/<release>/`) is filled under a lock
+on that directory, each piece built in a temporary directory and renamed into place, so a killed
+run leaves nothing half-made that a later run would use.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,20 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import UsageError
-from .series import PACKAGE
+from .errors import RefusedError, UsageError
+from .gitcmd import require_git
+from .lock import tree_lock
+from .series import PACKAGE, check_release
 
 GIT_ID = {"GIT_AUTHOR_NAME": "eaglepatch", "GIT_AUTHOR_EMAIL": "eaglepatch@localhost",
           "GIT_COMMITTER_NAME": "eaglepatch", "GIT_COMMITTER_EMAIL": "eaglepatch@localhost"}
 FIXED_DATE = "2000-01-01T00:00:00+0000"
+CACHE_FIX = "set EAGLEPATCH_CACHE to a writable directory (the releases are cached there)"
 
 
 def cache_root() -> Path:
     base = os.environ.get("EAGLEPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eaglepatch")
-    return Path(base) / "releases"
+    return Path(base).expanduser() / "releases"
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -35,32 +43,53 @@ def git_env(extra: dict | None = None) -> dict:
     return env
 
 
+def _release_dir(release: str) -> Path:
+    check_release(release, "release")
+    d = cache_root() / release
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot write the release cache {d}: {exc.strerror}", CACHE_FIX) from None
+    return d
+
+
+def _mkdtemp(prefix: str, where: Path) -> Path:
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+    except OSError as exc:
+        raise UsageError(f"cannot write in {where}: {exc.strerror}", CACHE_FIX) from None
+
+
 def fetch_release(release: str, quiet: bool = False) -> Path:
     """Path of the cached `sglang-<release>-*.whl`, downloading it with pip the first time."""
     d = cache_root() / release
     found = sorted(d.glob(f"{PACKAGE}-{release}-*.whl"))
     if found:
         return found[0]
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=d))
-    try:
-        _say(f"downloading sglang=={release} from the package index into {d} ...", quiet)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               f"{PACKAGE}=={release}", "-d", str(tmp)]
-        if quiet:
-            cmd.insert(4, "-q")
-        r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                           stderr=None if not quiet else subprocess.PIPE)
-        wheels = sorted(tmp.glob(f"{PACKAGE}-*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise UsageError(f"could not download sglang=={release} from the package index",
-                             "check the release number (pip index versions sglang) and the network")
-        target = d / wheels[0].name
-        os.replace(wheels[0], target)
-        _say(f"cached {target}", quiet)
-        return target
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    d = _release_dir(release)
+    with tree_lock(d):
+        found = sorted(d.glob(f"{PACKAGE}-{release}-*.whl"))
+        if found:
+            return found[0]
+        tmp = _mkdtemp(".download-", d)
+        try:
+            _say(f"downloading sglang=={release} from the package index into {d} ...", quiet)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   f"{PACKAGE}=={release}", "-d", str(tmp)]
+            if quiet:
+                cmd.insert(4, "-q")
+            r = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                               stderr=None if not quiet else subprocess.PIPE)
+            wheels = sorted(tmp.glob(f"{PACKAGE}-*.whl"))
+            if r.returncode != 0 or not wheels:
+                raise UsageError(f"could not download sglang=={release} from the package index",
+                                 "check the release number (pip index versions sglang) and the network")
+            target = d / wheels[0].name
+            os.replace(wheels[0], target)
+            _say(f"cached {target}", quiet)
+            return target
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def unpacked_release(release: str, quiet: bool = False) -> Path:
@@ -68,25 +97,36 @@ def unpacked_release(release: str, quiet: bool = False) -> Path:
     d = cache_root() / release / "unpacked"
     if (d / PACKAGE / "__init__.py").is_file():
         return d
-    whl = fetch_release(release, quiet)
-    tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=d.parent))
-    try:
-        _say(f"unpacking {whl.name} ...", quiet)
-        with zipfile.ZipFile(whl) as z:
-            z.extractall(tmp)
-        if d.exists():
-            shutil.rmtree(d)
-        os.replace(tmp, d)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tree_lock(_release_dir(release)):
+        if (d / PACKAGE / "__init__.py").is_file():
+            return d
+        whl = fetch_release(release, quiet)
+        tmp = _mkdtemp(".unpack-", d.parent)
+        try:
+            _say(f"unpacking {whl.name} ...", quiet)
+            try:
+                with zipfile.ZipFile(whl) as z:
+                    z.extractall(tmp)
+            except zipfile.BadZipFile:
+                raise UsageError(f"the cached wheel {whl} is damaged", "delete it and run again") from None
+            except OSError as exc:
+                raise UsageError(f"cannot unpack {whl.name} into {d.parent}: {exc.strerror}", CACHE_FIX) from None
+            if d.exists():
+                shutil.rmtree(d)
+            os.replace(tmp, d)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
 def _git(args: list[str], cwd: Path, **kw) -> str:
+    require_git()
     r = subprocess.run(["git", *args], cwd=cwd, env=git_env(kw.pop("env", None)), capture_output=True,
                        text=True, **kw)
     if r.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed in {cwd}: {r.stderr.strip()}")
+        msg = r.stderr.strip().splitlines()
+        raise RefusedError(f"git {args[0]} failed in {cwd}: {msg[-1] if msg else f'exit {r.returncode}'}",
+                           "fix what git says (e.g. free disk space) and run again")
     return r.stdout
 
 
@@ -97,27 +137,33 @@ def _template(release: str, quiet: bool) -> Path:
     if done.is_file() and (tpl / ".git").is_dir():
         return tpl
     src = unpacked_release(release, quiet)
-    tmp = Path(tempfile.mkdtemp(prefix=".git-", dir=tpl.parent))
-    try:
-        _say(f"building a git checkout of sglang {release} ...", quiet)
-        work = tmp / "work"
-        shutil.copytree(src / PACKAGE, work / "python" / PACKAGE,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        (work / "python" / PACKAGE / "_version.py").unlink(missing_ok=True)
-        env = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
-        _git(["init", "-q", "-b", "main"], work)
-        _git(["add", "-A", "."], work)
-        _git(["-c", "commit.gpgsign=false", "-c", "gc.auto=0", "commit", "-q", "-m", f"sglang {release} (from the released wheel)"],
-             work, env=env)
-        _git(["tag", f"v{release}"], work)
-        _git(["gc", "-q"], work)
-        done.unlink(missing_ok=True)
-        if tpl.exists():
-            shutil.rmtree(tpl)
-        os.replace(work, tpl)
-        done.write_text(f"v{release}\n")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tree_lock(_release_dir(release)):
+        if done.is_file() and (tpl / ".git").is_dir():
+            return tpl
+        tmp = _mkdtemp(".git-", tpl.parent)
+        try:
+            _say(f"building a git checkout of sglang {release} ...", quiet)
+            work = tmp / "work"
+            try:
+                shutil.copytree(src / PACKAGE, work / "python" / PACKAGE,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            except (OSError, shutil.Error):
+                raise UsageError(f"cannot write the release cache {tpl.parent}", CACHE_FIX) from None
+            (work / "python" / PACKAGE / "_version.py").unlink(missing_ok=True)
+            env = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
+            _git(["init", "-q", "-b", "main"], work)
+            _git(["add", "-A", "."], work)
+            _git(["-c", "commit.gpgsign=false", "-c", "gc.auto=0", "commit", "-q", "-m",
+                  f"sglang {release} (from the released wheel)"], work, env=env)
+            _git(["tag", f"v{release}"], work)
+            _git(["gc", "-q"], work)
+            done.unlink(missing_ok=True)
+            if tpl.exists():
+                shutil.rmtree(tpl)
+            os.replace(work, tpl)
+            done.write_text(f"v{release}\n")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return tpl
 
 
@@ -125,11 +171,17 @@ def make_git_checkout(release: str, dest: Path | str, quiet: bool = False) -> Pa
     """A new git repo at `dest` laid out like an upstream clone: python/sglang/..., no _version.py,
     no dist-info, one commit tagged v<release>, branch main."""
     dest = Path(dest).expanduser().resolve()
+    if dest.is_file():
+        raise UsageError(f"{dest} is a file", "pass a new directory as DEST")
     if dest.exists() and any(dest.iterdir()):
         raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
     tpl = _template(release, quiet)
     _say(f"checking out sglang {release} into {dest} ...", quiet)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {dest.parent}: {exc.strerror}", "pass a DEST in a writable directory") \
+            from None
     _git(["clone", "-q", str(tpl), str(dest)], dest.parent)
     _git(["remote", "remove", "origin"], dest)
     return dest

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import EaglepatchError
+from .applier import edit_causes, git_apply, plan_series
+from .errors import EaglepatchError, RefusedError
+from .lock import tree_lock
+from .outputs import scratch_dir, write_atomic
 from .series import Series
 from .static_check import SmokeResult, static_check
 from .tree import UpstreamTree
+from .txn import refuse_if_pending
 from .verdicts import SeriesCheck, check_series
 
 LEVELS = ("none", "static", "import", "functional")
@@ -131,13 +134,29 @@ class VerifyReport:
         return "\n".join(out)
 
 
-def verify_tree(tree: UpstreamTree, series: Series, level: str = "static", say=print) -> VerifyReport:
-    from .applier import git_apply, plan_series, recover
+def verify_tree(tree: UpstreamTree, series: Series, level: str = "static", say=print,
+                notes: list | None = None) -> VerifyReport:
+    """Verdicts per hunk (and smoke tests on a patched temporary copy). The tree is only read,
+    under its lock; a pending transaction is refused (verify never writes the tree)."""
+    series.require_patches()
+    with tree_lock(tree.package_parent):
+        refuse_if_pending(tree.package_parent, "verify")
+        rep, tmp = _read_phase(tree, series, level, list(notes or []), say)
+    if tmp is None:
+        return rep
+    try:
+        return _smoke_phase(rep, tmp, level)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    msg = recover(tree.package_parent)
-    notes = [msg] if msg else []
+
+def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say):
+    """Everything that reads the tree: the verdicts, and the copy the smoke tests run on."""
     if series.release and tree.release and series.release != tree.release:
         notes.append(f"series {series.name} was made for sglang {series.release}; the tree is {tree.release}")
+    if series.manifest and series.release == tree.release:
+        why = {"missing": "is missing", "crlf": "has CRLF (Windows) line endings; the series expects LF"}
+        notes += [f"{tree.path(rel)} {why[c]}" for rel, c in edit_causes(tree, series, False).items() if c in why]
     read = tree.read
     if series.manifest and tree.state(series) == "patched":
         _, ga = plan_series(tree, series, series.patches, reverse=True, strict_hashes=False)
@@ -147,68 +166,83 @@ def verify_tree(tree: UpstreamTree, series: Series, level: str = "static", say=p
     chk = check_series(read, series.patches, series)
     rep = VerifyReport(tree, series, chk, level, notes)
     if level == "none":
-        return rep
+        return rep, None
     if not chk.all_ok:
         rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "skipped",
                                      "the series does not apply cleanly; smoke tests not run"))
-        return rep
+        return rep, None
+    tmp = scratch_dir("eaglepatch-verify-", "run again, or pass --smoke none")
+    try:
+        say(f"copying {tree.package_parent / 'sglang'} to a temporary dir for smoke tests ...")
+        pp = tmp / "pp"
+        shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn"))
+        for d in tree.package_parent.glob("sglang-*.dist-info"):
+            shutil.copytree(d, pp / d.name)
+    except (OSError, shutil.Error) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "some files could not be copied"
+        raise RefusedError(f"cannot copy the tree for the smoke tests: {why}",
+                           "free space in the temp dir (TMPDIR) or fix the tree's permissions, or pass --smoke none") \
+            from None
+    return rep, tmp
+
+
+def _smoke_phase(rep: VerifyReport, tmp: Path, level: str) -> VerifyReport:
+    """Apply the series (and smoke.series) to the copy, then run the smoke level on it."""
+    series, chk = rep.series, rep.check
+    pp = tmp / "pp"
     run_smoke = None
     if level in ("import", "functional"):
         run_smoke, why = load_run_smoke()
         if run_smoke is None:
             rep.smoke.append(SmokeResult(f"smoke level {level}", False, "not available", why))
-    tmp = Path(tempfile.mkdtemp(prefix="eaglepatch-verify-"))
-    try:
-        pp = tmp / "pp"
-        say(f"copying {tree.package_parent / 'sglang'} to a temporary dir for smoke tests ...")
-        shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn"))
-        for d in tree.package_parent.glob("sglang-*.dist-info"):
-            shutil.copytree(d, pp / d.name)
-        ga = git_apply(chk.originals, series.patches)
-        if ga.error:
-            rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "git apply failed", ga.error))
-            return rep
-        _write(pp, ga.final)
-        originals = dict(chk.originals)
-        if series.smoke:
-            tmp_tree = UpstreamTree("installed", pp, pp, tree.release, tree.release_source)
-            schk = check_series(tmp_tree.read, series.smoke, None)
-            sga = git_apply(schk.originals, series.smoke)
-            if not schk.all_ok or sga.error:
-                bad = [v for v in schk.verdicts if not v.ok]
-                rep.smoke.append(SmokeResult("apply smoke.series", False, "failed",
-                                             sga.error or "; ".join(f"{v.patch} {v.file} hunk {v.hunk}: {v.label}"
-                                                                    for v in bad)))
-                return rep
-            _write(pp, sga.final)
-            for rel, data in schk.originals.items():
-                originals.setdefault(rel, data)
-            rep.smoke_patches = [p.name for p in series.smoke]
-        rep.smoke_ran = True
-        rep.smoke += static_check(pp, series.files(smoke=True), originals)
-        if run_smoke is not None:
-            try:
-                rep.smoke += list(run_smoke(level, pp, series))
-            except EaglepatchError:
-                raise
-            except Exception as exc:
-                rep.smoke.append(SmokeResult(f"smoke level {level}", False, "crashed",
-                                             f"{exc.__class__.__name__}: {exc}"))
+    ga = git_apply(chk.originals, series.patches)
+    if ga.error:
+        rep.smoke.append(SmokeResult("apply series to a temporary copy", False, "git apply failed", ga.error))
         return rep
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _write(pp, ga.final)
+    originals = dict(chk.originals)
+    if series.smoke:
+        tmp_tree = UpstreamTree("installed", pp, pp, rep.tree.release, rep.tree.release_source)
+        schk = check_series(tmp_tree.read, series.smoke, None)
+        sga = git_apply(schk.originals, series.smoke)
+        if not schk.all_ok or sga.error:
+            bad = [v for v in schk.verdicts if not v.ok]
+            rep.smoke.append(SmokeResult("apply smoke.series", False, "failed",
+                                         sga.error or "; ".join(f"{v.patch} {v.file} hunk {v.hunk}: {v.label}"
+                                                                for v in bad)))
+            return rep
+        _write(pp, sga.final)
+        for rel, data in schk.originals.items():
+            originals.setdefault(rel, data)
+        rep.smoke_patches = [p.name for p in series.smoke]
+    rep.smoke_ran = True
+    rep.smoke += static_check(pp, series.files(smoke=True), originals)
+    if run_smoke is not None:
+        try:
+            rep.smoke += list(run_smoke(level, pp, series))
+        except EaglepatchError:
+            raise
+        except Exception as exc:
+            rep.smoke.append(SmokeResult(f"smoke level {level}", False, "crashed",
+                                         f"{exc.__class__.__name__}: {exc}"))
+    return rep
 
 
 def _write(pp: Path, contents: dict) -> None:
-    for rel, data in contents.items():
-        p = pp / rel
-        if data is None:
-            p.unlink(missing_ok=True)
-        else:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(data)
+    try:
+        for rel, data in contents.items():
+            p = pp / rel
+            if data is None:
+                p.unlink(missing_ok=True)
+            else:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(data)
+    except OSError as exc:
+        raise RefusedError(f"cannot write the temporary copy for the smoke tests: {exc.strerror}",
+                           "free space in the temp dir (TMPDIR), or pass --smoke none") from None
 
 
-def write_json(path: Path, rep: VerifyReport) -> None:
-    Path(path).write_text(json.dumps(rep.as_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+def write_json(path: Path, rep: VerifyReport, flag: str = "--json") -> None:
+    write_atomic(path, json.dumps(rep.as_dict(), indent=2, sort_keys=True) + "\n", flag)

@@ -174,6 +174,10 @@ def parse_patch(data: bytes, name: str, path: Path | None = None) -> Patch:
     else:
         pos = data.find(b"\n" + SEPARATOR)
         if pos < 0:
+            if b"\r\n" in data:
+                raise UsageError(f"malformed patch {where}: it has CRLF (Windows) line endings",
+                                 "convert it back to LF (dos2unix FILE, or git config core.autocrlf false and "
+                                 "check it out again)")
             raise UsageError(f"malformed patch {where}: no '---' line between header and diff", fix)
         head, body = data[: pos + 1], data[pos + 1 + len(SEPARATOR):]
     try:
@@ -187,7 +191,8 @@ def parse_patch(data: bytes, name: str, path: Path | None = None) -> Patch:
     try:
         ps = unidiff.PatchSet(text)
     except Exception as exc:  # unidiff.UnidiffParseError and friends
-        raise UsageError(f"malformed patch {where}: {exc}", fix) from None
+        why = " ".join(str(exc).split()) or exc.__class__.__name__
+        raise UsageError(f"malformed patch {where}: {why}", fix) from None
     if len(ps) == 0 or text.count("\ndiff --git ") + 1 != len(ps):
         raise UsageError(f"malformed patch {where}: could not parse every file diff", fix)
     files = []
@@ -219,11 +224,39 @@ def parse_patch(data: bytes, name: str, path: Path | None = None) -> Patch:
     return Patch(name, path or Path(name), data, header, fields, body, files)
 
 
+def header_to_message(header: str) -> str:
+    """Patch header -> commit message: the Subject value as first line, the other fields as body."""
+    lines = header.splitlines(keepends=True)
+    subj = next((i for i, ln in enumerate(lines) if ln.startswith("Subject:")), None)
+    if subj is None:
+        return header
+    first = lines[subj][len("Subject:"):].strip()
+    rest = "".join(lines[:subj] + lines[subj + 1:])
+    return first + "\n" + ("\n" + rest if rest else "")
+
+
+def message_to_header(message: str) -> str:
+    """Commit message -> patch header (the inverse of header_to_message)."""
+    if not message.endswith("\n"):
+        message += "\n"
+    if message.startswith("Subject:"):
+        return message
+    first, _, rest = message.partition("\n")
+    if rest.startswith("\n"):
+        rest = rest[1:]
+    return f"Subject: {first.strip()}\n" + rest
+
+
 def read_series_list(path: Path) -> list[str]:
     names = []
     if not path.exists():
         return names
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {getattr(exc, 'strerror', None) or 'not UTF-8 text'}",
+                         "regenerate the series with tools/export.py") from None
+    for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             names.append(line.split()[0])
@@ -254,6 +287,12 @@ class Series:
                 seen.setdefault(f.path, None)
         return list(seen)
 
+    def require_patches(self) -> None:
+        """Usage error for a series whose `series` file lists no patch (nothing to apply or verify)."""
+        if not self.patches:
+            raise UsageError(f"{self.dir}/series lists no patches, so there is nothing to apply or verify",
+                             "list the patch files in it, or regenerate the series with tools/export.py")
+
     def manifest_files(self) -> dict:
         return (self.manifest or {}).get("files", {})
 
@@ -265,15 +304,49 @@ class Series:
         return self._mhunks.get((patch, file, index))
 
 
+def _manifest_problem(m) -> str | None:
+    """What is wrong with a parsed manifest.json (None: a well-formed format-1 manifest)."""
+    if not isinstance(m, dict) or m.get("format") != 1:
+        return "not a format-1 manifest"
+    for key in ("release", "series_version"):
+        if key in m and not isinstance(m[key], str):
+            return f"'{key}' is not a string"
+    if not isinstance(m.get("capture_semantics", {}), dict):
+        return "'capture_semantics' is not an object"
+    files = m.get("files", {})
+    if not isinstance(files, dict):
+        return "'files' is not an object"
+    for rel, h in files.items():
+        if not isinstance(h, dict):
+            return f"files[{rel!r}] is not an object"
+        for key in ("upstream_sha256", "patched_sha256"):
+            if not (h.get(key) is None or isinstance(h.get(key), str)):
+                return f"files[{rel!r}].{key} is not a string or null"
+    patches = m.get("patches", [])
+    if not isinstance(patches, list):
+        return "'patches' is not a list"
+    for i, p in enumerate(patches):
+        if not isinstance(p, dict) or not isinstance(p.get("hunks", []), list):
+            return f"patches[{i}] is not an object with a 'hunks' list"
+        for h in p.get("hunks", []):
+            if not isinstance(h, dict):
+                return f"patches[{i}] has a hunk that is not an object"
+    return None
+
+
 def load_manifest(path: Path) -> dict | None:
     if not path.exists():
         return None
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"malformed {path}: {exc}", "regenerate it with tools/export.py") from None
-    if not isinstance(m, dict) or m.get("format") != 1 or not isinstance(m.get("files", {}), dict):
-        raise UsageError(f"malformed {path}: not a format-1 manifest", "regenerate it with tools/export.py")
+        raise UsageError(f"malformed {path}: {' '.join(str(exc).split())}", "regenerate it with tools/export.py") \
+            from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}", "fix its permissions") from None
+    why = _manifest_problem(m)
+    if why:
+        raise UsageError(f"malformed {path}: {why}", "regenerate it with tools/export.py")
     return m
 
 
@@ -287,7 +360,12 @@ def release_of_dir(d: Path) -> str | None:
 
 
 def load_series(d: Path | str) -> Series:
-    d = Path(d)
+    d = Path(os.path.expanduser(str(d)))
+    if not str(d):
+        raise UsageError("the series directory is empty", "pass --series patches/sglang-<release>")
+    if d.is_file():
+        raise UsageError(f"{d} is a file, not a series directory",
+                         f"pass the directory that holds it: --series {d.parent}")
     if not d.is_dir():
         raise UsageError(f"series directory {d} does not exist", "pass --series patches/sglang-<release>")
     if not (d / "series").is_file():
@@ -300,7 +378,11 @@ def load_series(d: Path | str) -> Series:
             if not p.is_file():
                 raise UsageError(f"{d / listfile} names {n}, which does not exist",
                                  "fix the series file or regenerate it with tools/export.py")
-            out.append(parse_patch(p.read_bytes(), n, p))
+            try:
+                data = p.read_bytes()
+            except OSError as exc:
+                raise UsageError(f"cannot read {p}: {exc.strerror}", "fix its permissions") from None
+            out.append(parse_patch(data, n, p))
         return out
 
     patches = load(read_series_list(d / "series"), "series")
@@ -308,6 +390,16 @@ def load_series(d: Path | str) -> Series:
     manifest = load_manifest(d / "manifest.json")
     release = (manifest or {}).get("release") or release_of_dir(d)
     return Series(d, release, patches, smoke, manifest)
+
+
+RELEASE_RE = re.compile(r"^\d+(\.\d+)+((\.|-)?(post|rc|a|b|dev)\d+)*$")
+
+
+def check_release(release: str, flag: str) -> str:
+    """`release` if it looks like an sglang release number (e.g. 0.5.9, 0.5.15.post1), else a usage error."""
+    if not isinstance(release, str) or not RELEASE_RE.match(release):
+        raise UsageError(f"{flag} {release!r} is not a release number", f"pass {flag} like 0.5.9 or 0.5.15.post1")
+    return release
 
 
 def version_key(v: str):
@@ -324,13 +416,44 @@ def default_patches_root() -> Path:
     return Path.cwd() / "patches"
 
 
+# ------------------------------------------------------------------------------------------
+# the series catalogue: which series exist, which one serves a release
+
 def available_series(root: Path | None = None) -> dict[str, Path]:
     """release -> series dir, oldest first; only dirs that hold a `series` file."""
     root = root or default_patches_root()
     found = {}
-    if root.is_dir():
-        for d in root.iterdir():
-            r = release_of_dir(d)
-            if r and (d / "series").is_file():
-                found[r] = d
+    try:
+        entries = list(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        entries = []
+    for d in entries:
+        r = release_of_dir(d)
+        if r and (d / "series").is_file():
+            found[r] = d
     return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
+
+
+def nearest_older(release: str, releases) -> str | None:
+    """The newest of `releases` that is `release` or older."""
+    older = [r for r in releases if version_key(r) <= version_key(release)]
+    return max(older, key=version_key) if older else None
+
+
+def nearest_older_series(release: str, root: Path | None = None) -> tuple[str, Path] | None:
+    """(release, dir) of the newest series made for `release` or an older release."""
+    have = available_series(root)
+    best = nearest_older(release, have)
+    return (best, have[best]) if best else None
+
+
+def port_command(from_release: str, to_release: str) -> str:
+    return f"python3 tools/port.py --from {from_release} --to {to_release}"
+
+
+def port_hint(release: str, root: Path | None = None) -> str:
+    """The message for a release that has no series of its own."""
+    near = nearest_older_series(release, root)
+    if near is None:
+        return f"no series is older than sglang {release}"
+    return f"the nearest series is {near[1].name}; port it with: {port_command(near[0], release)}"

@@ -8,8 +8,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
-from .series import PACKAGE, Series
+from . import gitcmd
+from .errors import RefusedError, UsageError
+from .series import PACKAGE, Series, available_series, load_series, nearest_older_series, port_command
 
 VERSION_RE = re.compile(r"""^\s*(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -18,27 +19,46 @@ def file_sha256(path: Path) -> str | None:
     try:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+def read_target(path: Path) -> bytes | None:
+    """The bytes of a file the series touches; None when it does not exist; any other problem
+    (a directory, no permission, a link loop) is a one-line usage error."""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return _unreadable(path, "is a symbolic link to a missing file") if path.is_symlink() else None
+    except IsADirectoryError:
+        return _unreadable(path, "is a directory, not a file")
+    except OSError as exc:
+        return _unreadable(path, f"cannot be read: {exc.strerror}")
+
+
+def _unreadable(path: Path, why: str):
+    raise UsageError(f"{path} {why}", "restore the file as the sglang release has it (git checkout / reinstall "
+                     "sglang) and run again")
 
 
 def version_from_version_py(pp: Path) -> str | None:
-    p = pp / PACKAGE / "_version.py"
-    if not p.is_file():
-        return None
-    m = VERSION_RE.search(p.read_text(encoding="utf-8", errors="replace"))
-    if not m:
-        m = re.search(r"""__version__\s*=\s*['"]([^'"]+)['"]""", p.read_text(encoding="utf-8", errors="replace"))
+    text = _text(pp / PACKAGE / "_version.py")
+    m = VERSION_RE.search(text) or re.search(r"""__version__\s*=\s*['"]([^'"]+)['"]""", text)
     return m.group(1) if m else None
+
+
+def _text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8", errors="replace") if p.is_file() else ""
+    except OSError:
+        return ""
 
 
 def version_from_dist_info(pp: Path) -> str | None:
     for d in sorted(pp.glob(f"{PACKAGE}-*.dist-info")):
-        meta = d / "METADATA"
-        if meta.is_file():
-            m = re.search(r"^Version:\s*(\S+)", meta.read_text(encoding="utf-8", errors="replace"), re.M)
-            if m:
-                return m.group(1)
+        m = re.search(r"^Version:\s*(\S+)", _text(d / "METADATA"), re.M)
+        if m:
+            return m.group(1)
         m = re.match(rf"^{PACKAGE}-(.+)\.dist-info$", d.name)
         if m:
             return m.group(1)
@@ -46,14 +66,28 @@ def version_from_dist_info(pp: Path) -> str | None:
 
 
 def version_from_git_tag(root: Path) -> str | None:
-    try:
-        import git
-        repo = git.Repo(root)
-        tag = repo.git.describe("--tags", "--exact-match", "HEAD")
-    except Exception:
+    r = gitcmd.run(["describe", "--tags", "--exact-match", "HEAD"], root, check=False,
+                   env=gitcmd.clean_env(ceiling=root.parent))
+    if r.returncode != 0:
         return None
-    m = re.match(r"^v?(\d[\w.\-+]*)$", tag.strip())
+    m = re.match(r"^v?(\d[\w.\-+]*)$", r.stdout.decode("utf-8", "replace").strip())
     return m.group(1) if m else None
+
+
+def locate(root: Path | str) -> tuple[str, Path, Path]:
+    """(kind, root, package parent) of ROOT from its layout alone (reads no file)."""
+    root = Path(os.path.expanduser(str(root)))
+    if not str(root) or not root.exists():
+        raise UsageError(f"{root} does not exist", "pass an SGLang checkout or the dir holding the sglang package")
+    root = root.resolve()
+    if (root / "python" / PACKAGE / "__init__.py").is_file():
+        return "git", root, root / "python"
+    if (root / PACKAGE / "__init__.py").is_file():
+        return "installed", root, root
+    if root.name == PACKAGE and (root / "__init__.py").is_file():
+        return "installed", root.parent, root.parent
+    raise UsageError(f"not an sglang tree: {root} holds neither python/sglang/ nor sglang/",
+                     "pass an SGLang git checkout or the site-packages dir that holds sglang/")
 
 
 @dataclass
@@ -69,20 +103,7 @@ class UpstreamTree:
     def open(cls, root: Path | str, candidates: dict[str, Series] | None = None) -> "UpstreamTree":
         """Open ROOT. `candidates` (release -> Series with manifest) lets the hashes decide the
         release when no version source exists, and override a version source they contradict."""
-        root = Path(root).expanduser()
-        if not root.exists():
-            raise UsageError(f"{root} does not exist", "pass an SGLang checkout or the dir holding the sglang package")
-        root = root.resolve()
-        if (root / "python" / PACKAGE / "__init__.py").is_file():
-            kind, pp = "git", root / "python"
-        elif (root / PACKAGE / "__init__.py").is_file():
-            kind, pp = "installed", root
-        elif root.name == PACKAGE and (root / "__init__.py").is_file():
-            kind, pp = "installed", root.parent
-            root = pp
-        else:
-            raise UsageError(f"not an sglang tree: {root} holds neither python/sglang/ nor sglang/",
-                             "pass an SGLang git checkout or the site-packages dir that holds sglang/")
+        kind, root, pp = locate(root)
         release, source = version_from_version_py(pp), "_version.py"
         if release is None:
             release, source = version_from_dist_info(pp), "dist-info"
@@ -108,13 +129,11 @@ class UpstreamTree:
         return self.package_parent / rel
 
     def read(self, rel: str) -> bytes | None:
-        try:
-            return self.path(rel).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        return read_target(self.path(rel))
 
     def sha256(self, rel: str) -> str | None:
-        return file_sha256(self.path(rel))
+        data = self.read(rel)
+        return None if data is None else hashlib.sha256(data).hexdigest()
 
     def state(self, series: Series) -> str:
         """'upstream' | 'patched' | 'partial' | 'modified' | 'unknown' against the manifest hashes."""
@@ -169,15 +188,21 @@ def tree_hashes(root: Path | str) -> dict[str, str]:
     return _walk_hash(Path(root))
 
 
-def pick_series(root, series_dir=None, patches_root=None):
-    """(Series, UpstreamTree) for ROOT: --series DIR, or patches/sglang-<detected release>."""
-    from .errors import RefusedError
-    from .series import available_series, load_series
+@dataclass
+class Pick:
+    series: Series
+    tree: UpstreamTree
+    note: str | None = None  # set when the series is not the release's own (verify's nearest older)
 
+
+def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = False) -> Pick:
+    """The series for ROOT: --series DIR, else patches/sglang-<detected release>. A release without
+    a series is refused naming the nearest older series and the port command; with nearest=True
+    (verify) that nearest older series is picked instead, with a note saying so."""
     if series_dir is not None:
         series = load_series(series_dir)
         tree = UpstreamTree.open(root, {series.release: series} if series.release else None)
-        return series, tree
+        return Pick(series, tree)
     have = available_series(patches_root)
     cands = {}
     for rel, d in have.items():
@@ -189,14 +214,24 @@ def pick_series(root, series_dir=None, patches_root=None):
     if tree.release is None:
         raise UsageError(f"cannot tell the sglang release of {tree.root} (no _version.py, dist-info or v* tag, "
                          "and no series manifest matches its files)", "pass --series patches/sglang-<release>")
-    if tree.release not in have:
-        from .port import nearest_older_series
+    if tree.release in have:
+        return Pick(cands.get(tree.release) or load_series(have[tree.release]), tree)
+    names = ", ".join(d.name for d in have.values()) or "none"
+    near = nearest_older_series(tree.release, patches_root)
+    if near is None:
+        raise RefusedError(f"no series for sglang {tree.release} and none older (series that exist: {names})",
+                           "write a series under patches/ (tools/export.py)")
+    port = port_command(near[0], tree.release)
+    if nearest:
+        return Pick(load_series(near[1]), tree,
+                    f"no series for sglang {tree.release}; verifying the nearest older series {near[1].name} "
+                    f"(port it with: {port})")
+    raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
+                       f"the nearest older series is {near[1].name}: see its drift with tools/verify.py {root}, "
+                       f"then port it with {port}")
 
-        names = ", ".join(d.name for d in have.values()) or "none"
-        near = nearest_older_series(tree.release, patches_root)
-        raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
-                           (f"the nearest older series is {near[1].name}: see its drift with tools/verify.py {root} "
-                            f"--series {near[1]}, then port it with python3 tools/port.py --from {near[0]} "
-                            f"--to {tree.release}" if near else "write a series under patches/"))
-    series = cands.get(tree.release) or load_series(have[tree.release])
-    return series, tree
+
+def pick_series(root, series_dir=None, patches_root=None):
+    """(Series, UpstreamTree) for ROOT (see resolve_series)."""
+    p = resolve_series(root, series_dir, patches_root)
+    return p.series, p.tree

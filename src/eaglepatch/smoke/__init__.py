@@ -5,7 +5,8 @@
 - ``package_parent``: a directory holding an already patched ``sglang/`` (the tree under test,
   with the test-only smoke patches applied too).
 - ``series``: the series that patched it (an ``eaglepatch.series.Series``, a series directory, or
-  None); only used to name the test-only smoke patches in the output.
+  None); names the test-only smoke patches in the output, and gives the release when the tree
+  has no ``sglang/_version.py``.
 - ``level``: ``import`` (import the patched modules in the CPU environment and check the series'
   symbols) or ``functional`` (checks a-e: EAGLE-3 capture vs a Hugging Face reference, the dump
   through ``sglang.Engine`` for DeepSeek-V3 and Kimi-K2.5, dump on/off equality, refusals).
@@ -13,9 +14,10 @@
   init) and ``engine`` (e at a real Engine start, b, c); ``GROUP:letters`` (e.g. ``runner:a``) runs
   only those checks of a group; default all.
 
-Every check runs in a subprocess of the cached CPU environment (``eaglepatch.cpuenv``) with
-``PYTHONPATH=<package_parent>:<stubs>`` and ``SGLANG_USE_CPU_ENGINE=1``; sglang is not installed
-there, so the tree under test is what runs.
+Every check runs in a subprocess of the cached CPU environment of the tree's release
+(``eaglepatch.cpuenv.requirements_for``) with ``PYTHONPATH=<package_parent>:<stubs>`` and
+``SGLANG_USE_CPU_ENGINE=1``; sglang is not installed there, so the tree under test is what runs.
+The workers drive each release through its own one-batch benchmark module (``_rt``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .. import cpuenv
-from . import tinyconfig
+from . import _common, tinyconfig
 
 HERE = Path(__file__).resolve().parent
 STUBS = HERE / "stubs"
@@ -41,13 +43,8 @@ GROUPS = ("runner", "engine")
 
 # expected result names per worker group: a group that dies early still reports every check
 EXPECTED = {
-    "runner": ["a. eagle3 capture [-1,1,2] == HF hidden_states[0,2,3]",
-               "d. greedy tokens and logits identical with the dump on and off"],
-    "engine": [
-        "b. dump through sglang.Engine (DeepSeek-V3) == HF per request",
-        "c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request",
-        "e. refused at sglang.Engine start: radix cache on",
-    ],
+    "runner": [_common.A_NAME, _common.D_NAME, _common.G_NAME, _common.E_RUNNER_NAME],
+    "engine": [_common.B_NAME, _common.C_NAME, _common.E_ENGINE_NAME, _common.E_LAUNCH_NAME],
 }
 IMPORT_EXPECTED = [
     "import sglang.srt.eagle3_capture",
@@ -70,6 +67,26 @@ class Result:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def series_hook_lines(series) -> dict:
+    """{module: [lines]} the series' product patches add to upstream files (new files apart)."""
+    from ..series import Series, load_series
+
+    if series is None:
+        return {}
+    if not isinstance(series, Series):
+        series = load_series(getattr(series, "dir", series))
+    created = {fp.path for p in series.patches for fp in p.files if fp.is_new}
+    out: dict = {}
+    for p in series.patches:
+        for fp in p.files:
+            if fp.path in created or not fp.path.endswith(".py"):
+                continue
+            module = fp.path[:-3].replace("/", ".")
+            for h in fp.hunks:
+                out.setdefault(module, []).extend(v.decode("utf-8") for t, v in h.ops if t == "+")
+    return out
 
 
 def _smoke_patch_names(series) -> list[str]:
@@ -100,10 +117,45 @@ def _pycache_prefix() -> str:
     return _PYCACHE[0]
 
 
-def worker_env(package_parent: Path) -> dict:
+def tree_release(package_parent: Path, series=None) -> str:
+    """The sglang release of a tree: its _version.py, else the series', else the pinned one."""
+    from .. import PINNED_RELEASE
+    from ..tree import version_from_version_py
+
+    return (version_from_version_py(Path(package_parent)) or getattr(series, "release", None)
+            or PINNED_RELEASE)
+
+
+def _pinned(requirements: Path, name: str) -> str | None:
+    for raw in requirements.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.lower().startswith(name + "=="):
+            return line.split("==", 1)[1]
+    return None
+
+
+def stubs_for(requirements: Path, work: Path) -> Path:
+    """The import stubs for an environment. transformers 5 reads torchvision's version from its
+    metadata and fails on none, so there the stub gets a 0.0.0 dist-info (older than any real
+    release: transformers then uses none of its features); transformers 4 must see no metadata."""
+    major = int((_pinned(requirements, "transformers") or "4").split(".")[0])
+    if major < 5:
+        return STUBS
+    import shutil
+
+    dest = work / "stubs"
+    if not dest.exists():
+        shutil.copytree(STUBS, dest, ignore=shutil.ignore_patterns("__pycache__"))
+        meta = dest / "torchvision-0.0.0.dist-info"
+        meta.mkdir()
+        (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.0.0\n")
+    return dest
+
+
+def worker_env(package_parent: Path, stubs: Path = STUBS) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
     env["PYTHONPYCACHEPREFIX"] = _pycache_prefix()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve()), str(STUBS)])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve()), str(stubs)])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -173,17 +225,18 @@ def _kill_group(proc) -> None:
         proc.kill()
 
 
-def checkpoint_dir(kind: str) -> Path:
-    key = tinyconfig.checkpoint_key(kind, cpuenv.env_key())
+def checkpoint_dir(kind: str, requirements: Path | None = None) -> Path:
+    key = tinyconfig.checkpoint_key(kind, cpuenv.env_key(requirements))
     return cpuenv.cache_dir() / "smoke-checkpoints" / ("%s-%s" % (kind, key))
 
 
-def ensure_checkpoints(py: Path, work: Path) -> dict:
-    """The tiny DeepSeek-V3 and Kimi-K2.5 checkpoints (built once, cached by config)."""
-    dirs = {k: checkpoint_dir(k) for k in ("deepseek_v3", "kimi_k25")}
+def ensure_checkpoints(py: Path, work: Path, requirements: Path | None = None, stubs: Path = STUBS) -> dict:
+    """The tiny DeepSeek-V3 and Kimi-K2.5 checkpoints of an environment (built once with its
+    transformers, cached by config and environment)."""
+    dirs = {k: checkpoint_dir(k, requirements) for k in ("deepseek_v3", "kimi_k25")}
     if not all((d / ".complete").is_file() for d in dirs.values()):
         _say("smoke: building the tiny checkpoints under %s ..." % dirs["deepseek_v3"].parent)
-        env = worker_env(work)  # no sglang needed
+        env = worker_env(work, stubs)  # no sglang needed
         log = work / "build-checkpoints.log"
         cmd = [str(py), str(HERE / "_build.py"), str(dirs["deepseek_v3"]), str(dirs["kimi_k25"])]
         with open(log, "w") as fh:
@@ -216,28 +269,34 @@ def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | N
     if not (package_parent / "sglang" / "__init__.py").is_file():
         raise FileNotFoundError("error: %s holds no sglang/ package; pass the package parent" % package_parent)
     t0 = time.monotonic()
-    py = cpuenv.ensure_env()
-    env = worker_env(package_parent)
+    release = tree_release(package_parent, series)
+    requirements = cpuenv.requirements_for(release)
+    py = cpuenv.ensure_env(requirements)
     own_work = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="eaglepatch-smoke-")) if own_work else Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    stubs = stubs_for(requirements, work)
+    env = worker_env(package_parent, stubs)
     smoke_patches = _smoke_patch_names(series)
-    _say("smoke %s: sglang from %s (CPU environment %s)" % (level, package_parent, py.parent.parent.name))
+    _say("smoke %s: sglang %s from %s (CPU environment %s)" % (level, release, package_parent,
+                                                                py.parent.parent.name))
     if smoke_patches:
         _say("smoke: this tree carries the test-only smoke patch(es) %s (torch_native's MHA prefill "
              "reads K/V from the MLA latent pool upstream; DeepSeek attention is routed to MLA)"
              % ", ".join(smoke_patches))
     results: list[Result] = []
     if level == "import":
-        results += _run_worker(py, "_import.py", [], env, work / "import.log", GROUP_TIMEOUT_S["import"],
+        hooks = work / "series-hooks.json"
+        hooks.write_text(json.dumps(series_hook_lines(series)))
+        results += _run_worker(py, "_import.py", [hooks], env, work / "import.log", GROUP_TIMEOUT_S["import"],
                                expected=IMPORT_EXPECTED)
     else:
         specs = _group_specs(checks)
-        ck = ensure_checkpoints(py, work)
+        ck = ensure_checkpoints(py, work, requirements, stubs)
         for g, sub in specs:
             _say("smoke functional: %s ..." % (g if not sub else "%s:%s" % (g, sub)))
             if g == "runner":
-                args = [ck["deepseek_v3"], work / "runner"] + ([",".join(sub)] if sub else [])
+                args = [ck["deepseek_v3"], ck["kimi_k25"], work / "runner"] + ([",".join(sub)] if sub else [])
             else:
                 args = [ck["deepseek_v3"], ck["kimi_k25"], work / "engine"] + ([",".join(sub)] if sub else [])
             script = {"runner": "_runner.py", "engine": "_engine.py"}[g]

@@ -9,6 +9,17 @@ import traceback
 
 T0 = time.monotonic()
 
+# The names of the functional checks (the parent process lists them too, to report a check
+# whose worker died before it ran).
+A_NAME = "a. eagle3 capture [-1,1,3] == HF residual stream [0,2,4 (before the final norm)]"
+B_NAME = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
+C_NAME = "c. dump through the Kimi-K2.5 wrapper under chunked prefill (chunk 64, text only) == HF per request"
+D_NAME = "d. greedy tokens and logits identical with the dump on and off"
+G_NAME = "g. Kimi-K2.5 image prompt: ids stored with the placeholder id, rows == HF"
+E_ENGINE_NAME = "e. refused at sglang.Engine start: radix cache on"
+E_LAUNCH_NAME = "e. refused by launch_server: radix cache on"
+E_RUNNER_NAME = "e. refused in ModelRunner init too (radix cache on)"
+
 
 def log(msg: str) -> None:
     print("[smoke %5.1fs] %s" % (time.monotonic() - T0, msg), file=sys.stderr, flush=True)
@@ -59,3 +70,50 @@ CPU_SERVER_ARGS = dict(
     max_running_requests=8,
     random_seed=0,
 )
+
+
+# A reference check must tell a wrong state from the right one: every comparison below is also
+# made against the states a wrong reading would give (the layer one above or below, the final
+# state without its norm, the last layer's output after the norm), and those must differ.
+WRONG_MARGIN = 1000.0  # the nearest wrong reference differs by >= this many tolerances
+
+
+class RowCheck:
+    """Accumulates right/wrong distances of captured rows against an HF reference (_hf.Ref)."""
+
+    def __init__(self, tol: float):
+        self.tol = tol
+        self.right = 0.0  # worst distance to the right reference
+        self.wrong = float("inf")  # nearest distance to a wrong reference
+        self.wrong_what = ""
+
+    def _wrong(self, got, ref, what) -> None:
+        if ref is not None and tuple(ref.shape) == tuple(got.shape):
+            d = maxdiff(got, ref)
+            if d < self.wrong:
+                self.wrong, self.wrong_what = d, what
+
+    def layer(self, got, ref, k: int) -> None:
+        """EAGLE-3 id k (-1 = embedding, N-1 = last layer before the final norm)."""
+        stream = ref.stream
+        self.right = max(self.right, maxdiff(got, stream[k + 1]))
+        for j in (k, k + 2):
+            if 0 <= j < len(stream):
+                self._wrong(got, stream[j], "id %d read as HF index %d (shifted by one)" % (k, j))
+        if k + 1 == len(stream) - 1:
+            self._wrong(got, ref.final, "id %d read after the final norm" % k)
+
+    def final(self, got, ref) -> None:
+        self.right = max(self.right, maxdiff(got, ref.final))
+        self._wrong(got, ref.stream[-1], "final without its norm")
+
+    def problems(self) -> list:
+        out = []
+        if self.right > self.tol:
+            out.append("max abs diff %.3g > %g" % (self.right, self.tol))
+        if self.wrong < WRONG_MARGIN * self.tol:
+            out.append("the reference cannot tell a wrong state: %s differs by only %.3g" % (self.wrong_what, self.wrong))
+        return out
+
+    def figure(self) -> str:
+        return "max abs diff %.2g (nearest wrong reference %.2g: %s)" % (self.right, self.wrong, self.wrong_what)

@@ -2,12 +2,15 @@
 
 usage: python _engine.py DEEPSEEK_CKPT KIMI_CKPT WORK_DIR [e,b,c]
 
-e. (last) an Engine start with the dump on and the radix cache on is refused with its message.
+e. (last) sglang.Engine and launch_server with the dump on and the radix cache on end at the
+   launch check: one line naming the fix, non-zero exit, no traceback, no worker started.
 
 b. DeepSeek-V3 Engine with the dump on: one generate call with several prompts of different
    lengths (batched by the scheduler), one file per request, ids, metadata, each layer and
    `final` equal the HF reference of that request.
-c. The same through the Kimi-K2.5 wrapper (text only).
+c. The same through the Kimi-K2.5 wrapper (text only) with --chunked-prefill-size 64: a prompt
+   of exactly one chunk (first, alone in its forward), prompts of several chunks, chunked and
+   unchunked prompts in one forward; each file equals the HF reference as b's do.
 
 Engines are started one after the other in this process; each inherits the EAGLE3_DUMP_*
 variables present when it starts.
@@ -26,9 +29,9 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import CPU_SERVER_ARGS, guarded, log, maxdiff, result
+from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, RowCheck, guarded, log, result
 
-LAYERS = [-1, 1, 2]
+LAYERS = [-1, 1, 3]  # 3: the last layer's output before the final norm
 TOL = 1e-4
 FILE_TIMEOUT_S = 120
 
@@ -108,9 +111,9 @@ def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
     extra = [n for n in names if n not in {k + ".safetensors" for k in keys}]
     if extra:
         problems.append("unexpected files in the dump dir: %s" % extra[:6])
-    worst = {"layers": 0.0, "final": 0.0}
+    rc = RowCheck(TOL)
     checked = 0
-    for ids, key, (hs, _logits, post_diff, pre_diff) in zip(prompts, keys, refs):
+    for ids, key, ref in zip(prompts, keys, refs):
         path = want[key]
         if not path.exists():
             continue
@@ -152,83 +155,104 @@ def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
                 problems.append("%s: metadata %s missing" % (key[:12], mk))
         for k in LAYERS:
             t = tensors["layer.%d" % k]
-            if t.dtype != torch.float32 or tuple(t.shape) != tuple(hs[k + 1].shape):
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(ref.stream[k + 1].shape):
                 problems.append("%s: layer.%d dtype %s shape %s" % (key[:12], k, t.dtype, tuple(t.shape)))
                 continue
-            worst["layers"] = max(worst["layers"], maxdiff(t, hs[k + 1]))
-        worst["final"] = max(worst["final"], maxdiff(tensors["final"], hs[-1]))
+            rc.layer(t, ref, k)
+        rc.final(tensors["final"], ref)
         checked += 1
-    d = max(worst.values())
-    if d > TOL:
-        problems.append("max abs diff %.3g > %g (layers %.3g, final %.3g)" % (d, TOL, worst["layers"], worst["final"]))
-    post = max(r[2] for r in refs)
-    pre = min(r[3] for r in refs)
-    if post > 1e-5 or pre < 1e-3:
-        problems.append("HF hidden_states[-1] is not the post-norm state (|hs[-1]-norm(last)| %.3g, |hs[-1]-last| %.3g)" % (post, pre))
-    detail = ("%d requests (lengths %s) in one generate call; %d files checked; layers %s: %.3g, final: %.3g; "
-              "HF hidden_states[-1] == norm(last layer output) to %.1g (and differs from it by >= %.2g)"
-              % (len(prompts), [len(p) for p in prompts], checked, LAYERS, worst["layers"], worst["final"], post, pre))
+    problems += rc.problems()
+    detail = ("%d requests (lengths %s) in one generate call; %d files checked; layers %s and final: %s"
+              % (len(prompts), [len(p) for p in prompts], checked, LAYERS, rc.figure()))
     if problems:
         detail = "; ".join(problems) + " | " + detail
-    result(name, not problems, "max abs diff %.2g" % d, detail)
+    result(name, not problems, "max abs diff %.2g" % rc.right, detail)
 
 
-E_NAME = "e. refused at sglang.Engine start: radix cache on"
-E_NEEDLE = "EAGLE3_DUMP_DIR is set but the radix cache is on"
+E_NEEDLE = "error: EAGLE3_DUMP_DIR is set but the radix cache is on"
 E_FIX = "--disable-radix-cache"
+E_MAX_S = 60.0  # before any worker starts or any weight loads: the import is most of it
 
 
-_QUITS = []
-
-
-def _note_sigquit(signum, frame):
-    """SIGQUIT handler for the refused start (top level: ServerArgs is pickled to the scheduler)."""
-    _QUITS.append(signum)
+def _kwargs_radix_on(ckpt: Path) -> dict:
+    kw = dict(ENGINE_ARGS, model_path=str(ckpt))
+    kw.pop("disable_radix_cache")  # the default: radix cache on
+    return kw
 
 
 def check_e_engine(ckpt: Path, work: Path) -> None:
-    """A real Engine start with the dump on and the radix cache on (the Engine default) must
-    fail with a message naming --disable-radix-cache, before any file is written."""
-    from sglang.srt.utils import kill_process_tree
+    """sglang.Engine with the dump on and the radix cache on (its default) ends at the launch
+    check: SystemExit with one line naming --disable-radix-cache, before any worker process
+    starts, no dump written."""
+    import psutil
 
     directory = work / "dump-refused"
-    errlog = work / "refused-engine.stderr"
-    engine = None
-    saved = os.dup(2)
+    engine, code = None, None
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
-    with Dumping(directory), open(errlog, "w") as fh:
-        os.dup2(fh.fileno(), 2)  # the scheduler process inherits this stderr: its error lands here
+    with Dumping(directory):
         try:
-            kw = dict(ENGINE_ARGS, model_path=str(ckpt))
-            kw.pop("disable_radix_cache")
-            # the failing scheduler SIGQUITs its parent; note it instead of dying
-            engine = __import__("sglang").Engine(custom_sigquit_handler=_note_sigquit, **kw)
-        except Exception as exc:
-            start_error = "%s: %s" % (type(exc).__name__, exc)
-        else:
-            start_error = None
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            if engine is not None:
-                engine.shutdown()
-            else:
-                kill_process_tree(os.getpid(), include_parent=False)  # what Engine.shutdown does
+            engine = __import__("sglang").Engine(**_kwargs_radix_on(ckpt))
+        except SystemExit as exc:
+            code = exc.code
     wall = time.monotonic() - t0
-    text = errlog.read_text(errors="replace")
-    lines = [ln for ln in text.splitlines() if E_NEEDLE in ln]
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     files = sorted(p.name for p in directory.iterdir())
-    ok = engine is None and bool(lines) and E_FIX in lines[0] and not files
-    detail = "start failed after %.0f s (%s; scheduler sent SIGQUIT: %s); scheduler said: %s" % (
-        wall, start_error, "yes" if _QUITS else "no", lines[0].strip()[-300:] if lines else "no refusal message")
+    msg = str(code)
+    ok = (engine is None and msg.startswith(E_NEEDLE) and E_FIX in msg and "\n" not in msg
+          and not children and not files and wall < E_MAX_S)
+    detail = "Engine() raised SystemExit after %.1f s: %r; worker processes started: %d; dump files: %s" % (
+        wall, msg[:300], len(children), files[:5])
     if engine is not None:
         detail = "the Engine STARTED with EAGLE3_DUMP_DIR set and the radix cache on; " + detail
-    if files:
-        detail += "; dump dir not empty: %s" % files[:5]
-    if not lines:
-        detail += "\n" + "\n".join(text.splitlines()[-15:])
-    result(E_NAME, ok, "refused" if ok else ("started" if engine is not None else "no refusal message"), detail)
+        engine.shutdown()
+    result(E_ENGINE_NAME, ok, "refused in %.0f s" % wall if ok else "not refused at launch", detail)
+
+
+def _cli(kwargs: dict) -> list:
+    out = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False and v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def check_e_launch_server(ckpt: Path, work: Path) -> None:
+    """python -m sglang.launch_server with the dump on and the radix cache on: a non-zero exit
+    and one stderr line naming the fix, no traceback, before any weight loads."""
+    import socket
+    import subprocess
+
+    directory = work / "dump-refused-server"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + _cli(_kwargs_radix_on(ckpt))
+    t0 = time.monotonic()
+    with Dumping(directory):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    wall = time.monotonic() - t0
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    ours = [ln for ln in err if ln.startswith(E_NEEDLE)]
+    files = sorted(p.name for p in directory.iterdir())
+    ok = (proc.returncode != 0 and len(ours) == 1 and E_FIX in ours[0] and "Traceback" not in proc.stderr
+          and not files and wall < E_MAX_S)
+    detail = "exit %d after %.1f s; the error line: %r; traceback in stderr: %s; dump files: %s; last stderr lines: %s" % (
+        proc.returncode, wall, ours[0][:300] if ours else None, "Traceback" in proc.stderr, files[:5], err[-3:])
+    result(E_LAUNCH_NAME, ok, "exit %d in %.0f s" % (proc.returncode, wall), detail)
+
+
+CHUNK = 64  # --chunked-prefill-size of check f: below most prompt lengths
+
+
+def chunk_order(prompts):
+    """Check f's prompts: the one exactly CHUNK long first (alone in the first forward, so it
+    is prefilled in exactly one chunk), then the rest (several per forward, chunked and not)."""
+    exact = [p for p in prompts if len(p) == CHUNK]
+    return exact + [p for p in prompts if len(p) != CHUNK]
 
 
 def main() -> int:
@@ -237,38 +261,41 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     prompts = tinyconfig.prompts()
     refs = None
-    if "b" in which or "c" in which:
+    if set(which) & {"b", "c"}:
         log("HF reference for %d prompts" % len(prompts))
         ref = _hf.Reference(ds_ckpt)
         refs = [ref.run(p) for p in prompts]
         del ref
 
-    def dump_check(name, ckpt, architecture, subdir, **engine_kw):
+    def dump_check(name, ckpt, architecture, subdir, order=None, **engine_kw):
         """One Engine with the dump on: generate, then compare every file with HF."""
 
         @guarded(name)
         def run():
             directory = work / subdir
+            sent = order(prompts) if order else prompts
+            sent_refs = [refs[prompts.index(p)] for p in sent]
             with Dumping(directory):
                 engine = start_engine(ckpt, **engine_kw)
             try:
-                generate(engine, prompts, 1)
-                check_dump(name, directory, prompts, refs, architecture, ckpt)
+                generate(engine, sent, 1)
+                check_dump(name, directory, sent, sent_refs, architecture, ckpt)
             finally:
                 engine.shutdown()
 
         run()
 
     if "b" in which:
-        dump_check("b. dump through sglang.Engine (DeepSeek-V3) == HF per request",
-                   ds_ckpt, "DeepseekV3ForCausalLM", "dump-deepseek")
+        dump_check(B_NAME, ds_ckpt, "DeepseekV3ForCausalLM", "dump-deepseek")
     if "c" in which:
-        dump_check("c. dump through the Kimi-K2.5 wrapper (sglang.Engine, text only) == HF per request",
-                   kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", enable_multimodal=False)
+        assert any(len(p) == CHUNK for p in prompts) and sum(len(p) > CHUNK for p in prompts) >= 3
+        dump_check(C_NAME, kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", order=chunk_order,
+                   enable_multimodal=False, chunked_prefill_size=CHUNK)
     if "e" in which:
         # last: a failed start leaves this process in a state not worth reusing
-        log("starting an Engine with the dump on and the radix cache on (must be refused)")
-        guarded(E_NAME)(check_e_engine)(ds_ckpt, work)
+        log("starting an Engine and launch_server with the dump on and the radix cache on (must be refused)")
+        guarded(E_ENGINE_NAME)(check_e_engine)(ds_ckpt, work)
+        guarded(E_LAUNCH_NAME)(check_e_launch_server)(ds_ckpt, work)
     return 0
 
 

@@ -3,8 +3,8 @@
 - ``build_deepseek(dest)``: a seeded transformers ``DeepseekV3ForCausalLM`` saved as safetensors.
 - ``build_kimi(dest, deepseek_dir)``: a Kimi-K2.5 checkpoint whose text part is exactly the
   DeepSeek checkpoint (prefixed ``language_model.``) plus a tiny random vision tower.
-- ``Reference``: ``output_hidden_states`` of transformers' DeepseekV3ForCausalLM (float32) per
-  prompt, with a check that ``hidden_states[-1]`` is the post-norm state.
+- ``Reference``: the residual stream of transformers' DeepseekV3ForCausalLM (float32) per prompt,
+  the last layer's output before the final norm included, the post-norm state and the logits.
 """
 
 from __future__ import annotations
@@ -137,6 +137,17 @@ def build_draft(dest: Path, layer_ids) -> None:
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+class Ref:
+    """The HF reference of one prompt.
+
+    ``stream[i]`` is the residual stream entering decoder layer i (0 = embedding output) and
+    ``stream[N]`` the last layer's output before the final norm: EAGLE-3 id k is ``stream[k + 1]``.
+    ``final`` is the post-norm state (HF's ``hidden_states[-1]``), ``logits`` [T, V]."""
+
+    def __init__(self, stream, final, logits):
+        self.stream, self.final, self.logits = stream, final, logits
+
+
 class Reference:
     """HF DeepseekV3ForCausalLM on the checkpoint's weights, float32."""
 
@@ -147,20 +158,28 @@ class Reference:
         self.num_layers = self.model.config.num_hidden_layers
 
     @torch.no_grad()
-    def run(self, ids):
-        """(hidden_states tuple [N+1 x [T,H]], logits [T,V], post-norm check figure)."""
+    def run(self, ids, image=None) -> Ref:
+        """``image``: (first row, embeddings [n, H]) that replace those rows' token embeddings,
+        as a multimodal wrapper feeds its language model."""
         raw = {}
         last = self.model.model.layers[-1]
         h = last.register_forward_hook(lambda m, a, out: raw.__setitem__("x", out[0] if isinstance(out, tuple) else out))
         try:
-            out = self.model(torch.tensor([list(ids)]), output_hidden_states=True)
+            x = torch.tensor([list(ids)])
+            if image is None:
+                out = self.model(x, output_hidden_states=True)
+            else:
+                start, emb = image
+                embeds = self.model.model.embed_tokens(x).clone()
+                embeds[0, start:start + emb.shape[0]] = emb.to(embeds.dtype)
+                out = self.model(inputs_embeds=embeds, output_hidden_states=True)
         finally:
             h.remove()
         hs = tuple(t[0].float() for t in out.hidden_states)
         if len(hs) != self.num_layers + 1:
             raise AssertionError("HF returned %d hidden states, expected %d" % (len(hs), self.num_layers + 1))
         pre = raw["x"][0].float()
-        normed = self.model.model.norm(pre)
-        post_diff = float((hs[-1] - normed).abs().max())
-        pre_diff = float((hs[-1] - pre).abs().max())
-        return hs, out.logits[0].float(), post_diff, pre_diff
+        # transformers' last hidden state is the normed one: the pre-norm stream comes from the hook
+        if float((hs[-1] - self.model.model.norm(pre)).abs().max()) > 1e-4:
+            raise AssertionError("HF hidden_states[-1] is not norm(last layer output)")
+        return Ref(hs[:-1] + (pre,), hs[-1], out.logits[0].float())

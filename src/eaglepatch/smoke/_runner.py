@@ -1,19 +1,25 @@
 """In-process ModelRunner checks (run inside the CPU environment by file path).
 
-usage: python _runner.py CKPT_DIR WORK_DIR
+usage: python _runner.py CKPT_DIR KIMI_CKPT_DIR WORK_DIR [a,d,g,e]
 
-a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1, 1, 2]:
-   the configured set is in place before init_device_graphs() runs, LogitsProcessorOutput
-   .hidden_states (CaptureHiddenMode.FULL) is cat(aux) of HF hidden_states[0], [2], [3], and
-   stays so after a set_eagle3_layers_to_capture() call with no ids.
+a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1, 1, 3] (3 =
+   the last layer, before the final norm): the configured set is in place before the runner
+   captures device graphs, LogitsProcessorOutput.hidden_states (CaptureHiddenMode.FULL) is
+   cat(aux) of the HF residual stream at 0, 2 and 4, and stays so after a
+   set_eagle3_layers_to_capture() call with no ids.
 d. Greedy tokens and logits are identical with the dump on (and writing) and off.
-e. With EAGLE3_DUMP_DIR set, ModelRunner init refuses each setting that would make dumps wrong,
-   with a message naming the setting.
+g. An image prompt through the real Kimi-K2.5 wrapper (precomputed image embeddings): the dump
+   holds and is keyed by the ids with the image placeholder id, and equals HF fed the same
+   embeddings.
+e. With EAGLE3_DUMP_DIR set, the launch check refuses each setting that would make dumps wrong
+   (SystemExit, one line naming the setting), on this release's real ServerArgs; ModelRunner
+   init refuses too.
+
+The runner is built and driven through the release's own one-batch benchmark module (_rt).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from pathlib import Path
@@ -21,199 +27,154 @@ from pathlib import Path
 import torch
 
 import _hf
+import _rt
 import tinyconfig
-from _common import CPU_SERVER_ARGS, guarded, log, maxdiff, result
+from _common import A_NAME, D_NAME, E_RUNNER_NAME, G_NAME, RowCheck, guarded, log, maxdiff, result
 
-EAGLE_IDS = [-1, 1, 2]
+EAGLE_IDS = [-1, 1, 3]
 TOL = 1e-4
-
-BASE_ARGS = dict(CPU_SERVER_ARGS, mem_fraction_static=0.5)
-
-
-def server_args(ckpt: Path, **over):
-    from sglang.srt.server_args import ServerArgs
-
-    kw = dict(BASE_ARGS, model_path=str(ckpt))
-    kw.update(over)
-    return ServerArgs(**kw)
-
-
-_PREPARED = False
-
-
-def make_runner(sa, mutate=None):
-    """ServerArgs -> ModelRunner, as the recipe does; ``mutate(sa)`` runs after validation."""
-    global _PREPARED
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.entrypoints.engine import _set_envs_and_config
-    from sglang.srt.layers.moe.utils import initialize_moe_config
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.server_args import PortArgs
-
-    if not _PREPARED:
-        _set_envs_and_config(sa)
-        _PREPARED = True
-    initialize_moe_config(sa)
-    if mutate is not None:
-        mutate(sa)
-    model_config = ModelConfig.from_server_args(sa)
-    return ModelRunner(
-        model_config=model_config,
-        mem_fraction_static=sa.mem_fraction_static,
-        gpu_id=0,
-        tp_rank=0,
-        tp_size=1,
-        moe_ep_rank=0,
-        moe_ep_size=1,
-        pp_rank=0,
-        pp_size=1,
-        nccl_port=PortArgs.init_new(sa).nccl_port,
-        server_args=sa,
-    )
-
-
-def release(runner) -> None:
-    from sglang.srt.distributed import parallel_state as ps
-
-    del runner
-    gc.collect()
-    # let the next ModelRunner initialise the (single-rank) groups again
-    try:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
-    except Exception as exc:
-        log("releasing the process groups: %s" % exc)
-    # 0.5.9's destroy_model_parallel() forgets the attention-TP group (an alias of TP here)
-    ps._ATTN_TP = None
-    # ModelRunner.initialize() asserts this global is unset (one runner per process upstream)
-    from sglang.srt.eplb import expert_location
-
-    expert_location._global_expert_location_metadata = None
-
-
-@torch.no_grad()
-def extend(runner, prompts, capture_full=False):
-    from sglang.bench_one_batch import TreeCacheNamespace
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    reqs = []
-    for i, ids in enumerate(prompts):
-        req = Req(rid=str(i), origin_input_text="", origin_input_ids=list(ids),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
-        req.fill_ids = req.origin_input_ids
-        req.logprob_start_len = -1
-        req.set_extend_input_len(len(req.fill_ids) - len(req.prefix_indices))
-        reqs.append(req)
-    tree_cache = TreeCacheNamespace(page_size=runner.server_args.page_size, device=runner.device,
-                                    token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
-    batch = ScheduleBatch.init_new(
-        reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=tree_cache,
-        model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-    )
-    batch.prepare_for_extend()
-    fb = ForwardBatch.init_new(batch.get_model_worker_batch(), runner)
-    if capture_full:
-        fb.capture_hidden_mode = CaptureHiddenMode.FULL
-    out = runner.forward(fb).logits_output
-    # free the KV slots so the next extend on this runner starts clean
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    return out
+GRAPH_INITS = ("init_device_graphs", "init_cuda_graphs")  # where each release captures device graphs
 
 
 def check_a(ckpt: Path, work: Path, ref) -> None:
-    name = "a. eagle3 capture [-1,1,2] == HF hidden_states[0,2,3]"
     from sglang.srt.model_executor import model_runner as mr
 
     draft = work / "draft-eagle3"
     _hf.build_draft(draft, EAGLE_IDS)
     snap = {}
-    orig = mr.ModelRunner.init_device_graphs
+    graph_init = next(n for n in GRAPH_INITS if hasattr(mr.ModelRunner, n))
+    orig = getattr(mr.ModelRunner, graph_init)
 
-    def spy(self):  # the ordering proof: what is configured when graphs would be captured
+    def spy(self, *a, **kw):  # the ordering proof: what is configured when graphs would be captured
         snap["layers_to_capture"] = list(getattr(self.model.model, "layers_to_capture", []))
         snap["capture_aux"] = bool(getattr(self.model, "capture_aux_hidden_states", False))
-        return orig(self)
+        snap["last_hook"] = bool(self.model.model.norm._forward_hooks)
+        return orig(self, *a, **kw)
 
-    mr.ModelRunner.init_device_graphs = spy
+    setattr(mr.ModelRunner, graph_init, spy)
     try:
-        sa = server_args(ckpt, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
-                         speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
-        runner = make_runner(sa)
+        sa = _rt.server_args(ckpt, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                             speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+        runner = _rt.make_runner(sa)
     finally:
-        mr.ModelRunner.init_device_graphs = orig
-    want_idx = [k + 1 for k in EAGLE_IDS]
+        setattr(mr.ModelRunner, graph_init, orig)
+    n = tinyconfig.DEEPSEEK_V3["num_hidden_layers"]
+    want_idx = [k + 1 for k in EAGLE_IDS if k + 1 < n]  # index n comes from the final-norm hook
     problems = []
-    if not runner.eagle_use_aux_hidden_state or list(runner.eagle_aux_hidden_state_layer_ids) != EAGLE_IDS:
-        problems.append("runner did not read eagle ids from the draft config (%r)"
-                        % (getattr(runner, "eagle_aux_hidden_state_layer_ids", None),))
-    if snap.get("layers_to_capture") != want_idx or not snap.get("capture_aux"):
-        problems.append("before init_device_graphs layers_to_capture=%r capture_aux=%r, want %r"
-                        % (snap.get("layers_to_capture"), snap.get("capture_aux"), want_idx))
+    if snap.get("layers_to_capture") != want_idx or not snap.get("capture_aux") or not snap.get("last_hook"):
+        problems.append("before %s layers_to_capture=%r capture_aux=%r final-norm hook=%r, want %r, True, True"
+                        % (graph_init, snap.get("layers_to_capture"), snap.get("capture_aux"),
+                           snap.get("last_hook"), want_idx))
     prompts = tinyconfig.prompts()
-    refs = [ref.run(p)[0] for p in prompts]
+    refs = [ref.run(p) for p in prompts]
     H = tinyconfig.DEEPSEEK_V3["hidden_size"]
 
     def compare(tag):
-        out = extend(runner, prompts, capture_full=True)
-        hs = out.hidden_states
+        hs = _rt.extend(runner, prompts, capture_full=True).hidden_states
         if hs is None:
             raise AssertionError("%s: LogitsProcessorOutput.hidden_states is None" % tag)
         total = sum(len(p) for p in prompts)
         if tuple(hs.shape) != (total, H * len(EAGLE_IDS)):
             raise AssertionError("%s: hidden_states shape %s, want (%d, %d)" % (tag, tuple(hs.shape), total, H * len(EAGLE_IDS)))
-        worst, start = 0.0, 0
+        rc, start = RowCheck(TOL), 0
         for p, r in zip(prompts, refs):
             rows = hs[start:start + len(p)]
             for j, k in enumerate(EAGLE_IDS):
-                worst = max(worst, maxdiff(rows[:, j * H:(j + 1) * H], r[k + 1]))
+                rc.layer(rows[:, j * H:(j + 1) * H], r, k)
             start += len(p)
-        return worst
+        return rc
 
-    d1 = compare("configured")
-    runner.model.set_eagle3_layers_to_capture()  # what CUDA-graph capture / warm-up call
+    rc1 = compare("configured")
+    runner.model.set_eagle3_layers_to_capture()  # what CUDA-graph capture / warm-up call in 0.5.9
     after = list(runner.model.model.layers_to_capture)
     if after != want_idx:
         problems.append("a no-id set_eagle3_layers_to_capture() changed layers_to_capture to %r" % after)
-    d2 = compare("after no-id call")
-    d = max(d1, d2)
-    if d > TOL:
-        problems.append("max abs diff %.3g > %g" % (d, TOL))
-    detail = ("target ModelRunner with speculative_algorithm=EAGLE3, draft eagle_config ids %s; "
-              "layers_to_capture before init_device_graphs=%s; diff configured %.3g, after no-id call %.3g; "
-              "%d prompts in one extend" % (EAGLE_IDS, snap.get("layers_to_capture"), d1, d2, len(prompts)))
+    rc2 = compare("after no-id call")
+    problems += rc1.problems() + rc2.problems()
+    detail = ("target ModelRunner with speculative_algorithm=EAGLE3, draft eagle_config ids %s; layers_to_capture "
+              "before %s=%s (+ final-norm hook); configured: %s; after no-id call: %s; %d prompts in one extend"
+              % (EAGLE_IDS, graph_init, snap.get("layers_to_capture"), rc1.figure(), rc2.figure(), len(prompts)))
     if problems:
         detail = "; ".join(problems) + " | " + detail
-    result(name, not problems, "max abs diff %.2g" % d, detail)
-    release(runner)
+    result(A_NAME, not problems, "max abs diff %.2g" % max(rc1.right, rc2.right), detail)
+    _rt.release(runner)
 
 
-# setting -> (mutation on the validated ServerArgs, text the refusal must contain)
-REFUSALS = [
-    ("radix cache on", lambda sa: setattr(sa, "disable_radix_cache", False), "--disable-radix-cache"),
-    ("chunked prefill < context length", lambda sa: setattr(sa, "chunked_prefill_size", 256), "--chunked-prefill-size"),
-    ("mixed chunk", lambda sa: setattr(sa, "enable_mixed_chunk", True), "--enable-mixed-chunk"),
-    ("two-batch overlap", lambda sa: setattr(sa, "enable_two_batch_overlap", True), "--enable-two-batch-overlap"),
-    ("piecewise cuda graph", lambda sa: setattr(sa, "enable_piecewise_cuda_graph", True), "--enable-piecewise-cuda-graph"),
-    ("dp attention", lambda sa: setattr(sa, "enable_dp_attention", True), "--enable-dp-attention"),
-    ("pp > 1", lambda sa: setattr(sa, "pp_size", 2), "--pp-size"),
-    ("deepep a2a", lambda sa: setattr(sa, "moe_a2a_backend", "deepep"), "--moe-a2a-backend"),
-    ("mooncake a2a", lambda sa: setattr(sa, "moe_a2a_backend", "mooncake"), "--moe-a2a-backend"),
+REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain)
+    ("radix cache on", {"disable_radix_cache": False}, "--disable-radix-cache"),
+    ("mixed chunk", {"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
+    ("two-batch overlap", {"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ("piecewise cuda graph", {"enable_piecewise_cuda_graph": True}, "--enable-piecewise-cuda-graph"),
+    ("prefill cuda graph", {"disable_cuda_graph": False, "cuda_graph_backend_prefill": "full"},
+     "--disable-prefill-cuda-graph"),
+    ("dp attention", {"enable_dp_attention": True}, "DP attention"),
+    ("attention dp size", {"attn_dp_size": 2}, "DP attention"),
+    ("pp > 1", {"pp_size": 2}, "--pp-size"),
+    ("deepep a2a", {"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
+    ("mooncake a2a", {"moe_a2a_backend": "mooncake"}, "--moe-a2a-backend"),
+    ("pdmux", {"enable_pdmux": True}, "--enable-pdmux"),
+    ("prefill context parallel", {"enable_prefill_cp": True}, "--enable-prefill-cp"),
+    ("nsa prefill context parallel", {"enable_nsa_prefill_context_parallel": True},
+     "--enable-nsa-prefill-context-parallel"),
 ]
 
 
+def _args_with(ckpt, settings: dict):
+    """Real ServerArgs of this release with these settings: set after sglang's own validation
+    (which rejects some settings on a CPU), or passed to the constructor where the release keeps
+    resolved arguments read-only. (ServerArgs, how) or (None, why not)."""
+    sa = _rt.server_args(ckpt, load_format="dummy")
+    try:
+        for attr, value in settings.items():
+            setattr(sa, attr, value)
+        return sa, "set after validation"
+    except Exception as read_only:
+        try:
+            return _rt.server_args(ckpt, load_format="dummy", **settings), "constructor"
+        except Exception as exc:
+            return None, "read-only (%s) and the constructor refuses it here (%s: %s)" % (
+                str(read_only)[:80], type(exc).__name__, str(exc)[:160])
+
+
 def check_e(ckpt: Path, work: Path) -> None:
+    """Every rule at the launch check (what launch_server and Engine run before any worker),
+    on this release's real ServerArgs; then one refusal inside ModelRunner init (the second line
+    of defence). A setting this release does not have, refuses by itself on this CPU, or
+    resolves to another value (so it cannot take effect) is logged, not checked."""
+    from sglang.srt import eagle3_capture
+    from sglang.srt.eagle3_capture.settings import resolved
+
     dump = work / "dump-refused"
     dump.mkdir(parents=True, exist_ok=True)
     os.environ["EAGLE3_DUMP_DIR"] = str(dump)
-    os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,2"
+    os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,3"
     try:
-        for label, mutate, needle in REFUSALS:
-            _refusal(ckpt, label, mutate, needle)
+        probe = _rt.server_args(ckpt, load_format="dummy")
+        eagle3_capture.check_launch(probe)  # the control: these CPU settings pass
+        for label, settings, needle in REFUSALS:
+            missing = [a for a in settings if not hasattr(probe, a)]
+            if missing:
+                log("refusal %r: this release's ServerArgs has no %s" % (label, missing))
+                continue
+            name = "e. refused at launch: %s" % label
+            sa, how = _args_with(ckpt, settings)
+            if sa is None:
+                log("refusal %r not reachable on this CPU: %s" % (label, how))
+                continue
+            view = resolved(sa)
+            changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
+            if changed:
+                log("refusal %r not reachable: this release resolves %s to %s" % (label, settings, changed))
+                continue
+            try:
+                eagle3_capture.check_launch(sa)
+            except SystemExit as exc:
+                msg = str(exc.code)
+                ok = msg.startswith("error: EAGLE3_DUMP_DIR is set but") and needle in msg and "\n" not in msg
+                result(name, ok, "refused" if ok else "wrong message", "%s (%s)" % (msg[:300], how))
+            else:
+                result(name, False, "passed", "check_launch accepted %s (%s)" % (settings, how))
+        guarded(E_RUNNER_NAME)(_runner_refusal)(ckpt)
     finally:
         os.environ.pop("EAGLE3_DUMP_DIR", None)
         os.environ.pop("EAGLE3_DUMP_LAYERS", None)
@@ -222,56 +183,21 @@ def check_e(ckpt: Path, work: Path) -> None:
         result("e. refusals leave the dump dir empty", False, "%d files" % len(left), ", ".join(left[:5]))
 
 
-def _refusal(ckpt, label, mutate, needle):
-    name = "e. refused in ModelRunner init: %s" % label
-
-    @guarded(name)
-    def run():
-        sa = server_args(ckpt, load_format="dummy")  # refused after loading: weights do not matter
-        try:
-            runner = make_runner(sa, mutate=mutate)
-        except Exception as exc:
-            msg = str(exc)
-            ok = "EAGLE3_DUMP_DIR" in msg and needle in msg
-            result(name, ok, "refused" if ok else "wrong error",
-                   "%s: %s" % (type(exc).__name__, msg[:400]) + ("" if ok else " (want a message naming %s)" % needle))
-            release(None)
-            return
-        result(name, False, "started", "ModelRunner started with EAGLE3_DUMP_DIR set and %s" % label)
-        release(runner)
-
-    run()
+def _runner_refusal(ckpt):
+    sa = _rt.server_args(ckpt, load_format="dummy", disable_radix_cache=False)
+    try:
+        runner = _rt.make_runner(sa)
+    except Exception as exc:
+        msg = str(exc)
+        ok = "EAGLE3_DUMP_DIR" in msg and "--disable-radix-cache" in msg
+        result(E_RUNNER_NAME, ok, "refused" if ok else "wrong error", "%s: %s" % (type(exc).__name__, msg[:400]))
+        _rt.release(None)
+        return
+    result(E_RUNNER_NAME, False, "started", "ModelRunner started with EAGLE3_DUMP_DIR set and the radix cache on")
+    _rt.release(runner)
 
 
-D_NAME = "d. greedy tokens and logits identical with the dump on and off"
 D_STEPS = 4
-
-
-@torch.no_grad()
-def greedy(runner, prompts, steps):
-    """Prefill + (steps-1) decode steps through bench_one_batch's extend/decode (real sampling)."""
-    from sglang.bench_one_batch import decode as b_decode
-    from sglang.bench_one_batch import extend as b_extend
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    reqs = []
-    for i, ids in enumerate(prompts):
-        req = Req(rid=str(i), origin_input_text="", origin_input_ids=list(ids),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=steps))
-        req.fill_ids = req.origin_input_ids
-        req.logprob_start_len = -1
-        req.set_extend_input_len(len(req.fill_ids) - len(req.prefix_indices))
-        reqs.append(req)
-    ids, logits, batch = b_extend(reqs, runner)
-    tokens, all_logits = [ids.tolist()], [logits.float().clone()]
-    for _ in range(steps - 1):
-        ids, logits = b_decode(ids, batch, runner)
-        tokens.append(ids.tolist())
-        all_logits.append(logits.float().clone())
-    runner.req_to_token_pool.clear()
-    runner.token_to_kv_pool_allocator.clear()
-    return tokens, torch.stack(all_logits)
 
 
 def check_d(ckpt: Path, work: Path) -> None:
@@ -283,10 +209,10 @@ def check_d(ckpt: Path, work: Path) -> None:
     for mode in ("on", "off"):
         if mode == "on":
             os.environ["EAGLE3_DUMP_DIR"] = str(dump)
-            os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,2"
-        runner = make_runner(server_args(ckpt))
+            os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,3"  # 3: the final-norm hook must not change outputs
+        runner = _rt.make_runner(_rt.server_args(ckpt))
         try:
-            out[mode] = greedy(runner, prompts, D_STEPS)
+            out[mode] = _rt.greedy(runner, prompts, D_STEPS)
             if mode == "on":
                 from sglang.srt.eagle3_capture import capture_target
 
@@ -294,7 +220,7 @@ def check_d(ckpt: Path, work: Path) -> None:
         finally:
             os.environ.pop("EAGLE3_DUMP_DIR", None)
             os.environ.pop("EAGLE3_DUMP_LAYERS", None)
-            release(runner)
+            _rt.release(runner)
     files = sorted(dump.glob("*.safetensors"))
     (ton, lon), (toff, loff) = out["on"], out["off"]
     d = maxdiff(lon, loff)
@@ -314,16 +240,102 @@ def check_d(ckpt: Path, work: Path) -> None:
     result(D_NAME, not problems, "max abs diff %.2g" % d, detail)
 
 
+G_LAYERS = [-1, 1, 3]
+
+
+def _image_request(wrapper, H):
+    """An image prompt as sglang's multimodal processor hands it over: the placeholder id once per
+    image token, the image as precomputed embeddings; padded by the real wrapper."""
+    from array import array
+
+    from sglang.srt.managers import schedule_batch as sb
+
+    ph = wrapper.config.media_placeholder_token_id
+    ids = tinyconfig.prompts()[1][:6] + [ph] * 5 + tinyconfig.prompts()[0]
+    emb = 0.05 * torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    item = sb.MultimodalDataItem(modality=sb.Modality.IMAGE, offsets=[(6, 10)], precomputed_embeddings=emb,
+                                 format=sb.MultimodalInputFormat.PRECOMPUTED_EMBEDDING)
+    mm = sb.MultimodalInputs(mm_items=[item], im_token_id=ph)
+    item.set_pad_value()
+    try:
+        padded = list(wrapper.pad_input_ids(list(ids), mm))
+    except (TypeError, AssertionError):  # later releases keep ids as array('q')
+        padded = list(wrapper.pad_input_ids(array("q", ids), mm))
+    return ids, padded, mm, (6, emb)
+
+
+def check_g(kimi_ckpt: Path, work: Path, ref) -> None:
+    """An image prompt and a text prompt in one prefill through the real Kimi-K2.5 wrapper with
+    the dump on: the image prompt's file is keyed by and holds the ids with the placeholder id
+    (not the pad values, not the clamped vocab - 1), and its rows equal HF fed the same image
+    embeddings; no file carries the clamped ids."""
+    from safetensors import safe_open
+
+    from sglang.srt.eagle3_capture import capture_target
+    from sglang.srt.eagle3_capture.dump import dump_key
+
+    dump = work / "dump-image"
+    dump.mkdir(parents=True, exist_ok=True)
+    os.environ["EAGLE3_DUMP_DIR"] = str(dump)
+    os.environ["EAGLE3_DUMP_LAYERS"] = ",".join(map(str, G_LAYERS))
+    try:
+        runner = _rt.make_runner(_rt.server_args(kimi_ckpt, enable_multimodal=True))
+    finally:
+        os.environ.pop("EAGLE3_DUMP_DIR", None)
+        os.environ.pop("EAGLE3_DUMP_LAYERS", None)
+    try:
+        H = tinyconfig.DEEPSEEK_V3["hidden_size"]
+        ids, padded, mm, image = _image_request(runner.model, H)
+        text = tinyconfig.prompts()[2]
+        reqs = _rt.requests([padded, text])
+        reqs[0].multimodal_inputs = mm
+        with torch.no_grad():
+            _rt.bench().extend(reqs, runner)
+        _rt.clear(runner)
+        capture_target(runner.model)._eagle3_capture_state.writer.flush()
+    finally:
+        _rt.release(runner)
+    vocab = tinyconfig.DEEPSEEK_V3["vocab_size"]
+    clamped = [min(t, vocab - 1) for t in padded]
+    files = sorted(p.name for p in dump.iterdir())
+    problems, rc = [], RowCheck(TOL)
+    if sorted(files) != sorted(dump_key(x) + ".safetensors" for x in (ids, text)):
+        problems.append("files %s, want the keys of the processor ids and of the text prompt%s"
+                        % ([f[:12] for f in files],
+                           " (one is keyed by the CLAMPED ids)" if dump_key(clamped) + ".safetensors" in files else ""))
+    for prompt, img in ((ids, image), (text, None)):
+        path = dump / (dump_key(prompt) + ".safetensors")
+        if not path.exists():
+            continue
+        with safe_open(str(path), "pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}
+        if got["input_ids"].tolist() != list(prompt):
+            problems.append("stored ids %s..., want %s..." % (got["input_ids"].tolist()[4:12], list(prompt)[4:12]))
+        r = ref.run(prompt, image=img)
+        for k in G_LAYERS:
+            rc.layer(got["layer.%d" % k], r, k)
+        rc.final(got["final"], r)
+    problems += rc.problems()
+    pads = sorted({t for t in padded if t >= vocab})
+    detail = ("image prompt of %d tokens (%d image tokens, placeholder %d, pad value %s, clamped to %d) and a "
+              "%d-token text prompt in one prefill; files %d; layers %s and final: %s"
+              % (len(ids), len(image[1]), mm.im_token_id, pads, vocab - 1, len(text), len(files), G_LAYERS, rc.figure()))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(G_NAME, not problems, "max abs diff %.2g" % rc.right, detail)
+
+
 def main() -> int:
-    ckpt, work = Path(sys.argv[1]), Path(sys.argv[2])
-    which = sys.argv[3].split(",") if len(sys.argv) > 3 else ["a", "d", "e"]
+    ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["a", "d", "g", "e"]
     work.mkdir(parents=True, exist_ok=True)
     if "a" in which:
         log("loading the HF reference")
-        ref = _hf.Reference(ckpt)
-        guarded("a. eagle3 capture [-1,1,2] == HF hidden_states[0,2,3]")(check_a)(ckpt, work, ref)
+        guarded(A_NAME)(check_a)(ckpt, work, _hf.Reference(ckpt))
     if "d" in which:
         guarded(D_NAME)(check_d)(ckpt, work)
+    if "g" in which:
+        guarded(G_NAME)(check_g)(kimi_ckpt, work, _hf.Reference(ckpt))
     if "e" in which:
         check_e(ckpt, work)
     return 0

@@ -90,6 +90,9 @@ KIMI_VISION = {
 }
 
 
+MEDIA_PLACEHOLDER_ID = 1000
+
+
 def kimi_config() -> dict:
     text = dict(DEEPSEEK_V3)  # keeps architectures: SGLang's DeepseekV2ForCausalLM reads it
     return {
@@ -97,7 +100,9 @@ def kimi_config() -> dict:
         "model_type": "kimi_k25",
         "text_config": text,
         "vision_config": dict(KIMI_VISION),
-        "media_placeholder_token_id": DEEPSEEK_V3["vocab_size"] - 1,
+        # not vocab_size - 1: that is what the multimodal clamp writes over pad values, and a
+        # check of the stored image ids must be able to tell the two apart
+        "media_placeholder_token_id": MEDIA_PLACEHOLDER_ID,
         "pad_token_id": 0,
         "bos_token_id": DEEPSEEK_V3["bos_token_id"],
         "eos_token_id": DEEPSEEK_V3["eos_token_id"],
@@ -122,4 +127,5 @@ def prompts(seed: int = SEED) -> list[list[int]]:
     rng = random.Random(seed)
     vocab = DEEPSEEK_V3["vocab_size"]
     # avoid the BOS/EOS ids and the Kimi media placeholder id
-    return [[rng.randrange(2, vocab - 1) for _ in range(n)] for n in PROMPT_LENGTHS]
+    ids = [i for i in range(2, vocab) if i != MEDIA_PLACEHOLDER_ID]
+    return [[rng.choice(ids) for _ in range(n)] for n in PROMPT_LENGTHS]

@@ -11,6 +11,8 @@ for every sglang release the series covers (release differences are detected at 
   embedding output, for every id list, and a call without ids keeps an explicitly configured
   set, so CUDA-graph capture and warm-up runs do not reset the layers to the defaults. Where
   unpatched sglang would read the ids differently, a warning names both readings.
+- ``check_launch``: the launching process refuses, in one line and before any weight loads,
+  dump settings under which rows would be incomplete or wrong.
 - ``configure_runner``: configures capture before device graphs are captured (releases that
   set the draft's ids only afterwards) and starts the per-request prefill hidden-state dump
   when ``EAGLE3_DUMP_DIR`` is set.
@@ -30,6 +32,7 @@ from typing import List, Optional
 
 from .settings import (
     SERIES_VERSION,
+    check_launch,
     DumpConfigError,
     DumpSettings,
     capture_index,
@@ -45,6 +48,7 @@ __all__ = [
     "LanguageModelDelegate",
     "after_model",
     "capture_target",
+    "check_launch",
     "configure_runner",
     "residual_stream",
     "set_eagle3_layers",
@@ -65,6 +69,7 @@ class CaptureState:
         self.writer = None
         self.last = None  # the residual stream entering the final norm, this forward
         self.last_hook = None
+        self.raw_ids = None  # a multimodal wrapper's prefill ids before it clamps them
 
     def order(self) -> List[int]:
         return sorted(set(self.eagle or ()) | set(self.dump or ()))
@@ -168,6 +173,21 @@ def _draft_ids_to_configure(runner) -> Optional[List[int]]:
     return None
 
 
+def _keep_raw_ids(wrapper, state: CaptureState) -> None:
+    """Multimodal wrappers clamp the pad values of image tokens out of ``input_ids`` in place
+    before the language model runs; keep a copy of a prefill's ids for the dump. ModelRunner
+    calls ``model.forward`` directly (no module hooks fire), so the instance's forward is
+    wrapped."""
+    inner = wrapper.forward
+
+    def forward(input_ids, positions, forward_batch, *args, **kwargs):
+        if input_ids is not None and forward_batch.forward_mode.name == "EXTEND":
+            state.raw_ids = input_ids.clone()
+        return inner(input_ids, positions, forward_batch, *args, **kwargs)
+
+    wrapper.forward = forward
+
+
 def configure_runner(runner) -> None:
     """Called by ModelRunner after the model is loaded, before device graphs are captured."""
     ids = _draft_ids_to_configure(runner)
@@ -181,6 +201,8 @@ def configure_runner(runner) -> None:
     target = capture_target(runner.model)
     state = _state(target)
     state.dump, state.writer = start_dump(runner, target, settings)
+    if target is not runner.model:
+        _keep_raw_ids(runner.model, state)
     _sync(target, state)
 
 
@@ -209,7 +231,8 @@ def after_model(model, output, forward_batch):
             last = final
         captured[num_layers] = last
     if state.dump is not None:
-        state.writer.submit(forward_batch, captured, final)
+        raw_ids, state.raw_ids = state.raw_ids, None
+        state.writer.submit(forward_batch, captured, final, input_ids=raw_ids)
     if not model.capture_aux_hidden_states:
         return final
     eagle = sorted(set(state.eagle))

@@ -1,11 +1,20 @@
 """Per-request prefill hidden-state dump: one safetensors file per request.
 
-The forward thread only slices and starts device-to-host copies into reused (pinned, on CUDA)
-host buffers; a writer thread waits for the copies and writes ``<key>.safetensors`` through a
-temporary name and a rename, so readers never see a partial file. Bytes copied but not yet
-written are capped: when the cap is reached the forward waits (backpressure), nothing is
-dropped. A failed write (a full disk, say) is logged with its key and counted; the temporary
-file is removed and later requests are written again once space returns.
+The forward thread only starts device-to-host copies of a prefill's rows into reused (pinned,
+on CUDA) host buffers; a writer thread waits for the copies, cuts the rows per request and
+writes ``<key>.safetensors`` through a temporary name and a rename, so readers never see a
+partial file. Bytes copied but not yet written are capped (``staging``): at the cap the forward
+waits (backpressure).
+
+Chunked prefill: a request longer than the chunk size is prefilled over several forwards
+(``extend_prefix_lens`` = rows already prefilled; its slot ``req_pool_indices`` stays the same;
+``orig_seq_lens`` is its full length). The writer gathers a request's rows chunk by chunk and
+writes the file once its last chunk is in: the same file as an unchunked prefill. A request
+whose chunks cannot all be captured (aborted or retracted between chunks, a chunk missing, no
+room under the cap for its rows) writes nothing and is counted (``dropped``) and logged.
+
+A failed write (a full disk, say) is logged with its key and counted; the temporary file is
+removed and later requests are written again once space returns.
 """
 
 from __future__ import annotations
@@ -17,11 +26,11 @@ import logging
 import os
 import queue
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .staging import HostStaging
 from .settings import (
     ENV_DIR,
     SERIES_RELEASE,
@@ -30,9 +39,13 @@ from .settings import (
     DumpSettings,
     capture_index,
     check_directory,
+    check_model,
     check_server_args,
     hf_index,
+    resolved,
+    text_config,
 )
+from .staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +61,58 @@ def dump_key(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
 
 
+@dataclass
+class _Span:
+    """One request's rows in a prefill forward."""
+
+    start: int  # first row in the forward
+    length: int  # rows in this forward
+    prefix: int  # rows of the request prefilled before (chunked prefill)
+    slot: Optional[int] = None  # req_pool_indices entry: the request across its chunks
+    total: int = 0  # the request's full length
+
+
+@dataclass
 class _Job:
-    def __init__(self, tensors, buffers, held, event, spans):
-        self.tensors: Dict[str, torch.Tensor] = tensors
-        self.buffers = buffers
-        self.held = held
-        self.event = event
-        self.spans: List[Tuple[int, int]] = spans
+    tensors: Dict[str, torch.Tensor]  # name -> host rows of the whole forward
+    buffers: list
+    held: int
+    event: object
+    spans: List[_Span]
+    lookup: Optional[Dict[str, torch.Tensor]] = None  # host copies of slots and full lengths
+
+
+@dataclass
+class _Partial:
+    """A chunked request's rows so far (writer thread only)."""
+
+    slot: int
+    total: int
+    tensors: Dict[str, torch.Tensor]  # name -> host rows [total, ...]
+    buffers: list
+    filled: int = 0
+    seen: bool = field(default=True, repr=False)
 
 
 class DumpWriter:
     def __init__(self, directory: str, layer_ids: List[int], final: bool,
-                 max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True):
+                 max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True,
+                 chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0):
         self.directory = directory
         self.layer_ids = layer_ids
         self.final = final
         self.metadata = metadata
         self.enabled = enabled
+        self.chunked = chunked  # prefills may be split: track requests across forwards
+        self.placeholder_id = placeholder_id  # multimodal wrappers: what a pad value stands for
+        self.vocab_size = vocab_size
         self.written = 0
         self.failed = 0
-        self.skipped = 0
+        self.skipped = 0  # rows of a request whose earlier rows were never seen (not chunking)
+        self.dropped = 0  # chunked requests abandoned before their last chunk
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
+        self._partials: Dict[int, _Partial] = {}
+        self._abandoned: Dict[int, int] = {}  # slot -> rows still to come of a dropped request
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._thread = None
         if enabled:
@@ -77,49 +121,6 @@ class DumpWriter:
             )
             self._thread.start()
             atexit.register(self.close)
-
-    # ---- forward thread -------------------------------------------------------------
-    def submit(self, forward_batch, captured: Dict[int, torch.Tensor], final) -> None:
-        # Only plain prefill: decode, idle, mixed and speculative forwards write nothing.
-        if not self.enabled or forward_batch.forward_mode.name != "EXTEND":
-            return
-        seq_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens)]
-        spans, start = [], 0
-        for length, prefix in zip(seq_lens, prefix_lens):
-            if prefix:
-                self.skipped += 1
-                logger.error(
-                    "%s: a request with %d cached prefix tokens was not dumped "
-                    "(its rows would be incomplete)", ENV_DIR, prefix,
-                )
-            else:
-                spans.append((start, length))
-            start += length
-        if not spans:
-            return
-        sources = {"input_ids": forward_batch.input_ids}
-        for layer_id in self.layer_ids:
-            sources[f"layer.{layer_id}"] = captured[capture_index(layer_id)]
-        if self.final:
-            sources["final"] = final
-        # Host tensors of this forward are fresh (captures are owned copies, the final state is
-        # a new norm output) and nothing writes them later: they are written without a copy.
-        # Device tensors (and the ids, which the scheduler reuses) go through host buffers.
-        copied = [n for n, t in sources.items() if t.is_cuda or n == "input_ids"]
-        held = sum(_nbytes(t) for n, t in sources.items() if n not in copied)
-        buffers = self.staging.reserve([_nbytes(sources[n]) for n in copied], held)
-        tensors = {n: t.contiguous() for n, t in sources.items() if n not in copied}
-        for name, buf in zip(copied, buffers):
-            src = sources[name]
-            host = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
-            host.copy_(src, non_blocking=True)
-            tensors[name] = host
-        event = None
-        if sources["input_ids"].is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._queue.put(_Job(tensors, buffers, held, event, spans))
 
     @property
     def pending_bytes(self) -> int:
@@ -133,6 +134,68 @@ class DumpWriter:
     def max_pending_bytes(self) -> int:
         return self.staging.cap
 
+    # ---- forward thread -------------------------------------------------------------
+    def submit(self, forward_batch, captured: Dict[int, torch.Tensor], final,
+               input_ids: Optional[torch.Tensor] = None) -> None:
+        """A forward's rows. ``input_ids``: the ids before a multimodal wrapper clamped them."""
+        # Only plain prefill: decode, idle, mixed and speculative forwards write nothing.
+        if not self.enabled or forward_batch.forward_mode.name != "EXTEND":
+            return
+        spans = self._spans(forward_batch)
+        if not spans:
+            return
+        if self.placeholder_id is not None and input_ids is None:
+            self.failed += len(spans)  # the ids were clamped in place: their pad values are lost
+            logger.error("%s: a prefill of %d requests through the multimodal wrapper came without its "
+                         "ids before the clamp; not dumped", ENV_DIR, len(spans))
+            return
+        ids = forward_batch.input_ids if input_ids is None else input_ids
+        sources = {"input_ids": ids}
+        for layer_id in self.layer_ids:
+            sources[f"layer.{layer_id}"] = captured[capture_index(layer_id)]
+        if self.final:
+            sources["final"] = final
+        lookup_src = {}
+        totals = getattr(forward_batch, "orig_seq_lens", None)
+        if self.chunked and totals is not None:  # small device tensors, copied with the rows
+            lookup_src = {"slots": forward_batch.req_pool_indices, "totals": totals}
+        # Host tensors of this forward are fresh (captures are owned copies, the final state is
+        # a new norm output) and nothing writes them later: they are written without a copy.
+        # Device tensors (and the ids, which the scheduler reuses) go through host buffers.
+        everything = dict(sources, **{"@" + k: v for k, v in lookup_src.items()})
+        copied = [n for n, t in everything.items() if t.is_cuda or n == "input_ids" or n.startswith("@")]
+        held = sum(_nbytes(t) for n, t in everything.items() if n not in copied)
+        buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
+        host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
+        for name, buf in zip(copied, buffers):
+            src = everything[name]
+            view = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
+            view.copy_(src, non_blocking=True)
+            host[name] = view
+        event = None
+        if ids.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        lookup = {k[1:]: v for k, v in host.items() if k.startswith("@")} or None
+        tensors = {k: v for k, v in host.items() if not k.startswith("@")}
+        self._queue.put(_Job(tensors, buffers, held, event, spans, lookup))
+
+    def _spans(self, forward_batch) -> List[_Span]:
+        lengths = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        prefixes = [int(n) for n in (forward_batch.extend_prefix_lens_cpu or [0] * len(lengths))]
+        spans, start = [], 0
+        for length, prefix in zip(lengths, prefixes):
+            if prefix and not self.chunked:
+                self.skipped += 1
+                logger.error(
+                    "%s: a request with %d tokens prefilled before was not dumped "
+                    "(its rows would be incomplete)", ENV_DIR, prefix,
+                )
+            else:
+                spans.append(_Span(start, length, prefix, total=prefix + length))
+            start += length
+        return spans
+
     # ---- writer thread --------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -143,8 +206,7 @@ class DumpWriter:
             try:
                 if job.event is not None:
                     job.event.synchronize()
-                for start, length in job.spans:
-                    self._write_one(job.tensors, start, length)
+                self._gather(job)
             except Exception:  # the thread must outlive any one job, or the forward would hang
                 self.failed += len(job.spans)
                 logger.exception("%s: a batch of %d requests was not dumped", ENV_DIR, len(job.spans))
@@ -152,15 +214,92 @@ class DumpWriter:
                 self.staging.release(job.buffers, job.held)
                 self._queue.task_done()
 
-    def _write_one(self, tensors, start: int, length: int) -> None:
+    def _gather(self, job: _Job) -> None:
+        """Write the requests this forward completes; keep the rows of unfinished ones."""
+        if job.lookup is not None:
+            slots = job.lookup["slots"].tolist()
+            totals = job.lookup["totals"].tolist()
+            for i, span in enumerate(job.spans):
+                span.slot, span.total = int(slots[i]), max(int(totals[i]), span.prefix + span.length)
+        for p in self._partials.values():
+            p.seen = False
+        for span in job.spans:
+            rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()}
+            partial = self._partials.get(span.slot) if span.slot is not None else None
+            if span.prefix == 0:
+                self._abandoned.pop(span.slot, None)
+                if partial is not None:
+                    self._drop(partial, "its slot started another request")
+                if span.length >= span.total:
+                    self._write(rows, span.length)
+                else:
+                    self._start(span, rows)
+                continue
+            if span.slot in self._abandoned:  # the rest of a request already counted as dropped
+                if span.prefix + span.length >= span.total:
+                    del self._abandoned[span.slot]
+                continue
+            if partial is not None and partial.filled != span.prefix:
+                self._drop(partial, "a chunk is missing")
+                continue
+            if partial is None:
+                self._abandon(span.slot, span.total, "rows %d..%d came without its earlier rows"
+                              % (span.prefix, span.prefix + span.length), span.prefix + span.length)
+                continue
+            for name, t in rows.items():
+                partial.tensors[name][span.prefix: span.prefix + span.length].copy_(t)
+            partial.filled += span.length
+            partial.seen = True
+            if partial.filled >= partial.total:
+                del self._partials[partial.slot]
+                try:
+                    self._write(partial.tensors, partial.total)
+                finally:
+                    self.staging.release(partial.buffers, queued=False)
+        for p in [p for p in self._partials.values() if not p.seen]:
+            self._drop(p, "its next chunk did not come (aborted or retracted)")
+
+    def _start(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
+        shapes = {n: (span.total,) + tuple(t.shape[1:]) for n, t in rows.items()}
+        sizes = [_numel(s) * rows[n].element_size() for n, s in shapes.items()]
+        # the one request being chunked may pass the cap alone, as one oversized forward may
+        buffers = self.staging.try_reserve(sizes, alone=not self._partials)
+        if buffers is None:
+            self._abandon(span.slot, span.total, "its rows do not fit under %d MiB with the others "
+                          "pending; raise EAGLE3_DUMP_MAX_PENDING_MB" % (self.staging.cap >> 20), span.length)
+            return
+        tensors = {}
+        for (name, shape), buf in zip(shapes.items(), buffers):
+            t = rows[name]
+            tensors[name] = buf[: _numel(shape) * t.element_size()].view(t.dtype).view(shape)
+            tensors[name][: span.length].copy_(t)
+        self._partials[span.slot] = _Partial(span.slot, span.total, tensors, buffers, filled=span.length)
+
+    def _drop(self, partial: _Partial, why: str) -> None:
+        self._partials.pop(partial.slot, None)
+        self.staging.release(partial.buffers, queued=False)
+        self._abandon(partial.slot, partial.total, why, partial.filled)
+
+    def _abandon(self, slot, total: int, why: str, rows_seen: int) -> None:
+        """Count a chunked request that will not be written; its later chunks are skipped."""
+        self.dropped += 1
+        if slot is not None and rows_seen < total:
+            self._abandoned[slot] = total
+        logger.error("%s: a %d-token request prefilled in chunks is not dumped (%d of its rows seen; "
+                     "its key needs all its ids): %s; %d dropped so far", ENV_DIR, total, rows_seen,
+                     why, self.dropped)
+
+    def _write(self, rows: Dict[str, torch.Tensor], length: int) -> None:
         from safetensors.torch import save_file
 
-        ids = tensors["input_ids"][start : start + length].to(torch.int64)
+        ids = rows["input_ids"][:length].to(torch.int64)
+        if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
+            ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
         key = dump_key(ids.tolist())
         out = {"input_ids": ids}
-        for name, host in tensors.items():
+        for name, host in rows.items():
             if name != "input_ids":
-                out[name] = host[start : start + length]
+                out[name] = host[:length]
         metadata = dict(self.metadata, key=key, num_tokens=str(length))
         path = os.path.join(self.directory, f"{key}.safetensors")
         tmp = os.path.join(self.directory, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -177,7 +316,7 @@ class DumpWriter:
                 pass
 
     def flush(self) -> None:
-        """Wait until every submitted request is written (or has failed)."""
+        """Wait until every submitted forward is written, failed, or held as a partial request."""
         if self.enabled:
             self._queue.join()
 
@@ -186,8 +325,23 @@ class DumpWriter:
             self.flush()
             self._queue.put(None)
             self._thread.join()
-            logger.info("%s: %d dumps written, %d failed, %d skipped", ENV_DIR,
-                        self.written, self.failed, self.skipped)
+            for p in list(self._partials.values()):
+                self._drop(p, "the server stopped before its last chunk")
+            logger.info("%s: %d dumps written, %d failed, %d skipped, %d dropped", ENV_DIR,
+                        self.written, self.failed, self.skipped, self.dropped)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _chunked(server_args) -> bool:
+    """Whether prefills may be split over forwards (chunked prefill on)."""
+    chunk = getattr(resolved(server_args), "chunked_prefill_size", None)
+    return chunk is not None and chunk > 0
 
 
 def start_dump(runner, target, settings: DumpSettings):
@@ -196,27 +350,27 @@ def start_dump(runner, target, settings: DumpSettings):
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
-    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
 
-    if not isinstance(target, DeepseekV2ForCausalLM):
-        raise DumpConfigError(
-            f"{ENV_DIR} is set but {type(target).__name__} is not supported; the dump "
-            f"covers DeepSeek-V2/V3 and Kimi-K2.5 models: unset {ENV_DIR}"
-        )
+    hf_config = runner.model_config.hf_config
+    architectures = getattr(hf_config, "architectures", None) or [type(runner.model).__name__]
     config = target.config
     num_layers = config.num_hidden_layers
-    layer_ids = settings.resolved_layer_ids(num_layers)
-    check_server_args(runner.server_args, runner.model_config.context_len)
+    layer_ids = check_model(architectures, num_layers, settings)
+    check_server_args(runner.server_args)
     check_directory(settings.directory)
     from sglang.version import __version__ as sglang_version
 
     if sglang_version.startswith("0.0.0"):  # a source checkout without build metadata
         sglang_version = SERIES_RELEASE
-
+    placeholder = None
+    if target is not runner.model:  # a multimodal wrapper: its pad values stand for this id
+        placeholder = getattr(runner.model.config, "media_placeholder_token_id", None)
+        if placeholder is None:
+            raise DumpConfigError(
+                f"{ENV_DIR} is set but {type(runner.model).__name__}'s config names no "
+                f"media_placeholder_token_id, so image pad values cannot be stored as ids; unset {ENV_DIR}"
+            )
     dtype = str(runner.model_config.dtype).replace("torch.", "")
-    architectures = getattr(runner.model_config.hf_config, "architectures", None) or [
-        type(runner.model).__name__
-    ]
     metadata = {
         "format": FORMAT,
         "eagle3_layer_ids": json.dumps(layer_ids),
@@ -238,10 +392,13 @@ def start_dump(runner, target, settings: DumpSettings):
         settings.max_pending_bytes,
         metadata,
         enabled=get_tensor_model_parallel_rank() == 0,
+        chunked=_chunked(runner.server_args),
+        placeholder_id=placeholder,
+        vocab_size=text_config(hf_config).vocab_size,
     )
     logger.info(
         "%s: dumping prefill hidden states to %s (EAGLE-3 layer ids %s, final %s, "
-        "pending cap %d MiB)", ENV_DIR, settings.directory, layer_ids, settings.final,
-        settings.max_pending_bytes >> 20,
+        "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, layer_ids,
+        settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
     )
     return [capture_index(k) for k in layer_ids], writer

@@ -135,6 +135,19 @@ def check_directory(directory: str) -> None:
             pass
 
 
+def resolved(args):
+    """The values the release decided: releases that resolve server arguments keep the raw
+    input apart (0.5.23: ``chunked_prefill_size`` is None raw, 4096 resolved), others write
+    the results back into the fields."""
+    for module in ("sglang.srt.arg_groups.model_override_base", "sglang.srt.arg_groups.overrides"):
+        try:
+            view = __import__(module, fromlist=["resolving_view"]).resolving_view
+        except (ImportError, AttributeError):
+            continue
+        return view(args)
+    return args
+
+
 def _prefill_graph(args) -> Optional[str]:
     """The prefill CUDA-graph backend in force, or None when prefill runs eagerly."""
     if getattr(args, "disable_cuda_graph", False) or getattr(args, "disable_prefill_cuda_graph", False):
@@ -151,36 +164,36 @@ def _prefill_graph(args) -> Optional[str]:
     return str(backend)
 
 
-def check_server_args(args, context_len: int) -> None:
-    """Refuse server settings under which dumped rows would be incomplete or wrong."""
-    chunk = getattr(args, "chunked_prefill_size", None)
-    tp_size = getattr(args, "tp_size", 1) or 1
-    attn_dp = max(getattr(args, "attn_dp_size", 1) or 1, 2 if getattr(args, "enable_dp_attention", False) else 1)
-    attn_cp = getattr(args, "attn_cp_size", 1) or 1
-    a2a = getattr(args, "moe_a2a_backend", None)
+def check_server_args(args) -> None:
+    """Refuse server settings under which dumped rows would be incomplete or wrong. Argument
+    names differ between releases: each rule reads the names its release has."""
+    args = resolved(args)
+
+    def arg(name, default=None):
+        value = getattr(args, name, default)
+        return default if value is None else value
+
+    tp_size = arg("tp_size", 1)
+    attn_dp = max(arg("attn_dp_size", 1), 2 if arg("enable_dp_attention", False) else 1)
+    attn_cp = arg("attn_cp_size", 1)
+    a2a = arg("moe_a2a_backend", "none")
     a2a = str(getattr(a2a, "value", a2a) or "none")
     graph = _prefill_graph(args)
     rules = [
         (
-            not getattr(args, "disable_radix_cache", False),
+            not arg("disable_radix_cache", False),
             "the radix cache is on (prefix-cache hits skip rows); add --disable-radix-cache",
         ),
         (
-            chunk is not None and 0 < chunk < context_len,
-            f"--chunked-prefill-size {chunk} is below the context length {context_len} "
-            f"(a long prompt would be split across forwards); use --chunked-prefill-size -1 "
-            f"or lower --context-length to {chunk}",
-        ),
-        (
-            getattr(args, "enable_mixed_chunk", False),
+            arg("enable_mixed_chunk", False),
             "--enable-mixed-chunk puts decode tokens into prefill batches; drop it",
         ),
         (
-            getattr(args, "enable_two_batch_overlap", False),
+            arg("enable_two_batch_overlap", False),
             "--enable-two-batch-overlap runs layers outside the capture loop; drop it",
         ),
         (
-            getattr(args, "enable_piecewise_cuda_graph", False),
+            arg("enable_piecewise_cuda_graph", False),
             "--enable-piecewise-cuda-graph would bake the dump into a graph; drop it",
         ),
         (
@@ -194,28 +207,27 @@ def check_server_args(args, context_len: int) -> None:
             "attention ranks; drop it",
         ),
         (
-            (getattr(args, "pp_size", 1) or 1) > 1,
-            f"--pp-size {getattr(args, 'pp_size', 1)} puts capture layers on other pipeline stages; "
-            f"use --pp-size 1",
+            arg("pp_size", 1) > 1,
+            f"--pp-size {arg('pp_size', 1)} puts capture layers on other pipeline stages; use --pp-size 1",
         ),
         (
             a2a != "none",
             f"--moe-a2a-backend {a2a} scatters hidden states across ranks; use --moe-a2a-backend none",
         ),
         (
-            getattr(args, "enable_attn_tp_input_scattered", False) and tp_size > 1,
+            arg("enable_attn_tp_input_scattered", False) and tp_size > 1,
             "--enable-attn-tp-input-scattered splits prefill tokens across ranks; drop it",
         ),
         (
-            getattr(args, "enable_pdmux", False),
+            arg("enable_pdmux", False),
             "--enable-pdmux splits prefills across forwards; drop it",
         ),
         (
-            getattr(args, "enable_nsa_prefill_context_parallel", False),
+            arg("enable_nsa_prefill_context_parallel", False),
             "--enable-nsa-prefill-context-parallel splits prefill tokens across ranks; drop it",
         ),
         (
-            getattr(args, "enable_prefill_cp", False) or attn_cp > 1,
+            arg("enable_prefill_cp", False) or attn_cp > 1,
             "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) splits prefill "
             "tokens across ranks; drop it",
         ),
@@ -223,3 +235,53 @@ def check_server_args(args, context_len: int) -> None:
     for broken, message in rules:
         if broken:
             raise DumpConfigError(f"{ENV_DIR} is set but {message}")
+
+
+def text_config(hf_config):
+    """The text model's config of a model or of a multimodal wrapper (``text_config``)."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+SUPPORTED_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+)
+
+
+def check_model(architectures: Sequence[str], num_layers: int, settings: "DumpSettings") -> List[int]:
+    """The dump's EAGLE-3 ids for this model, or a refusal naming the fix."""
+    arch = (list(architectures) or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise DumpConfigError(
+            f"{ENV_DIR} is set but {arch} is not supported; the dump covers DeepSeek-V2/V3 and "
+            f"Kimi-K2.5 models: unset {ENV_DIR}"
+        )
+    return settings.resolved_layer_ids(num_layers)
+
+
+def _model_config(server_args):
+    for module, name in (("sglang.srt.arg_groups.model_override_base", "model_config_of"),):
+        try:
+            return getattr(__import__(module, fromlist=[name]), name)(server_args)
+        except (ImportError, AttributeError):
+            pass
+    return server_args.get_model_config()
+
+
+def check_launch(server_args) -> None:
+    """Called by the launching process (``launch_server`` and ``Engine``) before any worker
+    starts or any weight loads: a setting under which the dump would be wrong ends the launch
+    with one line (``SystemExit``: no traceback) and a non-zero exit."""
+    try:
+        settings = DumpSettings.from_env()
+        if settings is None:
+            return
+        check_server_args(server_args)
+        hf_config = _model_config(server_args).hf_config
+        check_model(getattr(hf_config, "architectures", None) or [],
+                    text_config(hf_config).num_hidden_layers, settings)
+        check_directory(settings.directory)
+    except DumpConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None

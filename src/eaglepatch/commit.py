@@ -1,0 +1,209 @@
+"""`apply --commit`: one commit per patch on branch `eaglepatch/sglang-<release>` (message = the
+patch header), made inside the apply transaction (`txn`):
+
+- before the commit point: the commits are created as objects (no ref, index or file is
+  touched), the new index is computed (the current index with the series' paths updated), and
+  the branch ref is created; the transaction stages the new index beside `.git/index`;
+- after it: the files and the index are renamed into place, then HEAD is switched to the branch.
+
+An interrupted `--commit` is finished (or undone, before the commit point) by running it again.
+A repository in the middle of a merge, rebase, cherry-pick, revert or bisect is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import RefusedError
+from .gitcmd import open_repo, run
+from .interrupts import held_interrupts, stop_point
+from .outputs import scratch_dir
+from .series import Series, header_to_message
+
+BUSY = (("MERGE_HEAD", "a merge", "git merge --continue, or git merge --abort"),
+        ("rebase-merge", "a rebase", "git rebase --continue, or git rebase --abort"),
+        ("rebase-apply", "a rebase or git am", "git rebase --continue / --abort, or git am --continue / --abort"),
+        ("CHERRY_PICK_HEAD", "a cherry-pick", "git cherry-pick --continue, or git cherry-pick --abort"),
+        ("REVERT_HEAD", "a revert", "git revert --continue, or git revert --abort"),
+        ("BISECT_LOG", "a bisect", "git bisect reset"),
+        ("sequencer", "a cherry-pick or revert sequence", "git cherry-pick --quit, or git revert --quit"))
+
+
+def branch_name(series: Series) -> str:
+    return f"eaglepatch/sglang-{series.release}"
+
+
+@dataclass
+class CommitPlan:
+    root: Path  # work tree
+    ref: str  # refs/heads/eaglepatch/sglang-<release>
+    new: str  # the last commit
+    old: str | None  # what the branch pointed at before (with --force), else None
+    head: str  # HEAD before: a ref name, or a commit when detached
+    index_path: Path
+    index: bytes
+
+    @property
+    def branch(self) -> str:
+        return self.ref[len("refs/heads/"):]
+
+    def txn_info(self) -> dict:
+        return {"cwd": str(self.root), "ref": self.ref, "new": self.new, "old": self.old, "head": self.head}
+
+    def create_branch(self) -> None:
+        """Before the commit point: the branch ref (the transaction deletes it again on undo)."""
+        run(["update-ref", self.ref, self.new, self.old or "0" * 40], self.root)
+
+
+class _Git:
+    """GitPython's `git` with Ctrl-C held back and failures turned into one-line refusals."""
+
+    def __init__(self, repo):
+        self.repo = repo
+
+    def __call__(self, *args, env=None, strip=True) -> str:
+        import git
+        try:
+            with held_interrupts():
+                out = self.repo.git.execute(["git", *args], env=env, strip_newline_in_stdout=strip)
+        except git.GitCommandError as exc:
+            msg = (exc.stderr or "").strip().strip("'").strip().splitlines()
+            raise RefusedError(f"git {args[0]} failed in {self.repo.working_tree_dir}: "
+                               f"{msg[-1].strip() if msg else f'exit {exc.status}'}",
+                               "fix what git says (e.g. free disk space) and run again; nothing was changed") \
+                from None
+        return out
+
+
+def _git_path(g: _Git, root: Path, name: str) -> Path:
+    p = Path(g("rev-parse", "--git-path", name))
+    return p if p.is_absolute() else root / p
+
+
+def check_idle(g: _Git, root: Path) -> None:
+    for name, what, how in BUSY:
+        if _git_path(g, root, name).exists():
+            raise RefusedError(f"{what} is in progress in {root}",
+                               f"finish or abort it first ({how}), then run apply --commit again; nothing was changed")
+
+
+def _prefix(repo, pp: Path) -> str:
+    wt = Path(repo.working_tree_dir).resolve()
+    prefix = os.path.relpath(pp, wt).replace(os.sep, "/")
+    return "" if prefix == "." else prefix + "/"
+
+
+def committed(tree, series: Series) -> str | None:
+    """For a patched tree: the branch HEAD is on when the series' files are committed there, else None."""
+    repo = open_repo(tree.root)
+    try:
+        g = _Git(repo)
+        prefix = _prefix(repo, tree.package_parent)
+        paths = [prefix + rel for rel in series.files()]
+        if g("status", "--porcelain", "--untracked-files=all", "--", *paths).strip():
+            return None
+        return g("rev-parse", "--abbrev-ref", "HEAD")
+    finally:
+        repo.close()
+
+
+def prepare_commit(tree, series: Series, snapshots: list, changes: dict, force: bool = False) -> CommitPlan:
+    """The commits (objects only), the new index and what the branch will point at; raises a
+    refusal (nothing changed) for a busy repository, uncommitted target files or an existing branch."""
+    repo = open_repo(tree.root)
+    try:
+        return _prepare(repo, tree, series, snapshots, changes, force)
+    finally:
+        repo.close()
+
+
+def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
+    g = _Git(repo)
+    root = Path(repo.working_tree_dir).resolve()
+    check_idle(g, root)
+    prefix = _prefix(repo, tree.package_parent)
+    final = snapshots[-1]
+    paths = [prefix + rel for rel in final]
+    dirty = g("status", "--porcelain", "--untracked-files=no", "--", *paths)
+    if dirty.strip():
+        raise RefusedError("uncommitted changes in " + ", ".join(ln[3:] for ln in dirty.splitlines()),
+                           "commit or stash them before apply --commit")
+    try:
+        parent = g("rev-parse", "--verify", "HEAD^{commit}")
+    except RefusedError:
+        raise RefusedError(f"{root} has no commit yet", "commit the upstream release first, then apply --commit") \
+            from None
+    branch = branch_name(series)
+    ref = f"refs/heads/{branch}"
+    old = None
+    try:
+        old = g("rev-parse", "--verify", "-q", ref)
+    except RefusedError:
+        pass
+    if old and not force:
+        raise RefusedError(f"branch {branch} already exists", "delete it (git branch -D) or pass --force")
+    try:
+        head = g("symbolic-ref", "-q", "HEAD")
+    except RefusedError:
+        head = parent  # detached
+    env = _identity_env(g)
+    blobs: dict = {}  # rel -> (mode, sha) | None, after the last patch
+    td = scratch_dir("eaglepatch-index-")
+    try:
+        ienv = dict(os.environ, **env, GIT_INDEX_FILE=str(Path(td) / "index"))
+        g("read-tree", "HEAD", env=ienv)
+        prev = {rel: tree.read(rel) for rel in final}
+        for p, snap in zip(series.patches, snapshots):
+            for rel, data in snap.items():
+                if data == prev.get(rel):
+                    continue
+                if data is None:
+                    g("update-index", "--force-remove", "--", prefix + rel, env=ienv)
+                    blobs[rel] = None
+                    continue
+                f = Path(td) / "blob"
+                f.write_bytes(data)
+                sha = g("hash-object", "-w", "--no-filters", str(f), env=ienv)
+                mode = "100755" if os.access(tree.package_parent / rel, os.X_OK) and \
+                    (tree.package_parent / rel).is_file() else "100644"
+                g("update-index", "--add", "--cacheinfo", f"{mode},{sha},{prefix + rel}", env=ienv)
+                blobs[rel] = (mode, sha)
+            prev = snap
+            treesha = g("write-tree", env=ienv)
+            mf = Path(td) / "msg"
+            mf.write_bytes(header_to_message(p.header).encode("utf-8"))
+            parent = g("commit-tree", treesha, "-p", parent, "-F", str(mf), env=ienv)
+        stop_point("commit-objects")
+        index_path = _git_path(g, root, "index")
+        work = Path(td) / "work-index"
+        if index_path.is_file():
+            shutil.copyfile(index_path, work)
+        wenv = dict(os.environ, **env, GIT_INDEX_FILE=str(work))
+        if not index_path.is_file():
+            g("read-tree", "HEAD", env=wenv)
+        for rel in sorted(r for r in changes if r in blobs):
+            b = blobs[rel]
+            if b is None:
+                g("update-index", "--force-remove", "--", prefix + rel, env=wenv)
+            else:
+                g("update-index", "--add", "--cacheinfo", f"{b[0]},{b[1]},{prefix + rel}", env=wenv)
+        index = work.read_bytes()
+    except OSError as exc:
+        raise RefusedError(f"cannot prepare the commits: {exc.strerror}",
+                           "free space and run again; nothing was changed") from None
+    finally:
+        shutil.rmtree(td, ignore_errors=True)
+    return CommitPlan(root, ref, parent, old, head, index_path, index)
+
+
+def _identity_env(g: _Git) -> dict:
+    env = {}
+    for var, key, dflt in (("NAME", "user.name", "eaglepatch"), ("EMAIL", "user.email", "eaglepatch@localhost")):
+        try:
+            g("config", key)
+        except RefusedError:
+            env[f"GIT_AUTHOR_{var}"] = env[f"GIT_COMMITTER_{var}"] = dflt
+    return env

@@ -1,0 +1,126 @@
+"""One exclusive lock per tree, taken by every tool that reads or writes it.
+
+The lock is `flock(2)` on the package parent directory itself (the directory that holds
+`sglang/`): nothing is created, so an installed tree's file set, its hashes and `git status` are
+the same before, during and after a run, and the kernel drops the lock when the holder dies
+(even by SIGKILL). Where a filesystem refuses flock on a directory, the lock is a file named
+after the directory's device and inode in the system temp dir instead.
+
+A second run waits, saying so on stderr, up to EAGLEPATCH_LOCK_TIMEOUT seconds (default 300),
+then refuses in one line. The lock is reentrant within a process.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from .errors import RefusedError, UsageError
+
+TIMEOUT_ENV = "EAGLEPATCH_LOCK_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+_held: dict = {}  # (st_dev, st_ino) -> [fd, depth]
+
+
+def _timeout(timeout: float | None) -> float:
+    if timeout is not None:
+        return timeout
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds", f"set {TIMEOUT_ENV} to e.g. 300") \
+            from None
+
+
+def _open(pp: Path) -> tuple[int, tuple]:
+    try:
+        st = os.stat(pp)
+    except OSError as exc:
+        raise UsageError(f"cannot open {pp} to lock it: {exc.strerror}", "pass a readable sglang tree") from None
+    key = (st.st_dev, st.st_ino)
+    try:
+        fd = os.open(pp, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # probe: does this filesystem do flock on a dir?
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return fd, key
+    except BlockingIOError:
+        return fd, key  # someone holds it exclusively: flock works here
+    except OSError as exc:
+        if "fd" in locals():
+            os.close(fd)
+        if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EACCES,
+                             errno.EPERM):
+            raise UsageError(f"cannot lock {pp}: {exc.strerror}", "check the path and its permissions") from None
+    path = Path(tempfile.gettempdir()) / f"eaglepatch-lock-{key[0]}-{key[1]}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise UsageError(f"cannot lock {pp} (flock on the directory is refused and {path} cannot be "
+                         f"created: {exc.strerror})", "make the system temp dir writable") from None
+    return fd, key
+
+
+@contextmanager
+def tree_lock(pp: Path | str, say=None, timeout: float | None = None):
+    """Hold the exclusive lock of the tree whose package parent is `pp`."""
+    pp = Path(pp)
+    fd, key = _open(pp)
+    if key in _held:
+        os.close(fd)
+        _held[key][1] += 1
+        try:
+            yield
+        finally:
+            _held[key][1] -= 1
+        return
+    limit = _timeout(timeout)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                f"waiting for another eaglepatch run on {pp} to finish (giving up after {limit:.0f} s; "
+                f"{TIMEOUT_ENV})")
+            deadline = time.monotonic() + limit
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise RefusedError(f"another eaglepatch run still holds the lock on {pp} after {limit:.0f} s",
+                                           "wait for it to finish (or raise EAGLEPATCH_LOCK_TIMEOUT) and run "
+                                           "again; nothing was changed") from None
+                    time.sleep(0.05)
+        _held[key] = [fd, 1]
+        try:
+            yield
+        finally:
+            del _held[key]
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+@contextmanager
+def tree_locks(*pps, say=None):
+    """Lock several trees, always in the same order (no deadlock between two such runs)."""
+    seen = {}
+    for p in pps:
+        try:
+            st = os.stat(p)
+            seen.setdefault((st.st_dev, st.st_ino), Path(p))
+        except OSError:
+            seen.setdefault((0, len(seen)), Path(p))
+    with ExitStack() as stack:
+        for _, p in sorted(seen.items()):
+            stack.enter_context(tree_lock(p, say))
+        yield

@@ -1,0 +1,71 @@
+"""Files the tools write outside the tree (reports, docs/drift.md): checked before any work, and
+written whole (a temporary file in the same directory, then a rename) or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import RefusedError, UsageError
+
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+
+def can_write(path: Path | str, directory: bool = True) -> bool:
+    """Whether this process (its effective ids and capabilities, as for a real write) may write
+    `path`: create entries in it when `directory`, else rewrite it."""
+    return os.access(path, (os.W_OK | os.X_OK) if directory else os.W_OK, effective_ids=_EFFECTIVE)
+
+
+def scratch_dir(prefix: str, then: str = "run again; nothing was changed") -> Path:
+    """A new temporary directory (the caller removes it), or a one-line refusal saying why not."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    except OSError as exc:
+        raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
+                           f"free space in the temp dir (TMPDIR) and {then}") from None
+
+
+def check_output_file(path: Path | str, flag: str) -> Path:
+    """`path` (with ~ expanded) if a file can be written there, else a one-line usage error."""
+    p = Path(os.path.expanduser(str(path)))
+    fix = f"pass {flag} a file in a writable directory"
+    if not str(path):
+        raise UsageError(f"{flag} is empty", fix)
+    if p.is_dir():
+        raise UsageError(f"{flag} {p} is a directory", fix)
+    parent = p.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"cannot write {flag} {p}: {parent} {what}", fix)
+    if not can_write(parent) or (p.exists() and not can_write(p, directory=False)):
+        raise UsageError(f"cannot write {flag} {p}: permission denied", fix)
+    return p
+
+
+def write_atomic(path: Path | str, data: bytes | str, flag: str) -> None:
+    """Write `data` to `path` in one rename; any OS error is a one-line usage error, the old file stays."""
+    p = check_output_file(path, flag)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    tmp = None
+    try:
+        mode = (p.stat().st_mode & 0o777) if p.exists() else 0o644
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as exc:
+        raise UsageError(f"cannot write {flag} {p}: {exc.strerror or exc}",
+                         f"free space or pass {flag} a writable file; the old file, if any, is unchanged") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -1,0 +1,221 @@
+"""Stage 2, merge per hunk. For every file a patch touches:
+
+  base   = the old upstream file with the earlier old patches applied
+  ours   = base with this patch applied (the old patched file)
+  theirs = the new upstream file with the earlier *ported* patches applied
+
+`git merge-file` merges ours and theirs over base once per hunk (to tell which hunk conflicts,
+and which one upstream already has) and once for the whole file (the result).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..anchors import anchor_at, hunk_anchor_line
+from ..errors import UsageError
+from ..gitcmd import require_git
+from ..series import FilePatch, Hunk, Patch, split_lines
+from ..verdicts import check_hunk
+from .drop import upstream_has
+from .result import CONFLICT, LABELS, MERGED, UPSTREAM, HunkPort, PortResult
+from .review import locate
+from .stamp import new_file_content
+
+
+def merge_file(ours: bytes, base: bytes, theirs: bytes) -> tuple[int, bytes]:
+    """(number of conflicts, merged bytes with diff3 conflict markers) from `git merge-file`."""
+    require_git()
+    with tempfile.TemporaryDirectory(prefix="eaglepatch-merge-") as td:
+        paths = []
+        for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
+            p = Path(td) / name
+            p.write_bytes(data)
+            paths.append(str(p))
+        cmd = ["git", "merge-file", "-p", "--diff3"]
+        for lab in LABELS:
+            cmd += ["-L", lab]
+        r = subprocess.run(cmd + paths, capture_output=True)
+    if r.returncode < 0 or r.returncode > 127:
+        raise UsageError(f"git merge-file failed: {r.stderr.decode(errors='replace').strip()}",
+                         "install git 2.x and check the input files")
+    return r.returncode, r.stdout
+
+
+def conflict_regions(merged: bytes) -> list[dict]:
+    """[{line (1-based in the merged output), label -> text}] of each diff3 conflict region."""
+    out, cur, key = [], None, None
+    for n, ln in enumerate(split_lines(merged), 1):
+        s = ln.decode("utf-8", errors="replace")
+        if s.startswith("<<<<<<< " + LABELS[0]):
+            cur, key = {"line": n, LABELS[0]: "", LABELS[1]: "", LABELS[2]: ""}, LABELS[0]
+        elif cur is not None and s.startswith("||||||| " + LABELS[1]):
+            key = LABELS[1]
+        elif cur is not None and s.rstrip("\n") == "=======":
+            key = LABELS[2]
+        elif cur is not None and s.startswith(">>>>>>> " + LABELS[2]):
+            out.append(cur)
+            cur = None
+        elif cur is not None:
+            cur[key] += s
+    return out
+
+
+def _first_sides(merged: bytes) -> tuple[int | None, dict]:
+    regions = conflict_regions(merged)
+    if not regions:
+        return None, {}
+    return regions[0]["line"], {k: v for k, v in regions[0].items() if k != "line"}
+
+
+def apply_hunk(lines: list[bytes], h: Hunk) -> tuple[list[bytes], int]:
+    """`lines` with hunk `h` applied at its exact (zero-fuzz) place; (new lines, 0-based position)."""
+    expected = h.source_start - 1 if h.source_length else h.source_start
+    v, pos, detail = check_hunk(lines, h, max(expected, 0))
+    if pos is None or v not in ("exact", "offset"):
+        raise UsageError(f"hunk {h.index} of {h.file} does not apply to its own base ({v}: {detail})",
+                         "verify the old series against its release first (tools/verify.py)")
+    return lines[:pos] + h.new + lines[pos + len(h.old):], pos
+
+
+def apply_file(data: bytes | None, fp: FilePatch) -> bytes | None:
+    if fp.is_new:
+        return b"".join(b"".join(h.new) for h in fp.hunks)
+    if fp.is_deleted:
+        return None
+    lines = split_lines(data)
+    for h in reversed(fp.hunks):  # from the bottom: earlier positions stay valid
+        lines, _ = apply_hunk(lines, h)
+    return b"".join(lines)
+
+
+def hunk_anchor(source: bytes, h: Hunk, pos: int | None = None) -> str:
+    if pos is None:
+        pos = h.source_start - 1 if h.source_length else h.source_start
+    k, ins = h.first_change()
+    return anchor_at(source, hunk_anchor_line(pos, k, ins))[0]
+
+
+def _text(lines) -> str:
+    return "".join(x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines)
+
+
+class Trees:
+    """The file contents a port walks through: the old release as the old patches change it, the
+    new release as it comes (`new_upstream`) and as the ported patches change it (`new_state`)."""
+
+    def __init__(self, old_read, new_read):
+        self.old_read, self.new_read = old_read, new_read
+        self.old_state: dict[str, bytes | None] = {}
+        self.new_state: dict[str, bytes | None] = {}
+        self.new_upstream: dict[str, bytes | None] = {}
+
+    def old(self, path: str) -> bytes | None:
+        if path not in self.old_state:
+            self.old_state[path] = self.old_read(path)
+        return self.old_state[path]
+
+    def new(self, path: str) -> bytes | None:
+        if path not in self.new_state:
+            self.new_state[path] = self.new_upstream.setdefault(path, self.new_read(path))
+        return self.new_state[path]
+
+    def upstream(self, path: str) -> bytes | None:
+        """The new release's own file (never changed by the port)."""
+        return self.new_upstream.get(path, self.new_read(path))
+
+
+class FileMerge:
+    """The merge of one file of one patch; `run()` -> (conflicted, changed the new file)."""
+
+    def __init__(self, res: PortResult, trees: Trees, patch: Patch, fp: FilePatch, to_release: str,
+                 series_version: str):
+        self.res, self.trees, self.patch, self.fp = res, trees, patch, fp
+        self.to_release, self.series_version = to_release, series_version
+        self.base = trees.old(fp.path)
+        self.ours = apply_file(self.base, fp)
+        self.theirs = trees.new(fp.path)
+        trees.old_state[fp.path] = self.ours
+
+    def _all(self, status: str, detail: str, anchor: str = "<module>", line=None, sides=None) -> None:
+        for h in self.fp.hunks:
+            self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, status, detail, line,
+                                           dict(sides or {})))
+
+    def run(self) -> tuple[bool, bool]:
+        if self.fp.is_new:
+            return self._new_file()
+        if self.fp.is_deleted:
+            return self._deleted_file()
+        if self.theirs is None:
+            for h in self.fp.hunks:
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, hunk_anchor(self.base, h),
+                                               CONFLICT, "the new release has no such file"))
+            return True, False
+        return self._modified_file()
+
+    def _new_file(self) -> tuple[bool, bool]:
+        content = new_file_content(self.ours, self.fp.path, self.to_release, self.series_version)
+        if self.theirs is None:
+            self.trees.new_state[self.fp.path] = content
+            self._all(MERGED, "new file", line=1)
+            return False, True
+        if upstream_has(content, self.theirs):
+            self._all(UPSTREAM, "the new release has this file with the same content")
+            return False, False
+        self._all(CONFLICT, "the new release has a file of this name with other content", line=1,
+                  sides={LABELS[0]: _text([content]), LABELS[1]: "", LABELS[2]: _text([self.theirs])})
+        return True, False
+
+    def _deleted_file(self) -> tuple[bool, bool]:
+        if self.theirs is None:
+            self._all(UPSTREAM, "the new release no longer has this file")
+            return False, False
+        if self.theirs == self.base:
+            self.trees.new_state[self.fp.path] = None
+            self._all(MERGED, "file deleted")
+            return False, True
+        self._all(CONFLICT, "the file to delete changed upstream")
+        return True, False
+
+    def _modified_file(self) -> tuple[bool, bool]:
+        base, theirs = self.base, self.theirs
+        base_lines = split_lines(base)
+        hunk_ok = True
+        for h in self.fp.hunks:  # each hunk alone: which one conflicts, which one upstream has
+            one, pos = apply_hunk(base_lines, h)
+            anchor = hunk_anchor(base, h, pos)
+            n, merged = merge_file(b"".join(one), base, theirs)
+            if n:
+                hunk_ok = False
+                line, sides = _first_sides(merged)
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
+                                               f"{n} conflict region(s) in the 3-way merge", line, sides))
+            elif upstream_has(merged, theirs):
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, UPSTREAM,
+                                               "the new upstream file already has this change"))
+            else:
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, MERGED))
+        if not hunk_ok:
+            return True, False
+        n, merged = merge_file(self.ours, base, theirs)  # the whole file: the result
+        if n:
+            self.res.file_conflicts.append((self.patch.name, self.fp.path,
+                                            f"each hunk merges alone but together they conflict ({n} region(s))",
+                                            _first_sides(merged)[1]))
+            return True, False
+        self.trees.new_state[self.fp.path] = merged
+        locate(self.res, self.patch.name, self.fp.path, theirs, merged, base)
+        return False, not upstream_has(merged, theirs)
+
+
+def merge_patch(res: PortResult, trees: Trees, patch: Patch, to_release: str, series_version: str) -> tuple[bool, bool]:
+    """Merge every file of `patch`; (some hunk conflicted, the new release changed)."""
+    conflicted = changed_any = False
+    for fp in patch.files:
+        c, changed = FileMerge(res, trees, patch, fp, to_release, series_version).run()
+        conflicted |= c
+        changed_any |= changed
+    return conflicted, changed_any

@@ -1,0 +1,81 @@
+"""Helpers for the fault tests: run a tool until a named stop point (EAGLEPATCH_STOP_AT, see
+eaglepatch.interrupts), then kill or interrupt it there; small real trees."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, copy_installed
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout: float = 120,
+                  prefix: list | None = None) -> subprocess.Popen:
+    """Start tools/<tool>.py (after `prefix`, e.g. a setpriv command) and return once it stopped
+    itself at `stage` (fails if it never does)."""
+    e = dict(os.environ, EAGLEPATCH_STOP_AT=stage, **(env or {}))
+    proc = subprocess.Popen([*(prefix or []), sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    t0 = time.monotonic()
+    while _state(proc.pid) != "T":
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"{tool} {args} exited {proc.returncode} before stop point {stage}:\n{out}\n{err}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"{tool} never reached stop point {stage}")
+        time.sleep(0.01)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+
+
+def interrupt(proc: subprocess.Popen) -> tuple[int, str, str]:
+    """Ctrl-C a stopped process (SIGINT, then let it run on): (exit code, stdout, stderr)."""
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def small_installed(src: Path, dest: Path, files: list[str]) -> Path:
+    """An installed-layout tree holding only the package's top-level files and `files`."""
+    return copy_installed(src, dest, files)
+
+
+def git(repo: Path, *args, check: bool = True) -> str:
+    r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@x", GIT_COMMITTER_NAME="t",
+                                GIT_COMMITTER_EMAIL="t@x", GIT_CEILING_DIRECTORIES=str(repo.parent)))
+    if check and r.returncode != 0:
+        raise AssertionError(f"git {args}: {r.stderr}")
+    return r.stdout
+
+
+def small_checkout(src: Path, dest: Path, files: list[str], release: str = "0.5.9") -> Path:
+    """A git checkout laid out like upstream's (python/sglang/..., tagged v<release>) that holds only
+    the package's top-level files and `files`: the real bytes, a fraction of the size."""
+    copy_installed(src, dest / "python", files)
+    for d in (dest / "python").glob("sglang-*.dist-info"):
+        shutil.rmtree(d)
+    (dest / "python" / "sglang" / "_version.py").unlink(missing_ok=True)
+    git(dest, "init", "-q", "-b", "main")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "-m", f"sglang {release}")
+    git(dest, "tag", f"v{release}")
+    return dest
