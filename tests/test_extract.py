@@ -192,7 +192,6 @@ def records(out: Path) -> list:
 def check_dataset(out: Path, fmt: str, reference, expected) -> float:
     """Every sample equals the HF reference on the same weights; returns the largest difference."""
     from eaglepatch.extract.writers import read_sample, sample_rel
-    from hfserver import hf_states
 
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and man["failed"] == [] and man["dataset_format"] == fmt
@@ -211,11 +210,11 @@ def check_dataset(out: Path, fmt: str, reference, expected) -> float:
         enc = expected[r["id"]]
         assert s["input_ids"].tolist() == enc.input_ids
         assert s["loss_mask"].tolist() == enc.loss_mask
-        hs, pre, _ = hf_states(reference.model, enc.input_ids)
-        aux_ref = torch.cat([hs[0], hs[2], hs[3]], dim=-1)
+        ref = reference.run(enc.input_ids)
+        aux_ref = torch.cat([ref.stream[0], ref.stream[2], ref.stream[3]], dim=-1)
         # SpecForge: the final post-norm state; speculators: the last layer's output before the norm
-        last_ref = hs[4] if fmt == "specforge" else pre
-        assert float((hs[4] - pre).abs().max()) > 1.0  # the two differ: the comparison can tell them apart
+        last_ref = ref.final if fmt == "specforge" else ref.stream[4]
+        assert float((ref.final - ref.stream[4]).abs().max()) > 1.0  # the comparison can tell them apart
         assert s["aux"].shape == aux_ref.shape and s["last"].shape == last_ref.shape
         worst = max(worst, float((s["aux"].float() - aux_ref).abs().max()),
                     float((s["last"].float() - last_ref).abs().max()))
@@ -397,7 +396,7 @@ def speculators_check(out: Path, assets, reference, expected=None) -> dict:
             assert item["loss_mask"].tolist() == enc.loss_mask  # the mask comes from the table
         with torch.no_grad():
             targets = draft.verifier_lm_head(draft.verifier_norm(item["verifier_last_hidden_states"].float()))
-        a, t = top1(targets, reference.run(ids)[1])
+        a, t = top1(targets, reference.run(ids).logits)
         agree, total = agree + a, total + t
     batch = CollateFn(max_len=1024, hidden_size=vc.hidden_size, num_target_layers=len(AUX), dtype=torch.float32,
                       preprocess=shift_batch)(items[:4])
@@ -445,8 +444,7 @@ def test_speculators_check_catches_a_post_norm_last_slot(assets, server, referen
     shutil.copytree(src, mixed, copy_function=shutil.copy)  # own copies: the originals stay untouched
     for f in sorted((mixed / "hidden_states").glob("hs_*.safetensors")):
         t = load_file(str(f))
-        hs = reference.run(t["token_ids"].tolist())[0]
-        t["hidden_states"][:, -1] = hs[4]  # the post-norm state
+        t["hidden_states"][:, -1] = reference.run(t["token_ids"].tolist()).final  # the post-norm state
         save_file(t, str(f))
     fig = speculators_check(mixed, assets, reference)
     assert fig["top1_agreement"] < 0.95, fig
@@ -456,7 +454,7 @@ def test_speculators_check_catches_a_post_norm_last_slot(assets, server, referen
 
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    with HFDumpServer(reference.model, dumps, LAYERS, swap_last=True) as bad:
+    with HFDumpServer(reference, dumps, LAYERS, swap_last=True) as bad:
         p = extract(assets, server, tmp_path / "o", "--format", "speculators", dump_dir=dumps, url=bad.url)
     line = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
     assert p.returncode == 2 and len(line) == 1 and "layer.3 equals the post-norm final state" in line[0], p.stderr
@@ -499,7 +497,7 @@ def specforge_check(out: Path, indexed_ckpt, reference, by_ids=None) -> dict:
             assert d["loss_mask"][0, :-1].tolist() == enc.loss_mask[:-1]  # SpecForge zeroes the last position
             assert d["hidden_state"].shape == (1, len(ids), len(AUX) * reference.model.config.hidden_size)
         with torch.no_grad():
-            a, t = top1(head(d["target"][0].float()), reference.run(ids)[1])
+            a, t = top1(head(d["target"][0].float()), reference.run(ids).logits)
         agree, total = agree + a, total + t
     return {"samples": len(ds), "top1_agreement": agree / total, "tokens": total}
 
@@ -558,7 +556,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     enc = tok.encode(edited["messages"], 2048)
     s = read_sample("specforge", out / sample_rel("specforge", "conv-002"))
     assert s["input_ids"].tolist() == enc.input_ids and s["loss_mask"].tolist() == enc.loss_mask
-    assert float((s["last"] - reference.run(enc.input_ids)[0][4]).abs().max()) <= TOL
+    assert float((s["last"] - reference.run(enc.input_ids).final).abs().max()) <= TOL
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and sample_rel("specforge", "conv-004") not in man["files"]
 
@@ -671,7 +669,7 @@ def test_one_line_errors(assets, server, reference, tmp_path):
 
     dumps = tmp_path / "hf-dumps"
     dumps.mkdir()
-    with HFDumpServer(reference.model, dumps, AUX) as hf:
+    with HFDumpServer(reference, dumps, AUX) as hf:
         one_line(extract(assets, server, tmp_path / "o10", "--format", "speculators", dump_dir=dumps, url=hf.url),
                  "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
                  "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")

@@ -3,8 +3,9 @@ malformed files. Whatever they get, the tools exit 0, 1 or 2, never raise (no tr
 error in one ``error: <problem>; <fix>`` line, and a refusal leaves every file as it was (extract
 creates no --out directory).
 
-The tools run in this process (their ``main``), so an escaping exception is a failure here. No
-server runs: extract always meets a closed port or a malformed URL, so it must refuse.
+The tools run in this process (their ``main``) with EAGLEPATCH_DEBUG=1, so anything ``run_main``
+would report as an internal error escapes and fails the test with its traceback. No server
+runs: extract always meets a closed port or a malformed URL, so it must refuse.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def load_tool(name: str):
 
 def run(mod, argv) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
+    os.environ["EAGLEPATCH_DEBUG"] = "1"
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             rc = mod.main([str(a) for a in argv])
         except SystemExit as exc:  # argparse
             rc = exc.code
+        finally:
+            del os.environ["EAGLEPATCH_DEBUG"]
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -61,7 +65,7 @@ def snapshot(root: Path) -> dict:
 
 def check_outcome(rc, out, err, before, after):
     assert rc in (0, 1, 2), (rc, err)
-    assert "Traceback" not in err and "Traceback" not in out
+    assert "Traceback" not in err and "Traceback" not in out and "internal error" not in err
     if rc == 2 and not err.startswith("usage:"):
         lines = [x for x in err.strip().splitlines() if x]
         assert len(lines) == 1 and lines[0].startswith("error: ") and "; " in lines[0], err

@@ -1,6 +1,6 @@
 """A loopback stand-in for the patched SGLang server, computing its dumps with Hugging Face.
 
-``HFDumpServer(reference, dump_dir, layers)`` answers ``/get_model_info``, ``/get_server_info``
+``HFDumpServer(reference, dump_dir, layers)`` (``reference``: the smoke tests' HF ``Reference``) answers ``/get_model_info``, ``/get_server_info``
 and ``/generate`` like SGLang and writes, for every ``/generate``, the dump file the patched
 server writes (format ``eagle3-dump/1``, key = sha256 of the ids): ``layer.<k>`` = HF
 ``hidden_states[k + 1]`` for k < N-1, ``layer.<N-1>`` = the last decoder layer's output before
@@ -21,26 +21,11 @@ from pathlib import Path
 from loopback import LoopbackServer
 
 
-def hf_states(model, ids):
-    """(hidden_states tuple [N+1 x [T, H]], pre-norm last-layer output [T, H], logits [T, V]), float32."""
-    import torch
-
-    raw = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda m, a, out: raw.__setitem__("x", out[0] if isinstance(out, tuple) else out))
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor([list(ids)]), output_hidden_states=True)
-    finally:
-        hook.remove()
-    return tuple(t[0].float() for t in out.hidden_states), raw["x"][0].float(), out.logits[0].float()
-
-
 class HFDumpServer(LoopbackServer):
-    def __init__(self, model, dump_dir: Path, layers, swap_last: bool = False):
-        self.model, self.dump_dir, self.layers, self.swap_last = model, Path(dump_dir), list(layers), swap_last
+    def __init__(self, reference, dump_dir: Path, layers, swap_last: bool = False):
+        self.reference, self.dump_dir, self.layers, self.swap_last = reference, Path(dump_dir), list(layers), swap_last
         self.lock = threading.Lock()
-        cfg = model.config
+        cfg = reference.model.config
         n = cfg.num_hidden_layers
         server = self
 
@@ -49,11 +34,10 @@ class HFDumpServer(LoopbackServer):
             from safetensors.torch import save_file
 
             with server.lock:  # one forward at a time
-                hs, pre, _ = hf_states(server.model, ids)
-            t = {"input_ids": torch.tensor(ids, dtype=torch.int64), "final": hs[n].contiguous()}
-            for k in server.layers:
-                t[f"layer.{k}"] = (hs[n] if server.swap_last else pre) if k == n - 1 else hs[k + 1]
-                t[f"layer.{k}"] = t[f"layer.{k}"].clone()  # own storage (safetensors refuses shared tensors)
+                ref = server.reference.run(ids)
+            t = {"input_ids": torch.tensor(ids, dtype=torch.int64), "final": ref.final.contiguous()}
+            for k in server.layers:  # stream[k + 1] is EAGLE-3 id k; stream[N] is layer N-1 before the norm
+                t[f"layer.{k}"] = (ref.final if server.swap_last and k == n - 1 else ref.stream[k + 1]).clone()
             key = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
             meta = {"format": "eagle3-dump/1", "key": key, "eagle3_layer_ids": json.dumps(server.layers),
                     "hf_hidden_state_indices": json.dumps([k + 1 for k in server.layers]), "final": "post_norm",
