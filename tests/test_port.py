@@ -133,3 +133,97 @@ def test_port_hint_names_the_nearest_older_series():
     assert port.nearest_older_series("0.5.23")[0] == "0.5.23"
     assert "tools/port.py --from 0.5.9 --to 0.5.15" in port.port_hint("0.5.15")
     assert port.nearest_older_series("0.5.8") is None
+
+
+# ---- context-only conflicts: relocated by neighbouring statements, listed for review ---------------
+
+def _hunk(before: str, after: str):
+    """The one hunk of a diff between two versions of a file (zero-fuzz matcher input)."""
+    import difflib
+
+    from eaglepatch.series import parse_patch
+
+    body = "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), "a/sglang/x.py",
+                                        "b/sglang/x.py", n=3))
+    p = parse_patch(b"Subject: t\n---\ndiff --git a/sglang/x.py b/sglang/x.py\n" + body.encode(), "t")
+    (h,) = p.files[0].hunks
+    return h, h.source_start - 1
+
+
+OLD = """import os
+from pkg.configs import A
+from pkg.dist import divide
+from pkg.env import envs
+
+
+class Runner:
+    def init(self):
+        self.load()
+        prepare(model=self.model, config=self.config)
+
+        self.after()
+"""
+
+
+@pytest.mark.parametrize("case", ["import grew names", "call grew arguments", "indentation changed"])
+def test_relocate_places_an_insertion_by_its_neighbouring_statements(case):
+    from eaglepatch.port.relocate import relocate
+
+    if case == "import grew names":
+        hook_old = OLD.replace("from pkg.dist import divide\n", "from pkg import hook\nfrom pkg.dist import divide\n")
+        new = OLD.replace("from pkg.dist import divide\n", "from pkg.dist import (\n    divide,\n    gather,\n)\n")
+        want = new.replace("from pkg.dist import (\n", "from pkg import hook\nfrom pkg.dist import (\n")
+    elif case == "call grew arguments":
+        hook_old = OLD.replace("self.config)\n", "self.config)\n        hook.run(self)\n")
+        new = OLD.replace("prepare(model=self.model, config=self.config)\n",
+                          "prepare(\n            model=self.model,\n            config=self.config,\n            x=1,\n        )\n")
+        want = new.replace("            x=1,\n        )\n", "            x=1,\n        )\n        hook.run(self)\n")
+    else:
+        hook_old = OLD.replace("self.config)\n", "self.config)\n        hook.run(self)\n")
+        new = OLD.replace("    def init(self):\n        self.load()\n        prepare(model=self.model, config=self.config)\n\n        self.after()\n",
+                          "    def init(self):\n        if True:\n            self.load()\n            prepare(model=self.model, config=self.config, x=1)\n\n            self.after()\n")
+        want = new.replace("x=1)\n", "x=1)\n            hook.run(self)\n")
+    h, pos = _hunk(OLD, hook_old)
+    moved = relocate(OLD.encode(), h, pos, new.encode())
+    assert moved is not None and moved.data.decode() == want
+    assert "relocated" in moved.note
+
+
+@pytest.mark.parametrize("case", ["neighbour twice in its scope", "neighbours moved apart", "removes a line",
+                                  "neighbour gone"])
+def test_relocate_leaves_what_is_not_safe_a_conflict(case):
+    from eaglepatch.port.relocate import relocate
+
+    hook_old = OLD.replace("self.config)\n", "self.config)\n        hook.run(self)\n")
+    if case == "neighbour twice in its scope":
+        new = OLD.replace("prepare(model=self.model, config=self.config)\n",
+                          "prepare(model=self.model, config=1)\n        prepare(model=self.model, config=2)\n")
+        new = new.replace("\n        self.after()\n", "\n        self.after()\n        self.after()\n")
+    elif case == "neighbours moved apart":
+        new = OLD.replace("prepare(model=self.model, config=self.config)\n",
+                          "prepare(model=self.model, config=self.config, x=1)\n        self.other()\n")
+    elif case == "removes a line":
+        hook_old = OLD.replace("        self.load()\n", "        hook.load(self)\n")
+        new = OLD.replace("self.load()", "self.load(x=1)")
+    else:
+        new = OLD.replace("        prepare(model=self.model, config=self.config)\n\n        self.after()\n",
+                          "        self.other()\n")
+    h, pos = _hunk(OLD, hook_old)
+    assert relocate(OLD.encode(), h, pos, new.encode()) is None
+
+
+def test_port_0_5_23_to_0_5_17_resolves_context_only_conflicts(tmp_path, release_0523):
+    """The newest series ported to the GPU release: every hunk merges or is relocated (none
+    conflicts), the package is the overlay's for 0.5.17, and the result is the committed series."""
+    out = tmp_path / "patches" / "sglang-0.5.17"
+    r = run_tool("port", "--from", "0.5.23", "--to", "0.5.17", "--out", out, "--json", tmp_path / "p.json",
+                 "--date", "2026-11-30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "p.json").read_text())
+    status = {(h["patch"].split("-", 1)[0], h["file"], h["hunk"]): h["status"] for h in res["hunks"]}
+    assert "conflict" not in status.values()
+    assert status[("0003", MR, 1)] == "relocated" and status[("0002", DS, 0)] == "relocated"
+    reviews = [ln for ln in r.stdout.splitlines() if ln.startswith("  review:") and "relocated" in ln]
+    assert len(reviews) == 3, r.stdout
+    for f in (REAL.parent / "sglang-0.5.17").iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name

@@ -14,7 +14,9 @@
    its ported form, and a conflict report with the old patched, old upstream and new upstream
    sides.
 
-The files the series creates are rewritten for the new release by `port.stamp.new_file_content`.
+The files the series creates are the package in `sglang-overlay/`, generated for the new release
+(`port.stamp.new_file_content`). A hunk that conflicts only because upstream rewrote the
+statements around it is placed by those statements (`port.relocate`) and listed for review.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .fetch import check_base, load_old_series, open_release_tree
 from .merge import Trees, apply_file, conflict_regions, merge_file, merge_patch
 from .result import CONFLICT, DROPPED, LABELS, MERGED, UPSTREAM, HunkPort, PatchPort, PortResult
 from .review import conflict_report, hunk_table, review
-from .semantics import detect_capture_semantics, record_semantics, series_semantics
+from .semantics import DEEPSEEK, detect_capture_semantics, record_semantics, series_semantics
 from .stamp import new_file_content, stamp
 from .write import export_ported, write_json, write_series
 
@@ -39,6 +41,19 @@ __all__ = ["port_series", "PortResult", "HunkPort", "PatchPort", "MERGED", "UPST
            "nearest_older_series", "port_hint"]
 
 
+def created_files(res: PortResult, trees: Trees, to_release: str, series_version: str) -> dict:
+    """The package the ported series adds: sglang-overlay/ for the new release, whose
+    release.py records how unpatched sglang of that release reads draft ids."""
+    from ..overlay import DEFAULT_UPSTREAM_MAPPING, release_files
+
+    mapping = detect_capture_semantics(trees.upstream(DEEPSEEK)).get("eagle_id_to_capture_index")
+    if mapping not in ("plus_one", "plus_one_if_first_is_one"):
+        res.notes.append(f"cannot tell how unpatched sglang {to_release} maps draft ids ({mapping}); the "
+                         f"package's warning assumes '{DEFAULT_UPSTREAM_MAPPING}'")
+        mapping = DEFAULT_UPSTREAM_MAPPING
+    return release_files(to_release, series_version, mapping)
+
+
 def port_series(old: Series, old_read, new_read, from_release: str, to_release: str,
                 date: str | None = None, series_version: str | None = None) -> PortResult:
     """Port `old` (made for `old_read`, the old upstream) to `new_read` (the new upstream)."""
@@ -47,6 +62,7 @@ def port_series(old: Series, old_read, new_read, from_release: str, to_release: 
     date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     check_base(old, old_read, from_release)                                   # 1. fetch
     trees = Trees(old_read, new_read)
+    trees.created = created_files(res, trees, to_release, series_version)
     kept: list[tuple] = []  # (patch, the new files after it)
     for patch in old.patches + old.smoke:
         if drop_by_drop_when(res, patch, patch in old.smoke, to_release):     # 3. drop (Drop-When)

@@ -20,7 +20,8 @@ from ..gitcmd import require_git
 from ..series import FilePatch, Hunk, Patch, split_lines
 from ..verdicts import check_hunk
 from .drop import upstream_has
-from .result import CONFLICT, LABELS, MERGED, UPSTREAM, HunkPort, PortResult
+from .relocate import relocate
+from .result import CONFLICT, LABELS, MERGED, RELOCATED, UPSTREAM, HunkPort, PortResult
 from .review import locate
 from .stamp import new_file_content
 
@@ -111,6 +112,7 @@ class Trees:
         self.old_state: dict[str, bytes | None] = {}
         self.new_state: dict[str, bytes | None] = {}
         self.new_upstream: dict[str, bytes | None] = {}
+        self.created: dict[str, bytes] | None = None  # what the new series creates (the overlay)
 
     def old(self, path: str) -> bytes | None:
         if path not in self.old_state:
@@ -157,7 +159,8 @@ class FileMerge:
         return self._modified_file()
 
     def _new_file(self) -> tuple[bool, bool]:
-        content = new_file_content(self.ours, self.fp.path, self.to_release, self.series_version)
+        content = new_file_content(self.ours, self.fp.path, self.to_release, self.series_version,
+                                   self.trees.created)
         if self.theirs is None:
             self.trees.new_state[self.fp.path] = content
             self._all(MERGED, "new file", line=1)
@@ -181,34 +184,37 @@ class FileMerge:
         return True, False
 
     def _modified_file(self) -> tuple[bool, bool]:
+        """Hunk by hunk onto the new file: a 3-way merge each (which one conflicts, which one
+        upstream already has); a hunk that conflicts only because its context changed is
+        relocated by its neighbouring statements (``port.relocate``) and marked for review."""
         base, theirs = self.base, self.theirs
         base_lines = split_lines(base)
-        hunk_ok = True
-        for h in self.fp.hunks:  # each hunk alone: which one conflicts, which one upstream has
+        state, conflicted = theirs, False
+        for h in self.fp.hunks:
             one, pos = apply_hunk(base_lines, h)
             anchor = hunk_anchor(base, h, pos)
-            n, merged = merge_file(b"".join(one), base, theirs)
-            if n:
-                hunk_ok = False
-                line, sides = _first_sides(merged)
-                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
-                                               f"{n} conflict region(s) in the 3-way merge", line, sides))
-            elif upstream_has(merged, theirs):
-                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, UPSTREAM,
-                                               "the new upstream file already has this change"))
-            else:
-                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, MERGED))
-        if not hunk_ok:
+            n, merged = merge_file(b"".join(one), base, state)
+            if not n:
+                status = UPSTREAM if upstream_has(merged, state) else MERGED
+                detail = "the new upstream file already has this change" if status == UPSTREAM else ""
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, status, detail))
+                state = merged
+                continue
+            moved = relocate(base, h, pos, state)
+            if moved is not None:
+                self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, RELOCATED,
+                                               moved.note, moved.line, review=moved.note))
+                state = moved.data
+                continue
+            conflicted = True
+            line, sides = _first_sides(merged)
+            self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
+                                           f"{n} conflict region(s) in the 3-way merge", line, sides))
+        if conflicted:
             return True, False
-        n, merged = merge_file(self.ours, base, theirs)  # the whole file: the result
-        if n:
-            self.res.file_conflicts.append((self.patch.name, self.fp.path,
-                                            f"each hunk merges alone but together they conflict ({n} region(s))",
-                                            _first_sides(merged)[1]))
-            return True, False
-        self.trees.new_state[self.fp.path] = merged
-        locate(self.res, self.patch.name, self.fp.path, theirs, merged, base)
-        return False, not upstream_has(merged, theirs)
+        self.trees.new_state[self.fp.path] = state
+        locate(self.res, self.patch.name, self.fp.path, theirs, state, base)
+        return False, not upstream_has(state, theirs)
 
 
 def merge_patch(res: PortResult, trees: Trees, patch: Patch, to_release: str, series_version: str) -> tuple[bool, bool]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..series import Series
 
 MERGED = "merged"
+RELOCATED = "relocated"  # merged by statement neighbours after a context-only conflict (review it)
 UPSTREAM = "already upstream"
 CONFLICT = "conflict"
 DROPPED = "dropped"
@@ -20,7 +21,7 @@ class HunkPort:
     file: str
     index: int
     anchor: str
-    status: str  # MERGED | UPSTREAM | CONFLICT | DROPPED
+    status: str  # MERGED | RELOCATED | UPSTREAM | CONFLICT | DROPPED
     detail: str = ""
     line: int | None = None  # 1-based line in the new file (merged) or near the conflict
     sides: dict = field(default_factory=dict)  # conflict: label -> text

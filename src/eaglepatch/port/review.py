@@ -11,17 +11,17 @@ import re
 from ..anchors import anchor_at
 from ..report import table
 from ..series import split_lines
-from .result import CONFLICT, LABELS, MERGED, UPSTREAM, PortResult
+from .result import CONFLICT, LABELS, MERGED, RELOCATED, UPSTREAM, PortResult
 
 
 def locate(res: PortResult, patch: str, path: str, theirs: bytes, merged: bytes, base: bytes) -> None:
     """Fill in where each merged hunk of (patch, path) landed, and flag changed enclosing code."""
     sm = difflib.SequenceMatcher(a=split_lines(theirs), b=split_lines(merged), autojunk=False)
     starts = [j1 + 1 for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
-    merged_hunks = [h for h in res.hunks if h.patch == patch and h.file == path and h.status == MERGED]
-    for h, line in zip(merged_hunks, starts):
+    landed = [h for h in res.hunks if h.patch == patch and h.file == path and h.status in (MERGED, RELOCATED)]
+    for h, line in zip(landed, starts):
         h.line = line
-        if h.anchor in ("<module>", "-"):
+        if h.anchor in ("<module>", "-") or h.status == RELOCATED:
             continue
         before = anchor_at(base, _def_line(base, h.anchor))[1] if _def_line(base, h.anchor) else None
         after_line = _def_line(theirs, h.anchor)
@@ -99,7 +99,7 @@ def review(res: PortResult, new_dir_files: dict | None = None) -> str:
 
 
 def hunk_table(res: PortResult) -> str:
-    rows = [[h.patch, h.file, str(h.index), h.anchor, h.status + (f" @{h.line}" if h.line and h.status == MERGED
+    rows = [[h.patch, h.file, str(h.index), h.anchor, h.status + (f" @{h.line}" if h.line and h.status in (MERGED, RELOCATED)
                                                                     else ""), h.detail]
             for h in res.hunks]
     return table(rows, ["patch", "file", "hunk", "anchor", "result", "detail"])

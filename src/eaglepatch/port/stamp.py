@@ -1,6 +1,8 @@
-"""The files a series creates name the release they were made for (`SERIES_RELEASE` and
-`SERIES_VERSION` string constants). A port rewrites them for the new release: `new_file_content`
-is the one function that decides what a created file holds in the ported series."""
+"""What the files a series creates hold in a ported series: `new_file_content` decides. The
+package the series add comes from `sglang-overlay/`, generated for the new release
+(`eaglepatch.overlay.release_files`: its `release.py` names the release, the series version and
+how unpatched sglang of that release reads draft ids); any other created file keeps its content
+with its `SERIES_RELEASE` / `SERIES_VERSION` string constants set for the new release."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ def stamp(data: bytes, release: str, series_version: str) -> bytes:
     return STAMP_RE.sub(sub, data)
 
 
-def new_file_content(old_content: bytes, path: str, release: str, series_version: str) -> bytes:
+def new_file_content(old_content: bytes, path: str, release: str, series_version: str,
+                     overlay_files: dict | None = None) -> bytes:
     """What the ported series creates at `path`, given what the old series created there."""
+    if overlay_files is not None and path in overlay_files:
+        return overlay_files[path]
     return stamp(old_content, release, series_version)
