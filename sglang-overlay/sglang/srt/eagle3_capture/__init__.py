@@ -114,9 +114,21 @@ def _sync(model, state: CaptureState) -> None:
 
 
 def residual_stream(hidden_states, residual):
-    """The residual stream entering a layer; an owned tensor even when residual is None."""
+    """The residual stream entering a layer; an owned tensor even when residual is None.
+
+    With tensor parallelism and FlashInfer's all-reduce fusion (sglang 0.5.9 turns it on for
+    DeepSeek-V3 and Kimi-K2.5 on Hopper/Blackwell, for batches of <= 2048 tokens), the previous
+    layer leaves its MLP all-reduce to this layer's fused norm and marks ``hidden_states``
+    (``_sglang_needs_allreduce_fusion``): this rank then holds only its share. The capture
+    completes the sum on a copy (the fused norm still gets the share). The mark is set in the
+    same Python pass that records a CUDA graph, so a graph holds the extra all-reduce exactly
+    when it holds the deferral."""
     if residual is None:
         return hidden_states.clone()
+    if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
+        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(hidden_states.clone()) + residual
     return hidden_states + residual
 
 

@@ -1,0 +1,598 @@
+"""The GPU check: orchestrates the engines (eaglepatch.gpucheck.worker), the reference and the verdicts.
+
+Checks (issue 12, item 3), on CUDA with bf16 and CUDA graphs:
+
+- a. capture: the target's EAGLE-3 capture for ids [-1, 1, 2] (the hidden states it hands to the
+  draft after prefill) equals the float32 reference per request, for a batch of mixed lengths in
+  one forward below 2048 tokens and one above.
+- b. draft parity: what the draft receives in prefill and in graph-replayed target verify equals
+  the reference for the same tokens.
+- c. dump: one file per request with ids [-1, 1, 2, N-1] and ``final``, equal to the reference.
+  a, b and c share one engine (D: EAGLE-3 with a random draft, dump and spy on; the configuration
+  of check d); if the dump is refused at start, a and b run on an engine without it (S).
+- d. TP=2 (two GPUs): the engine of c at TP=1 and at TP=2 with FlashInfer's all-reduce fusion off,
+  then at TP=2 with the fusion's data flow emulated (every non-last layer defers its MLP
+  all-reduce to the next layer): one file per request, rows and draft inputs equal TP=1's and the
+  reference; the probe at the layer input (0.5.9's capture point) fails without the fix and passes
+  with the all-reduce completed there.
+- e. throughput at hidden 7168 (``models.THROUGHPUT_MODEL``, dummy weights): prefill tokens/s with
+  the dump on vs off, and decode tokens/s with CUDA graphs, patched vs unpatched, as ratios of
+  engines run one after the other in this one run.
+
+Every stage writes its verdicts to the results JSON at once, so a run cut short still reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import RefusedError, UsageError
+from . import models
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1]
+SPY = HERE / "spy"
+CHECKS = "abcde"
+TP1_CHECKS = "abce"
+# Environment the lent machines set (NVLink multicast off); kept for every process the check starts.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+STAGE_MAX_S = 420
+STAGE_MIN_S = 120  # an engine start alone takes 35-150 s: a stage with less left is not started
+NUM_STEPS = 3  # EAGLE-3: 3 draft steps, chain (topk 1), 4 verified tokens per request
+
+BASE_ENGINE = dict(
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    attention_backend="triton",
+    sampling_backend="pytorch",
+    disable_radix_cache=True,
+    chunked_prefill_size=-1,
+    context_length=4096,
+    max_running_requests=8,
+    random_seed=0,
+    log_level="warning",
+    mem_fraction_static=0.4,
+    cuda_graph_bs_decode=[1, 2, 4, 8],
+    disable_prefill_cuda_graph=True,
+)
+
+
+@dataclass
+class Options:
+    out: Path
+    work: Path
+    site: Path | None = None
+    package_parent: Path | None = None
+    series: Path | None = None
+    patched_files: Path | None = None
+    unpatched_parent: Path | None = None
+    checks: str = TP1_CHECKS
+    budget_s: float = 540.0
+    new_tokens: int = 16
+    dump_ids: list | None = None
+    prefill_graph: bool = False
+    e_layers: int = 4
+    cpu: bool = False  # dry run of check c on the CPU smoke environment (tests); no CUDA
+    say: object = None
+
+
+@dataclass
+class State:
+    opts: Options
+    t0: float
+    results: dict = field(default_factory=dict)
+    refs: dict = field(default_factory=dict)
+    ref_model: object = None
+    ref_cache: dict = field(default_factory=dict)
+
+
+def _say(opts, msg):
+    (opts.say or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
+
+
+# ---- preflight ----------------------------------------------------------------------------
+
+def preflight(opts: Options) -> dict:
+    """One-line errors for what makes the run impossible: no CUDA, too few GPUs, no sglang."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("torch is not installed", "run the check where PyTorch with CUDA is installed")
+    if opts.cpu:
+        if set(opts.checks) - set("c"):
+            raise UsageError("--cpu runs check c only (EAGLE-3 serving and graphs need CUDA)", "pass --checks c")
+        if opts.package_parent is None:
+            raise UsageError("--cpu needs --package-parent (a tree patched with the smoke patches)",
+                             "pass --package-parent DIR")
+        return {"gpu": None, "torch": torch.__version__, "python": platform.python_version(), "cpu": True}
+    if not torch.cuda.is_available():
+        raise UsageError("CUDA is not available (torch.cuda.is_available() is False)",
+                         "run the GPU check on a machine with an NVIDIA GPU; CPU tests are tests/test_gpucheck_*.py")
+    need = 2 if "d" in opts.checks else 1
+    if torch.cuda.device_count() < need:
+        raise UsageError("check d needs 2 GPUs, this machine has %d" % torch.cuda.device_count(),
+                         "run d on a 2-GPU machine (--checks d) and the others here (--checks abce)")
+    if opts.package_parent is None and opts.series is None and opts.patched_files is None:
+        raise UsageError("no sglang under test",
+                         "pass --patched-files DIR or --series DIR (laid over --site's sglang) or --package-parent DIR")
+    if (opts.series is not None or opts.patched_files is not None) and opts.site is None:
+        raise UsageError("--series and --patched-files need --site (the unpacked bundle holding the upstream sglang)",
+                         "pass --site /tmp/site")
+    for what, p in (("--site", opts.site), ("--package-parent", opts.package_parent),
+                    ("--unpatched-parent", opts.unpatched_parent)):
+        if p is not None and not (Path(p) / "sglang" / "__init__.py").is_file():
+            raise UsageError("%s %s holds no sglang/ package" % (what, p),
+                             "unpack the bundle (sh .gpu-bundle/unpack.sh DIR) and pass DIR")
+    if opts.series is not None and not (Path(opts.series) / "series").is_file():
+        raise UsageError("%s is not a series directory (no 'series' file)" % opts.series,
+                         "pass --series patches/sglang-<release>")
+    if "e" in opts.checks and opts.unpatched_parent is None and opts.site is None:
+        raise UsageError("check e needs the unpatched sglang", "pass --site or --unpatched-parent")
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}}
+
+
+def patched_parent(opts: Options) -> Path:
+    if opts.package_parent is not None:
+        return Path(opts.package_parent).resolve()
+    if opts.patched_files is not None:
+        from .patched_files import lay_patched_files
+
+        _say(opts, "gpucheck: laying %s over a copy of %s/sglang" % (opts.patched_files, opts.site))
+        return lay_patched_files(Path(opts.patched_files), Path(opts.site), Path(opts.work) / "patched").resolve()
+    from ..smoke.tree import patched_tree
+
+    dest = Path(opts.work) / "patched"
+    _say(opts, "gpucheck: applying %s to a copy of %s/sglang" % (opts.series, opts.site))
+    return patched_tree(Path(opts.site), Path(opts.series), dest, smoke=False).resolve()
+
+
+# ---- workers ------------------------------------------------------------------------------
+
+def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, dump: dict | None = None,
+               cpu: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("EAGLE3_DUMP_") and not k.startswith("EAGLEPATCH_SPY")}
+    for k, v in MULTICAST_OFF.items():
+        env.setdefault(k, v)
+    paths = [str(sglang_parent)]
+    if spy is not None:
+        paths.append(str(SPY))
+    if cpu:
+        from ..smoke import STUBS
+
+        paths.append(str(STUBS))
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if site is not None and Path(site).resolve() != Path(sglang_parent).resolve():
+        paths.append(str(site))
+    paths.append(str(SRC))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"})
+    for k, v in (spy or {}).items():
+        env[k] = str(v)
+    for k, v in (dump or {}).items():
+        env[k] = str(v)
+    return env
+
+
+def run_worker(state: State, name: str, spec: dict, env: dict) -> dict:
+    """Run one engine worker; its JSON result ({"ok": False, "error": ...} when it died)."""
+    opts = state.opts
+    d = Path(opts.work) / "stages" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "spec.json").write_text(json.dumps(spec, indent=1))
+    out = d / "result.json"
+    left = opts.budget_s - (time.monotonic() - state.t0) - 30
+    timeout = min(STAGE_MAX_S, left)
+    if timeout < STAGE_MIN_S:
+        return {"ok": False, "error": "not run: %.0f s of the %.0f s budget left" % (max(left + 30, 0), opts.budget_s),
+                "skipped": True}
+    _say(opts, "gpucheck: stage %s (timeout %.0f s) ..." % (name, timeout))
+    t = time.monotonic()
+    with open(d / "log.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "eaglepatch.gpucheck.worker", str(d / "spec.json"), str(out)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the scheduler processes the engine left
+            except (ProcessLookupError, PermissionError):
+                pass
+    wall = time.monotonic() - t
+    res = json.loads(out.read_text()) if out.is_file() else {"ok": False}
+    if rc is None:
+        res.update(ok=False, error="timed out after %.0f s" % timeout)
+    elif not res.get("ok") and not res.get("error"):
+        res["error"] = "worker exited %s without a result" % rc
+    res["wall_s"] = round(wall, 1)
+    if not res.get("ok"):
+        tail = (d / "log.txt").read_text(errors="replace").splitlines()[-30:]
+        res["log_tail"] = tail
+        _say(opts, "gpucheck: stage %s FAILED after %.0f s: %s" % (name, wall, res.get("error")))
+    else:
+        _say(opts, "gpucheck: stage %s done in %.0f s (engine start %.0f s)" % (name, wall, res.get("start_s", -1)))
+    state.results.setdefault("stages", {})[name] = {k: v for k, v in res.items() if k not in ("runs",)}
+    return res
+
+
+# ---- reference ----------------------------------------------------------------------------
+
+def _reference(state: State, ckpt: Path):
+    from .reference import Reference
+
+    if state.ref_model is None:
+        state.ref_model = Reference(ckpt, device="cpu" if state.opts.cpu else "cuda")
+    return state.ref_model
+
+
+def ref_states(state: State, ckpt: Path, tokens) -> dict:
+    key = tuple(tokens)
+    if key not in state.ref_cache:
+        state.ref_cache[key] = _reference(state, ckpt).states(tokens)
+    return state.ref_cache[key]
+
+
+def release_reference(state: State) -> None:
+    """Free the reference's GPU memory before an engine starts (it sizes itself from what is free)."""
+    if state.ref_model is not None:
+        import torch
+
+        state.ref_model.model.to("cpu")
+        state.ref_model.device = "cpu"
+        state.ref_model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- stages -------------------------------------------------------------------------------
+
+def _engine_kwargs(opts: Options, ckpt: Path, draft: Path | None, tp: int = 1, emulate: bool = False) -> dict:
+    if opts.cpu:
+        from ..smoke._common import CPU_SERVER_ARGS
+
+        return dict(CPU_SERVER_ARGS, model_path=str(ckpt), log_level="warning")
+    kw = dict(BASE_ENGINE, model_path=str(ckpt), tp_size=tp)
+    if opts.prefill_graph:
+        kw.pop("disable_prefill_cuda_graph")
+    if draft is not None:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                  speculative_draft_load_format="dummy", speculative_num_steps=NUM_STEPS,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_STEPS + 1)
+    if tp > 1:
+        # The lent H200s hang creating FlashInfer's fusion workspace (multicast off); the fusion's
+        # data flow is emulated instead (EAGLEPATCH_SPY_DEFER_ALLREDUCE).
+        kw["enforce_disable_flashinfer_allreduce_fusion"] = True
+    return kw
+
+
+def _runs(opts: Options, batches: dict, new_tokens: int) -> list:
+    return [{"name": b, "prompts": p, "max_new_tokens": new_tokens} for b, p in batches.items()]
+
+
+def _add(state: State, verdict) -> None:
+    d = verdict.as_dict() if hasattr(verdict, "as_dict") else verdict
+    state.results.setdefault("results", []).append(d)
+    _say(state.opts, "  %s %s: %s" % ("PASS" if d["passed"] else "FAIL", d["name"], d["figure"]))
+    write_results(state)
+
+
+def _failed_stage(state: State, names, res) -> None:
+    why = res.get("error") or "failed"
+    for n in names:
+        _add(state, {"name": n, "passed": False, "figure": "not run" if res.get("skipped") else "engine failed",
+                     "detail": why + ("\n" + "\n".join(res.get("log_tail", [])) if res.get("log_tail") else ""),
+                     "comparisons": [], "facts": {}})
+
+
+def write_results(state: State) -> None:
+    out = Path(state.opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = state.results
+    r["passed"] = bool(r.get("results")) and all(x["passed"] for x in r["results"])
+    r["elapsed_s"] = round(time.monotonic() - state.t0, 1)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(r, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out)
+
+
+A_NAME = "a. EAGLE-3 capture [-1,1,2] == reference per request, forwards below and above 2048 tokens"
+B_NAME = "b. draft inputs in prefill and graph-replayed verify == reference for the same tokens"
+C_NAME = "c. dump: one file per request, layers [-1,1,2,N-1] and final == reference"
+
+
+def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", checks=("a", "b")):
+    """EAGLE-3 on, dump off: checks a and b."""
+    from . import records as R
+
+    opts = state.opts
+    spy_dir = Path(opts.work) / "spy" / name
+    shutil.rmtree(spy_dir, ignore_errors=True)
+    spy_dir.mkdir(parents=True)
+    spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(opts, prompts, opts.new_tokens)}
+    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
+    if not res.get("ok"):
+        _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in checks], res)
+        return
+    state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
+    evaluate_ab(state, ck, R.load_records(spy_dir), res, prompts, refs, checks)
+
+
+def evaluate_ab(state, ck, recs, res, prompts, refs, checks) -> None:
+    from . import records as R
+
+    all_prompts = [p for b in prompts.values() for p in b]
+    all_refs = [r for b in prompts for r in refs[b]]
+    outputs = [o for run in res["runs"] for o in run["output_ids"]]
+    if "a" in checks:
+        v = R.check_capture(A_NAME, recs, all_prompts, all_refs, models.EAGLE_IDS)
+        fw = v.facts.get("forward_tokens", [])
+        lim = models.FUSE_ALLREDUCE_MAX_TOKENS
+        if not (any(t <= lim for t in fw) and any(t > lim for t in fw)):
+            v.passed = False
+            v.detail = "forwards of %s tokens: want one at most %d and one above | " % (fw, lim) + v.detail
+        _add(state, v)
+    if "b" in checks:
+        v = R.check_draft(B_NAME, recs, all_prompts, outputs, lambda toks: ref_states(state, ck, toks),
+                          models.EAGLE_IDS)
+        release_reference(state)
+        _add(state, v)
+
+
+def check_abc(state, ck, draft, sglang_pp, prompts, refs) -> None:
+    """One engine (EAGLE-3, dump and spy on) serves a, b and c; when the dump is refused at start,
+    a and b run again on an engine without it."""
+    opts = state.opts
+    ab = tuple(c for c in "ab" if c in opts.checks and draft is not None)
+    if "c" not in opts.checks:
+        if ab:
+            stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S", ab)
+        return
+    res, recs, dump_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, "D")
+    if not res.get("ok"):
+        _failed_stage(state, [C_NAME], res)
+        refused = "EAGLE3_DUMP" in str(res.get("error")) + "\n".join(res.get("log_tail", []))
+        if ab and refused and not res.get("skipped"):
+            stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S", ab)
+        elif ab:
+            _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in ab], res)
+        return
+    evaluate_c(state, ck, dump_dir, ids, prompts, refs)
+    if ab:
+        evaluate_ab(state, ck, recs, res, prompts, refs, ab)
+
+
+def stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, name, tp=1, emulate=False, probe=False):
+    """An engine with the dump and EAGLE-3 on (and the spy); returns (result, records, dump dir)."""
+    from . import records as R
+
+    opts = state.opts
+    ids = opts.dump_ids or models.dump_ids(models.CHECK_MODEL["num_hidden_layers"])
+    spy_dir = Path(opts.work) / "spy" / name
+    dump_dir = Path(opts.work) / "dump" / name
+    for d in (spy_dir, dump_dir):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    spy = {"EAGLEPATCH_SPY_DIR": spy_dir}
+    if emulate:
+        spy["EAGLEPATCH_SPY_DEFER_ALLREDUCE"] = "1"
+    if probe:
+        spy["EAGLEPATCH_SPY_PROBE"] = ",".join(str(i) for i in range(models.CHECK_MODEL["num_hidden_layers"]))
+    dump = {"EAGLE3_DUMP_DIR": dump_dir, "EAGLE3_DUMP_LAYERS": ",".join(str(k) for k in ids),
+            "EAGLE3_DUMP_FINAL": "1"}
+    n_req = sum(len(p) for p in prompts.values())
+    spec = {"engine": _engine_kwargs(opts, ck, draft, tp=tp, emulate=emulate),
+            "runs": _runs(opts, prompts, opts.new_tokens),
+            "wait_files": {"dir": str(dump_dir), "count": n_req, "timeout_s": 120}}
+    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy=spy, dump=dump, cpu=opts.cpu))
+    recs = R.load_records(spy_dir) if res.get("ok") else []
+    if res.get("ok"):
+        state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
+    return res, recs, dump_dir, ids
+
+
+def _dump_meta(tp: int, dtype: str = "bfloat16") -> dict:
+    return {"format": "eagle3-dump/1", "final": "post_norm", "architecture": "DeepseekV3ForCausalLM",
+            "dtype": dtype, "tp_size": str(tp),
+            "hidden_size": str(models.CHECK_MODEL["hidden_size"]),
+            "num_hidden_layers": str(models.CHECK_MODEL["num_hidden_layers"])}
+
+
+def evaluate_c(state, ck, dump_dir, ids, prompts, refs) -> None:
+    from . import records as R
+
+    all_prompts = [p for b in prompts.values() for p in b]
+    all_refs = [r for b in prompts for r in refs[b]]
+    meta = dict(_dump_meta(1, "float32" if state.opts.cpu else "bfloat16"), model_path=str(ck))
+    _add(state, R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta))
+
+
+def check_d(state, ck, draft, sglang_pp, prompts, refs):
+    """TP=1 and TP=2 (fusion off, then its data flow emulated) on the small batch (< 2048 tokens)."""
+    from . import records as R
+
+    small = {"small": prompts["small"]}
+    ps, rs = prompts["small"], refs["small"]
+    base, base_recs, base_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, small, refs, "T1", tp=1)
+    if not base.get("ok"):
+        _failed_stage(state, ["d. TP=1 baseline for TP=2"], base)
+        return
+    base_states = R.dump_states(base_dir, ps)
+    base_draft = R.draft_prefill_inputs(base_recs, ps, models.EAGLE_IDS)
+    for name, emulate in (("T2", False), ("T2e", True)):
+        tag = "TP=2, fusion off" if not emulate else "TP=2, deferred MLP all-reduce (the fusion's data flow)"
+        res, recs, dump_dir, _ = stage_dump_engine(state, ck, draft, sglang_pp, small, refs, name, tp=2,
+                                                   emulate=emulate, probe=emulate)
+        names = ["d. %s: %s" % (tag, x) for x in ("dump == reference", "dump == TP=1", "draft inputs == reference",
+                                                   "draft prefill inputs == TP=1")]
+        if not res.get("ok"):
+            _failed_stage(state, names, res)
+            continue
+        meta = dict(_dump_meta(2), model_path=str(ck))
+        _add(state, R.check_dump(names[0], dump_dir, ps, rs, ids, meta))
+        _add(state, R.compare_runs(names[1], R.dump_states(dump_dir, ps), base_states))
+        outputs = res["runs"][0]["output_ids"]
+        v = R.check_draft(names[2], recs, ps, outputs, lambda toks: ref_states(state, ck, toks), models.EAGLE_IDS)
+        release_reference(state)
+        _add(state, v)
+        _add(state, R.compare_runs(names[3], R.draft_prefill_inputs(recs, ps, models.EAGLE_IDS), base_draft))
+        if emulate:
+            hooks = R.hook_notes(Path(opts_work(state)) / "spy" / name)
+            deferral = any("deferral emulated" in ln for lines in hooks.values() for ln in lines)
+            unfixed, fixed = R.check_probe("d. %s: probe at the layer input (0.5.9's capture point)" % tag, recs, ps, rs)
+            if not deferral:
+                unfixed.passed = False
+                unfixed.detail = "the deferral hook was not installed: %s | %s" % (hooks, unfixed.detail)
+            _add(state, unfixed)
+            _add(state, fixed)
+
+
+def opts_work(state) -> Path:
+    return Path(state.opts.work)
+
+
+def check_e(state, sglang_pp):
+    """Prefill with the dump on vs off (patched), decode with graphs patched vs unpatched."""
+    from .reference import write_config_only
+
+    opts = state.opts
+    cfg = dict(models.THROUGHPUT_MODEL, num_hidden_layers=opts.e_layers)
+    mdir = write_config_only(Path(opts.work) / "models" / ("throughput-%d" % opts.e_layers), cfg)
+    unpatched = Path(opts.unpatched_parent or opts.site).resolve()
+    requests, tokens = 16, 1024
+    bench = {"vocab": cfg["vocab_size"], "seed": 1,
+             "prefill": {"requests": requests, "tokens": tokens, "reps": 3},
+             "decode": {"requests": 32, "prompt": 128, "new_tokens": 128, "reps": 3}}
+    engine = dict(BASE_ENGINE, model_path=str(mdir), load_format="dummy", mem_fraction_static=0.8,
+                  max_running_requests=32, cuda_graph_bs_decode=[32], context_length=2048)
+    dump_dir = Path(opts.work) / "dump" / "e"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump_dir.mkdir(parents=True)
+    ids = models.EAGLE_IDS
+    dump = {"EAGLE3_DUMP_DIR": dump_dir, "EAGLE3_DUMP_LAYERS": ",".join(map(str, ids)), "EAGLE3_DUMP_FINAL": "1"}
+    out = {}
+    for name, pp, dmp in (("e-patched", sglang_pp, None), ("e-unpatched", unpatched, None),
+                          ("e-patched-dump", sglang_pp, dump)):
+        b = dict(bench)
+        if name == "e-unpatched":
+            b.pop("prefill")
+        if name == "e-patched-dump":
+            b.pop("decode")
+            b["dump_dir"] = str(dump_dir)
+        res = run_worker(state, name, {"engine": engine, "bench": b}, worker_env(pp, opts.site, dump=dmp))
+        out[name] = res
+    state.results["throughput"] = {
+        "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
+                                      "num_attention_heads", "vocab_size")},
+        "prefill": bench["prefill"], "decode": bench["decode"], "dump_ids": ids,
+        "engines": {k: v.get("bench") for k, v in out.items()}}
+
+    def med(name, part):
+        try:
+            return out[name]["bench"][part]["median"]
+        except (KeyError, TypeError):
+            return None
+
+    pre_on, pre_off = med("e-patched-dump", "prefill"), med("e-patched", "prefill")
+    dec_p, dec_u = med("e-patched", "decode"), med("e-unpatched", "decode")
+    for nm, num, den, goal, what in (
+            ("e. prefill tokens/s, dump on / off (hidden 7168)", pre_on, pre_off, 0.95, "prefill"),
+            ("e. decode tokens/s with CUDA graphs, patched / unpatched (hidden 7168)", dec_p, dec_u, 0.99, "decode")):
+        if num is None or den is None:
+            errs = "; ".join("%s: %s" % (k, v.get("error")) for k, v in out.items() if not v.get("ok"))
+            _add(state, {"name": nm, "passed": False, "figure": "not measured", "detail": errs, "comparisons": [],
+                         "facts": {}})
+            continue
+        ratio = num / den
+        facts = {"ratio": ratio, "numerator": num, "denominator": den, "goal": goal}
+        detail = "%.0f / %.0f tokens/s (medians of %d reps); goal >= %.2f" % (num, den, bench[what]["reps"], goal)
+        if what == "prefill":
+            p = out["e-patched-dump"]["bench"]["prefill"]
+            facts.update(sustained_on=p.get("sustained"), drain_s=p.get("drain_s"), files=p.get("files"))
+            detail += "; per rep %s; writer drained %.1f s after the last request; %s files" % (
+                ["%.0f" % r for r in p["tokens_per_s"]], p.get("drain_s", -1), p.get("files"))
+        _add(state, {"name": nm, "passed": ratio >= goal, "figure": "ratio %.3f" % ratio, "detail": detail,
+                     "comparisons": [], "facts": facts})
+
+
+def _patched_files_info(files):
+    if files is None:
+        return None
+    p = Path(files) / "patched-files.json"
+    return json.loads(p.read_text()) if p.is_file() else str(files)
+
+
+def static_problems(opts: Options, sglang_pp: Path) -> list:
+    from .static import check_tree
+
+    kw = dict(_engine_kwargs(opts, Path("model"), Path("draft"), tp=2), load_format="dummy")
+    return check_tree(sglang_pp, kw, probe="d" in opts.checks, deferral="d" in opts.checks)
+
+
+# ---- entry --------------------------------------------------------------------------------
+
+def run_check(opts: Options) -> dict:
+    t0 = time.monotonic()
+    opts.checks = "".join(c for c in CHECKS if c in opts.checks)
+    host = preflight(opts)
+    Path(opts.work).mkdir(parents=True, exist_ok=True)
+    state = State(opts, t0)
+    state.results.update({"format": 1, "tool": "gpucheck", "host": host, "checks": opts.checks,
+                          "series": str(opts.series) if opts.series else None,
+                          "patched_files": _patched_files_info(opts.patched_files),
+                          "package_parent": str(opts.package_parent) if opts.package_parent else None,
+                          "criterion": {"tol": None, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
+                          "model": models.CHECK_MODEL, "shaping": models.SHAPING, "eagle_ids": models.EAGLE_IDS,
+                          "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    from .criterion import TOL
+
+    state.results["criterion"]["tol"] = TOL
+    write_results(state)
+    sglang_pp = patched_parent(opts)
+    state.results["patched_parent"] = str(sglang_pp)
+    problems = [] if opts.cpu else static_problems(opts, sglang_pp)
+    state.results["static_problems"] = problems
+    write_results(state)
+    if problems:
+        raise RefusedError("the sglang under test lacks what the check needs: " + "; ".join(problems),
+                           "run the check on the release it was written for (0.5.17) or update eaglepatch.gpucheck.spy")
+    if set(opts.checks) & set("abcd"):
+        from .reference import build_checkpoint, write_config_only
+
+        mroot = Path(opts.work) / "models"
+        ck = build_checkpoint(mroot / ("check-" + models.checkpoint_key()))
+        draft = write_config_only(mroot / "draft", models.draft_config(models.CHECK_MODEL))
+        prompts = {b: models.prompts(b) for b in (("small",) if opts.cpu else models.BATCHES)}
+        if opts.cpu:
+            draft = None  # EAGLE-3 serving does not run on CPU
+        _say(opts, "gpucheck: float32 reference for %d prompts" % sum(len(p) for p in prompts.values()))
+        refs = {b: [ref_states(state, ck, p) for p in ps] for b, ps in prompts.items()}
+        release_reference(state)
+        if set(opts.checks) & set("abc"):
+            check_abc(state, ck, draft, sglang_pp, prompts, refs)
+        if "d" in opts.checks:
+            check_d(state, ck, draft, sglang_pp, prompts, refs)
+    if "e" in opts.checks:
+        check_e(state, sglang_pp)
+    write_results(state)
+    return state.results
+
+
+__all__ = ["Options", "run_check", "preflight", "worker_env", "BASE_ENGINE", "MULTICAST_OFF"]
