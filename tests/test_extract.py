@@ -637,10 +637,10 @@ def test_one_line_errors(assets, server, reference, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     t0 = time.monotonic()
-    one_line(extract(assets, server, tmp_path / "o3", "--dump-timeout", "3", dump_dir=elsewhere),
+    one_line(extract(assets, server, tmp_path / "o3" / "a" / "b", "--dump-timeout", "3", dump_dir=elsewhere),
              "no dump file appeared", "EAGLE3_DUMP_DIR")
     assert time.monotonic() - t0 < 60
-    assert not (tmp_path / "o3").exists()  # a refused run leaves nothing behind
+    assert not (tmp_path / "o3").exists()  # a refused run leaves nothing behind, not even the parents it made
     # tokenizer/model mismatch: a tokenizer larger than the model's vocabulary
     one_line(extract(assets, server, tmp_path / "o4", tokenizer=assets.tok_big),
              "tokenizer/model mismatch", "2048 tokens", "vocab_size is 1024")

@@ -77,6 +77,9 @@ class Extractor:
             client.server_info()
         out = Path(o.out)
         created = not out.exists()
+        top = out  # the outermost directory this run creates
+        while not top.parent.exists():
+            top = top.parent
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
@@ -93,7 +96,7 @@ class Extractor:
         finally:
             os.close(fd)
             if created and not inp.settings.saved:  # nothing recorded: leave no directory behind
-                _remove_empty_tree(out)
+                _remove_empty_tree(top)
 
     def _run_locked(self, inp: Inputs, client: SGLangClient) -> int:
         o = self.o
