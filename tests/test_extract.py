@@ -1,8 +1,14 @@
 """tools/extract.py end to end on CPU: the patched sglang 0.5.9 HTTP server, the tiny DeepSeek-V3
 checkpoint, a tiny word-level tokenizer with a chat template, 25 conversations (24 with
 assistant turns, one without), both dataset formats checked against Hugging Face
-``output_hidden_states`` on the same weights, rerun, kill + resume, injected faults (through a
-loopback proxy in front of the real server), the one-line errors, and the guard on the result.
+``output_hidden_states`` on the same weights, rerun, kill + resume, an edited input, injected
+faults (through a loopback proxy in front of the real server), a sample whose loss mask cannot be
+built, the one-line errors, and the guard on the result.
+
+The consumers read what was extracted with their own code: speculators 0.9.0 (ArrowDataset,
+CollateFn + shift_batch, a forward and loss of its Eagle3 draft, targets built from the last slot
+that reproduce the HF logits) and SpecForge 0.2.0 (its offline dataset and TargetHead). A
+speculators sample whose last slot is the post-norm state is shown failing those checks.
 
 These tests need torch/transformers/sglang's dependencies: they run inside the CPU environment
 (``eaglepatch.cpuenv``). Under another interpreter, ``test_extract_suite_in_cpu_env`` reruns this
@@ -37,7 +43,8 @@ in_env = pytest.mark.skipif(not IN_ENV, reason="runs inside the CPU env (see tes
 
 EXTRACT = REPO / "tools" / "extract.py"
 GUARD = REPO / "tools" / "guard.py"
-LAYERS = [-1, 1, 2]  # EAGLE3_DUMP_LAYERS of the server; HF indices 0, 2, 3
+LAYERS = [-1, 1, 2, 3]  # EAGLE3_DUMP_LAYERS of the server: the aux layers, then the last layer N-1 = 3
+AUX = [-1, 1, 2]  # the dataset's aux layers (the default: every dumped layer except N-1); HF indices 0, 2, 3
 N_CONV = 24
 TOL = 1e-4
 SERVER_START_TIMEOUT = 300
@@ -122,7 +129,8 @@ def server(assets):
                 pass
             time.sleep(1)
         FIGURES["server_start_s"] = round(time.monotonic() - t0, 1)
-        yield SimpleNamespace(url=url, dump_dir=dump_dir, pp=pp, port=port)
+        yield SimpleNamespace(url=url, dump_dir=dump_dir, pp=pp, port=port,
+                              series_version=json.loads((series / "manifest.json").read_text())["series_version"])
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -183,11 +191,12 @@ def records(out: Path) -> list:
 
 def check_dataset(out: Path, fmt: str, reference, expected) -> float:
     """Every sample equals the HF reference on the same weights; returns the largest difference."""
-    from eaglepatch.extract.writers import read_sample
+    from eaglepatch.extract.writers import read_sample, sample_rel
 
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and man["failed"] == [] and man["dataset_format"] == fmt
-    assert man["eagle3_layer_ids"] == LAYERS and man["hf_hidden_state_indices"] == [0, 2, 3]
+    assert man["eagle3_layer_ids"] == AUX and man["hf_hidden_state_indices"] == [0, 2, 3]
+    assert man["dump_layer_ids"] == LAYERS
     assert [s["id"] for s in man["skipped"]] == ["no-assistant"]
     recs = [r for r in records(out) if not r.get("skipped")]
     assert sorted(r["id"] for r in recs) == sorted(i for i in expected if i != "no-assistant")
@@ -195,16 +204,20 @@ def check_dataset(out: Path, fmt: str, reference, expected) -> float:
     worst = 0.0
     for r in recs:
         path = out / r["file"]
+        assert r["file"] == sample_rel(fmt, r["id"])  # named by the conversation id
         assert path.stat().st_size == r["bytes"]
         s = read_sample(fmt, path)
         enc = expected[r["id"]]
         assert s["input_ids"].tolist() == enc.input_ids
         assert s["loss_mask"].tolist() == enc.loss_mask
-        hs = reference.run(enc.input_ids)[0]
-        aux_ref = torch.cat([hs[0], hs[2], hs[3]], dim=-1)
-        assert s["aux"].shape == aux_ref.shape and s["final"].shape == hs[4].shape
+        ref = reference.run(enc.input_ids)
+        aux_ref = torch.cat([ref.stream[0], ref.stream[2], ref.stream[3]], dim=-1)
+        # SpecForge: the final post-norm state; speculators: the last layer's output before the norm
+        last_ref = ref.final if fmt == "specforge" else ref.stream[4]
+        assert float((ref.final - ref.stream[4]).abs().max()) > 1.0  # the comparison can tell them apart
+        assert s["aux"].shape == aux_ref.shape and s["last"].shape == last_ref.shape
         worst = max(worst, float((s["aux"].float() - aux_ref).abs().max()),
-                    float((s["final"].float() - hs[4]).abs().max()))
+                    float((s["last"].float() - last_ref).abs().max()))
     assert worst <= TOL, f"max |dataset - HF| = {worst:.3g} > {TOL}"
     return worst
 
@@ -268,13 +281,13 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     assert p.returncode == 0, p.stderr[-3000:]
     worst = check_dataset(out, "specforge", reference, expected)
     # SpecForge's offline reader: torch.load'ed dict, [1, T, H] states, ".ckpt" files
-    f = sorted(out.glob("rows_*/data_*.ckpt"))
+    f = sorted(out.glob("samples/*/*.ckpt"))
     assert len(f) == N_CONV
     d = torch.load(str(f[0]), weights_only=True)
     assert set(d) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert d["hidden_state"].dim() == 3 and d["aux_hidden_state"].shape[-1] == 3 * d["hidden_state"].shape[-1]
     man = json.loads((out / "manifest.json").read_text())
-    assert man["series_version"] == "0.5.9-1" and man["sglang_release"].startswith("0.5.9")
+    assert man["series_version"] == server.series_version and man["sglang_release"].startswith("0.5.9")
     assert man["bytes"] == sum(x.stat().st_size for x in f)
     # used dumps were removed (the server's warm-up and health-check dumps are not ours)
     from eaglepatch.extract.dumps import dump_key
@@ -289,13 +302,13 @@ def test_specforge_matches_hf(assets, server, reference, expected):
 @in_env
 def test_rerun_skips_everything(assets, server):
     out = assets.root / "out-specforge"
-    before = {x: x.stat().st_mtime_ns for x in out.glob("rows_*/*")}
+    before = {x: x.stat().st_mtime_ns for x in out.glob("samples/*/*")}
     assert before, "test_specforge_matches_hf must run first"
     n_dumps = len(list(server.dump_dir.glob("*")))
     p = extract(assets, server, out, "--format", "specforge", "--dump-timeout", "5")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "nothing to do: all 25 conversations" in p.stderr
-    assert {x: x.stat().st_mtime_ns for x in out.glob("rows_*/*")} == before
+    assert {x: x.stat().st_mtime_ns for x in out.glob("samples/*/*")} == before
     assert len(list(server.dump_dir.glob("*"))) == n_dumps
     assert len(records(out)) == N_CONV + 1
     # resuming with other settings is refused
@@ -325,17 +338,248 @@ def test_killed_run_resumes(assets, server, reference, expected):
     assert f"{len(done_before)} already done" in p.stderr
     ids = [r["id"] for r in records(out)]
     assert len(ids) == len(set(ids)) == N_CONV + 1  # nothing done twice
-    assert not list(out.glob("rows_*/.*.tmp"))
+    assert not list(out.glob("samples/*/.*.tmp"))
     worst = check_dataset(out, "speculators", reference, expected)
     from safetensors import safe_open
 
-    f = sorted(out.glob("rows_*/data_*.safetensors"))[0]
-    with safe_open(str(f), framework="pt") as st:
-        assert st.get_slice("hidden_states").get_shape()[1:] == [len(LAYERS) + 1, 256]
-        assert json.loads(st.metadata()["hidden_states_layers"]) == ["eagle3:-1", "eagle3:1", "eagle3:2",
-                                                                     "final:post_norm"]
+    f = sorted(out.glob("hidden_states/hs_*.safetensors"))
+    assert len(f) == N_CONV
+    with safe_open(str(f[0]), framework="pt") as st:
+        assert st.get_slice("hidden_states").get_shape()[1:] == [len(AUX) + 1, 256]
+        assert json.loads(st.metadata()["hidden_states_slots"]) == ["eagle3:-1", "eagle3:1", "eagle3:2",
+                                                                    "eagle3:3:pre_norm"]
+        assert json.loads(st.metadata()["hf_hidden_state_indices"]) == [0, 2, 3, 4]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["speculators"]["target_layer_ids"] == [0, 2, 3]  # speculators' own convention: HF indices
+    assert man["speculators"]["hidden_states_layer_ids"] == [0, 2, 3, 4]
     FIGURES["speculators_killed_after"] = len(done_before)
     FIGURES["speculators"] = {"max_abs_diff_vs_hf": worst, "resume_wall_s": round(p.wall, 2)}
+
+
+# ---- the consumers read the extracted datasets with their own code ------------------------------
+
+def top1(pred, ref) -> tuple[int, int]:
+    """(tokens whose argmax agrees, tokens)."""
+    return int((pred.argmax(-1) == ref.argmax(-1)).sum()), int(ref.shape[0])
+
+
+def speculators_check(out: Path, assets, reference, expected=None) -> dict:
+    """speculators 0.9.0 on the dataset at ``out``: ArrowDataset loads every row, its targets
+    verifier_lm_head(verifier_norm(last slot)) are compared with the HF logits (top-1 agreement),
+    CollateFn + shift_batch pack a batch whose alignment is checked, and its Eagle3 draft runs a
+    forward with loss and a backward on it."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import LlamaConfig
+
+    man = json.loads((out / "manifest.json").read_text())
+    vc = reference.model.config
+    ds = ArrowDataset(max_len=2048, datapath=str(out), on_missing="raise", hidden_states_dtype=torch.float32)
+    assert len(ds) == man["samples"]
+    draft_cfg = LlamaConfig(vocab_size=vc.vocab_size, hidden_size=vc.hidden_size, intermediate_size=512,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                            max_position_embeddings=vc.max_position_embeddings, rms_norm_eps=vc.rms_norm_eps)
+    # speculators' own check of the ids (distinct HF indices 0..N) runs here
+    draft = Eagle3DraftModel.from_training_args(
+        verifier_config=draft_cfg, verifier_name_or_path=str(assets.ckpt),
+        target_layer_ids=man["speculators"]["target_layer_ids"], draft_vocab_size=vc.vocab_size,
+        norm_before_residual=True, ttt_steps=2, draft_attn_impl="eager").float()
+    agree = total = 0
+    items = [ds[i] for i in range(len(ds))]
+    for item in items:
+        ids = item["input_ids"].tolist()
+        if expected is not None:
+            enc = expected[tuple(ids)]
+            assert item["loss_mask"].tolist() == enc.loss_mask  # the mask comes from the table
+        with torch.no_grad():
+            targets = draft.verifier_lm_head(draft.verifier_norm(item["verifier_last_hidden_states"].float()))
+        a, t = top1(targets, reference.run(ids).logits)
+        agree, total = agree + a, total + t
+    batch = CollateFn(max_len=1024, hidden_size=vc.hidden_size, num_target_layers=len(AUX), dtype=torch.float32,
+                      preprocess=shift_batch)(items[:4])
+    first = items[0]
+    n = first["input_ids"].shape[0] - 1
+    # shift_batch pairs the state of token t with token t+1 and the target of position t+1
+    assert torch.equal(batch["input_ids"][0, :n], first["input_ids"][1:])
+    assert torch.equal(batch["hidden_states"][0, :n], first["hidden_states"][:-1])
+    assert torch.equal(batch["verifier_last_hidden_states"][0, :n], first["verifier_last_hidden_states"][1:])
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    _, loss, metrics = draft(**tensors, ttt_steps=2, loss_config=resolve_loss_config("kl_div", "eager"))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(draft.fc.weight.grad).all() and draft.fc.weight.grad.abs().sum() > 0
+    freq = torch.load(str(out / "token_freq.pt"), weights_only=True)
+    assert sum(freq.values()) == man["loss_tokens"]
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=64, target_vocab_size=vc.vocab_size)
+    assert d2t.shape == (64,) and int(t2d.sum()) == 64
+    return {"top1_agreement": agree / total, "tokens": total, "loss": round(float(loss.detach()), 4)}
+
+
+@pytest.fixture(scope="module")
+def by_ids(expected):
+    return {tuple(e.input_ids): e for e in expected.values()}
+
+
+@in_env
+def test_speculators_reads_the_export(assets, server, reference, by_ids):
+    out = assets.root / "out-speculators"
+    assert (out / "state.json").is_file(), "test_killed_run_resumes must run first"
+    fig = speculators_check(out, assets, reference, by_ids)
+    assert fig["top1_agreement"] == 1.0, fig
+    FIGURES["speculators_consumer"] = fig
+
+
+@in_env
+def test_speculators_check_catches_a_post_norm_last_slot(assets, server, reference, tmp_path):
+    """The same export with the post-norm final state in the last slot (targets normalised twice):
+    the consumer check fails on it. The extract itself refuses a server that stores it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = assets.root / "out-speculators"
+    mixed = tmp_path / "mixed"
+    shutil.copytree(src, mixed, copy_function=shutil.copy)  # own copies: the originals stay untouched
+    for f in sorted((mixed / "hidden_states").glob("hs_*.safetensors")):
+        t = load_file(str(f))
+        t["hidden_states"][:, -1] = reference.run(t["token_ids"].tolist()).final  # the post-norm state
+        save_file(t, str(f))
+    fig = speculators_check(mixed, assets, reference)
+    assert fig["top1_agreement"] < 0.95, fig
+    FIGURES["speculators_post_norm_last_slot"] = fig
+
+    from hfserver import HFDumpServer
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    with HFDumpServer(reference, dumps, LAYERS, swap_last=True) as bad:
+        p = extract(assets, server, tmp_path / "o", "--format", "speculators", dump_dir=dumps, url=bad.url)
+    line = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert p.returncode == 2 and len(line) == 1 and "layer.3 equals the post-norm final state" in line[0], p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def indexed_ckpt(assets):
+    """The checkpoint with a model.safetensors.index.json, as sharded checkpoints have (SpecForge's
+    TargetHead finds lm_head.weight through the index)."""
+    from safetensors import safe_open
+
+    d = assets.root / "ckpt-indexed"
+    d.mkdir(exist_ok=True)
+    for f in assets.ckpt.iterdir():
+        if not (d / f.name).exists():
+            (d / f.name).symlink_to(f)
+    with safe_open(str(assets.ckpt / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in keys}}))
+    return d
+
+
+def specforge_check(out: Path, indexed_ckpt, reference, by_ids=None) -> dict:
+    """SpecForge 0.2.0 on the dataset at ``out``: its offline dataset reads every sample and its
+    TargetHead turns the stored final state into logits, compared with HF (top-1 agreement)."""
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+    from specforge.modeling.target.target_head import TargetHead
+
+    ds = build_offline_eagle3_dataset(str(out), max_len=2048)
+    head = TargetHead(str(indexed_ckpt))
+    head.load_weights(str(indexed_ckpt))
+    head.freeze_weights()
+    agree = total = 0
+    for i in range(len(ds)):
+        d = ds[i]
+        ids = d["input_ids"][0].tolist()
+        if by_ids is not None:
+            enc = by_ids[tuple(ids)]
+            assert d["loss_mask"][0, :-1].tolist() == enc.loss_mask[:-1]  # SpecForge zeroes the last position
+            assert d["hidden_state"].shape == (1, len(ids), len(AUX) * reference.model.config.hidden_size)
+        with torch.no_grad():
+            a, t = top1(head(d["target"][0].float()), reference.run(ids).logits)
+        agree, total = agree + a, total + t
+    return {"samples": len(ds), "top1_agreement": agree / total, "tokens": total}
+
+
+@in_env
+def test_specforge_reads_the_export(assets, server, reference, indexed_ckpt, by_ids, tmp_path):
+    out = assets.root / "out-specforge"
+    assert (out / "manifest.json").is_file(), "test_specforge_matches_hf must run first"
+    fig = specforge_check(out, indexed_ckpt, reference, by_ids)
+    assert fig["samples"] == N_CONV and fig["top1_agreement"] == 1.0, fig
+    FIGURES["specforge_consumer"] = fig
+    # shown failing: a SpecForge sample holding the pre-norm state where the final one belongs
+    from safetensors.torch import load_file
+
+    wrong = tmp_path / "wrong" / "samples"
+    wrong.mkdir(parents=True)
+    for f in sorted((assets.root / "out-speculators" / "hidden_states").glob("hs_*.safetensors"))[:6]:
+        t = load_file(str(f))
+        hs = t["hidden_states"]
+        torch.save({"input_ids": t["token_ids"], "loss_mask": t["loss_mask"], "hidden_state": hs[:, -1][None],
+                    "aux_hidden_state": hs[:, :-1].reshape(hs.shape[0], -1)[None]}, str(wrong / f"{f.stem}.ckpt"))
+    bad = specforge_check(wrong.parent, indexed_ckpt, reference)
+    assert bad["samples"] == 6 and bad["top1_agreement"] < 0.95, bad
+    FIGURES["specforge_pre_norm_final"] = bad
+
+
+@in_env
+def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_path):
+    """Between runs one conversation is edited, one removed and one inserted at the top (every
+    position shifts): only the edited and the new one are extracted, no other file is touched."""
+    import shutil
+
+    import tinychat
+    from eaglepatch.extract.tokenize import ChatTokenizer
+    from eaglepatch.extract.writers import read_sample, sample_rel
+
+    out = tmp_path / "ds"
+    shutil.copytree(assets.root / "out-specforge", out, copy_function=shutil.copy2)
+    recs = [dict(r) for r in assets.recs if r["id"] != "conv-004"]
+    edited = [r for r in recs if r["id"] == "conv-002"][0]
+    edited["messages"] = [dict(m) for m in edited["messages"]]
+    edited["messages"][-1]["content"] = "an edited reply about the red river"
+    recs.insert(0, {"id": "new-000", "messages": [{"role": "user", "content": "one more"},
+                                                  {"role": "assistant", "content": "yes one more"}]})
+    data = tinychat.write_jsonl(tmp_path / "edited.jsonl", recs)
+    before = {x: (x.stat().st_mtime_ns, x.stat().st_size) for x in out.glob("samples/*/*")}
+    p = run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", assets.tok, "--data", data,
+                 "--dump-dir", server.dump_dir, "--out", out, "--no-progress"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "extracting 2 of 25 conversations (23 already done)" in p.stderr
+    assert "warning: 1 sample file(s)" in p.stderr  # conv-004's file: no longer in the input
+    after = {x: (x.stat().st_mtime_ns, x.stat().st_size) for x in out.glob("samples/*/*")}
+    changed = {x.relative_to(out).as_posix() for x in after if after[x] != before.get(x)}
+    assert changed == {sample_rel("specforge", "conv-002"), sample_rel("specforge", "new-000")}
+    tok = ChatTokenizer(assets.tok)
+    enc = tok.encode(edited["messages"], 2048)
+    s = read_sample("specforge", out / sample_rel("specforge", "conv-002"))
+    assert s["input_ids"].tolist() == enc.input_ids and s["loss_mask"].tolist() == enc.loss_mask
+    assert float((s["last"] - reference.run(enc.input_ids).final).abs().max()) <= TOL
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["samples"] == N_CONV and sample_rel("specforge", "conv-004") not in man["files"]
+
+
+@in_env
+def test_a_sample_whose_mask_cannot_be_built_fails_alone(assets, server, tmp_path):
+    """A chat template that drops earlier assistant turns: the two-turn conversation fails with the
+    reason, the one-turn ones are extracted; nothing is recorded as skipped."""
+    import tinychat
+
+    tok = tinychat.build_tokenizer(tmp_path / "drop", generation=False, template=tinychat.DROP)
+    one = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "good day to you"}]
+    two = one + [{"role": "user", "content": "and then"}, {"role": "assistant", "content": "bye now"}]
+    data = tinychat.write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "messages": one}, {"id": "b", "messages": two},
+                                                       {"id": "c", "messages": one[:1] + [{"role": "assistant",
+                                                                                          "content": "red car"}]}])
+    p = run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", tok, "--data", data,
+                 "--dump-dir", server.dump_dir, "--out", tmp_path / "o", "--no-progress"])
+    assert p.returncode == 1, p.stderr[-2000:]
+    man = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert man["samples"] == 2 and man["skipped"] == [] and man["failed_ids"] == ["b"]
+    assert "loss mask: cannot locate assistant turn 1" in man["failed"][0]["reason"]
+    assert "failed: b: loss mask: cannot locate assistant turn 1" in p.stderr
 
 
 @in_env
@@ -365,7 +609,9 @@ def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server
     man = json.loads((out / "manifest.json").read_text())
     assert man["failed_ids"] == ["conv-009"] and man["samples"] == N_CONV - 1
     assert "conv-009" not in {r["id"] for r in records(out)}
-    assert not (out / "rows_0-5000" / "data_10.ckpt").exists()  # conv-009 is line 11 -> index 10
+    from eaglepatch.extract.writers import sample_rel
+
+    assert not (out / sample_rel("specforge", "conv-009")).exists()
     # the rerun (no faults) completes exactly the failed sample
     p = extract(assets, server, out, "--format", "specforge")
     assert p.returncode == 0 and "summary: 1 extracted" in p.stderr, p.stderr[-2000:]
@@ -373,7 +619,7 @@ def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server
 
 
 @in_env
-def test_one_line_errors(assets, server, tmp_path):
+def test_one_line_errors(assets, server, reference, tmp_path):
     def one_line(p, *needles):
         assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
         lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error: ")]
@@ -391,10 +637,10 @@ def test_one_line_errors(assets, server, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     t0 = time.monotonic()
-    one_line(extract(assets, server, tmp_path / "o3", "--dump-timeout", "3", dump_dir=elsewhere),
+    one_line(extract(assets, server, tmp_path / "o3" / "a" / "b", "--dump-timeout", "3", dump_dir=elsewhere),
              "no dump file appeared", "EAGLE3_DUMP_DIR")
     assert time.monotonic() - t0 < 60
-    assert not list((tmp_path / "o3").glob("rows_*/*"))
+    assert not (tmp_path / "o3").exists()  # a refused run leaves nothing behind, not even the parents it made
     # tokenizer/model mismatch: a tokenizer larger than the model's vocabulary
     one_line(extract(assets, server, tmp_path / "o4", tokenizer=assets.tok_big),
              "tokenizer/model mismatch", "2048 tokens", "vocab_size is 1024")
@@ -405,7 +651,32 @@ def test_one_line_errors(assets, server, tmp_path):
     cfg["hidden_size"] = 512
     (other / "config.json").write_text(json.dumps(cfg))
     one_line(extract(assets, server, tmp_path / "o5", model=other), "hidden_size=256", "hidden_size=512")
-    assert not list((tmp_path / "o5").glob("rows_*/*"))
+    assert not (tmp_path / "o5").exists()
+    # data that is not UTF-8, a malformed model config.json, a negative request timeout
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    one_line(run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", assets.tok, "--data", latin,
+                      "--dump-dir", server.dump_dir, "--out", tmp_path / "o6"]), "latin1.jsonl:1: not UTF-8")
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"hidden_size": 256, "num_hidden_layers": ')
+    one_line(extract(assets, server, tmp_path / "o7", model=broken), "config.json is not readable JSON")
+    (broken / "config.json").write_text('[1, 2]')
+    one_line(extract(assets, server, tmp_path / "o8", model=broken), "is not a model config")
+    one_line(extract(assets, server, tmp_path / "o9", "--request-timeout", "-1"), "--request-timeout out of range")
+    # speculators needs the last layer N-1 in the dump; --aux-layers must name dumped layers
+    from hfserver import HFDumpServer
+
+    dumps = tmp_path / "hf-dumps"
+    dumps.mkdir()
+    with HFDumpServer(reference, dumps, AUX) as hf:
+        one_line(extract(assets, server, tmp_path / "o10", "--format", "speculators", dump_dir=dumps, url=hf.url),
+                 "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
+                 "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")
+    one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
+             "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 1, 2, 3]")
+    for i in range(1, 12):
+        assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"
 
 
 @in_env
@@ -424,7 +695,7 @@ def test_full_disk_stops_cleanly(assets, server, tmp_path):
         for r in recs:
             if r.get("file"):
                 assert (mnt / "out" / r["file"]).stat().st_size == r["bytes"]
-        assert not list((mnt / "out").glob("rows_*/.*.tmp"))
+        assert not list((mnt / "out").glob("samples/*/.*.tmp"))
         assert len([r for r in recs if r.get("file")]) < N_CONV
         # no file is left open on the full filesystem: it unmounts at once
         um = subprocess.run(["umount", str(mnt)], capture_output=True, text=True)
@@ -448,15 +719,22 @@ def test_guard_on_the_extracted_dataset(assets, server, tmp_path):
     def guard(*args):
         return subprocess.run([sys.executable, str(GUARD), *map(str, args)], capture_output=True, text=True, timeout=60)
 
-    assert guard("--draft-config", draft(LAYERS), "--dataset", out).returncode == 0
-    assert guard("--draft-config", draft(LAYERS), "--dataset", out, "--sglang", server.pp).returncode == 0
+    assert guard("--draft-config", draft(AUX), "--dataset", out).returncode == 0
+    assert guard("--draft-config", draft(AUX), "--dataset", out, "--sglang", server.pp).returncode == 0
     # capture-index style ids ([2, 30, 58] on a 61-layer model; [0, 2, 3] here) are served other layers
     p = guard("--draft-config", draft([0, 2, 3]), "--dataset", out)
     assert p.returncode == 1 and "MISMATCH" in p.stdout and "[1, 3, 4]" in p.stdout and "[0, 2, 3]" in p.stdout
+    # a speculators draft names the same layers in HF indices, as its manifest block does
+    spec = tmp_path / "spec.json"
+    man = json.loads((assets.root / "out-speculators" / "manifest.json").read_text())
+    spec.write_text(json.dumps({"speculators_model_type": "eagle3",
+                                "eagle_aux_hidden_state_layer_ids": man["speculators"]["eagle_aux_hidden_state_layer_ids"]}))
+    p = guard("--draft-config", spec, "--dataset", assets.root / "out-speculators")
+    assert p.returncode == 0 and "OK (vLLM)" in p.stdout, p.stdout
     # a dump file is accepted as the dataset side too
     d = sorted(server.dump_dir.glob("*.safetensors"))
     if d:
-        assert guard("--draft-config", draft(LAYERS), "--dataset", d[0]).returncode == 0
+        assert guard("--draft-config", draft(AUX), "--dataset", d[0]).returncode == 0
 
 
 @in_env
@@ -464,4 +742,4 @@ def test_zz_figures(assets):
     """Prints the measured figures (pytest -s) and keeps them next to the data."""
     (assets.root / "figures.json").write_text(json.dumps(FIGURES, indent=2))
     print("\nextract figures:", json.dumps(FIGURES, indent=2))
-    assert FIGURES.get("specforge") and FIGURES.get("speculators")
+    assert FIGURES.get("specforge") and FIGURES.get("speculators") and FIGURES.get("speculators_consumer")

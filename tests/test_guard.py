@@ -36,12 +36,12 @@ def run_guard(*args):
     return p.returncode, p.stdout, p.stderr
 
 
-def manifest(tmp: Path, name: str, ids, n=61) -> Path:
+def manifest(tmp: Path, name: str, ids, n=61, fmt=None) -> Path:
     d = tmp / name
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({
-        "format": "eaglepatch-hidden-states/1", "eagle3_layer_ids": ids, "hf_hidden_state_indices": [k + 1 for k in ids],
-        "model": {"num_hidden_layers": n}, "final": "post_norm", "samples": 3}))
+        "format": "eaglepatch-hidden-states/2", "eagle3_layer_ids": ids, "hf_hidden_state_indices": [k + 1 for k in ids],
+        "model": {"num_hidden_layers": n}, "final": "post_norm", "samples": 3, "dataset_format": fmt}))
     return d
 
 
@@ -161,8 +161,62 @@ def test_defaults_out_of_range_and_use_aux(tmp_path):
     assert rc == 1 and "capture indices [61] match no layer" in out
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "noaux", [1, 29, 57], use_aux=False), "--dataset", ds)
     assert rc == 1 and "use_aux_hidden_state=false" in out
-    # top-level keys (not under eagle_config) are read too
-    assert run_guard("--draft-config", draft(tmp_path, "flat", [1, 29, 57], nested=False), "--dataset", ds)[0] == 0
+    # top-level ids without eagle_config: vLLM reads them as HF indices, SGLang ignores them (its defaults)
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "flat", [1, 29, 57], nested=False), "--dataset", ds)
+    assert rc == 1 and "OK (SGLang)" in out and "MISMATCH (vLLM)" in out and "SGLang ignores them" in out
+    assert run_guard("--draft-config", draft(tmp_path, "flat2", [2, 30, 58], nested=False), "--dataset", ds)[0] == 0
+
+
+def speculators_draft(tmp: Path, name: str, ids) -> Path:
+    """A speculators 0.9.0 Eagle3 config as speculators writes it: ids top-level, HF indices."""
+    p = tmp / f"{name}.json"
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": 32000,
+           "transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 1},
+           "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "moonshotai/Kimi-K2.5"}}}
+    if ids is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def test_speculators_drafts_are_read_as_hf_indices(tmp_path):
+    """The issue's case: a speculators draft [2, 30, 58] and a 61-layer dataset of EAGLE-3 ids [1, 29, 57]
+    name the same layers (HF 2, 30, 58): MATCH, read the way vLLM reads it."""
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    rc, out, err = run_guard("--draft-config", speculators_draft(tmp_path, "s", [2, 30, 58]), "--dataset", ds)
+    assert rc == 0, out + err
+    assert "OK (vLLM)" in out and "vLLM draft: HF indices [2, 30, 58]" in out and "SGLang" not in out.split("\n", 1)[1]
+    assert "speculators (speculators_model_type)" in out and "MISMATCH" not in out
+    # the same ids read in SGLang's convention would be a mismatch: the family decides
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [2, 30, 58]), "--dataset", ds)
+    assert rc == 1 and "MISMATCH (SGLang)" in out
+    # a speculators draft one layer off is caught, and the fix is in its own convention
+    rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "off", [1, 29, 57]), "--dataset", ds)
+    assert rc == 1 and "MISMATCH (vLLM)" in out
+    assert "set eagle_aux_hidden_state_layer_ids to [2, 30, 58] (HF indices" in out
+    # no ids: speculators' and vLLM's default HF [2, N//2, N-3]
+    rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "none", None), "--dataset", ds)
+    assert rc == 0 and "the default [2, 61//2, 61-3]" in out
+    # JSON names the family and each server's reading
+    rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "j", [2, 30, 58]), "--dataset", ds, "--json")
+    j = json.loads(out)
+    assert j["family"] == "speculators" and j["servers"]["vllm"]["served_hf"] == [2, 30, 58] and j["ok"]
+
+
+def test_training_warnings(tmp_path):
+    """SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids; speculators rejects -1 (its ids
+    are HF indices, the embedding is 0)."""
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [-1, 1, 29]), "--dataset", ds)
+    assert rc == 0 and "warning: SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids" in out
+    assert "HF indices [0, 2, 30]" in out
+    rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "s", [-1, 1, 29]), "--dataset", ds)
+    assert rc == 1 and "warning: speculators 0.9.0 rejects [-1, 1, 29]" in out
+    rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "s0", [0, 2, 30]), "--dataset", ds)
+    assert rc == 0 and "\nwarning:" not in out
+    sf = manifest(tmp_path, "sf", [-1, 1, 29], fmt="specforge")
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e4", [1, 29, 57]), "--dataset", sf)
+    assert "this specforge-format dataset holds EAGLE-3 ids [-1, 1, 29]" in out
 
 
 def test_usage_errors_are_one_line(tmp_path):
@@ -206,3 +260,38 @@ def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
     # a [2, 30, 58]-style draft is served HF [2, 30, 58] by upstream 0.5.23, not the dataset's [0, 2, 30]
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "c", [2, 30, 58]), "--dataset", ds, "--sglang", upstream_0523)
     assert rc == 1 and "served HF hidden_states indices [2, 30, 58]" in out
+
+
+def test_malformed_inputs_are_one_line_errors(tmp_path):
+    """A config that is a JSON list, an eagle_config that is a string, num_hidden_layers 'sixty', a
+    file this user cannot read: one line each, exit 2, no traceback."""
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    ok = draft(tmp_path, "ok", [1, 29, 57])
+
+    def one_line(rc, out, err, *needles):
+        assert rc == 2 and "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "; " in lines[0], err
+        for n in needles:
+            assert n in lines[0], lines[0]
+
+    lst = tmp_path / "list.json"
+    lst.write_text("[1, 2, 3]")
+    one_line(*run_guard("--draft-config", lst, "--dataset", ds), "is a JSON list, not an object")
+    s = tmp_path / "str.json"
+    s.write_text(json.dumps({"eagle_config": "[1, 29, 57]"}))
+    one_line(*run_guard("--draft-config", s, "--dataset", ds), "eagle_config is a str, not an object")
+    sixty = tmp_path / "sixty"
+    sixty.mkdir()
+    (sixty / "manifest.json").write_text(json.dumps({"eagle3_layer_ids": [1, 29, 57],
+                                                     "model": {"num_hidden_layers": "sixty"}}))
+    one_line(*run_guard("--draft-config", ok, "--dataset", sixty), "num_hidden_layers='sixty' is not a positive integer")
+    lat = tmp_path / "latin1.json"
+    lat.write_bytes(b'{"eagle_config": "caf\xe9"}')
+    one_line(*run_guard("--draft-config", lat, "--dataset", ds), "is not JSON")
+    # a file that cannot be read (the tests run as root, whom permissions do not stop: /proc/self/mem
+    # opens, and reading its first page fails with EIO)
+    mem = Path("/proc/self/mem")
+    assert mem.is_file()
+    one_line(*run_guard("--draft-config", mem, "--dataset", ds), "cannot read draft config /proc/self/mem")
+    one_line(*run_guard("--draft-config", ok, "--dataset", mem), "/proc/self/mem")

@@ -2,10 +2,12 @@
 """Extract EAGLE-3 training hidden states from a patched SGLang server into a dataset.
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
-      --dump-dir DIR --out OUT [--format specforge|speculators] [--max-len 2048] [--concurrency 4]
+      --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers -1,1,29] [--max-len 2048]
 
 The server must run the patched sglang with EAGLE3_DUMP_DIR=DIR (the same directory, as this
-machine sees it, as --dump-dir). Rerunning with the same --out resumes: done samples are skipped.
+machine sees it, as --dump-dir). --format speculators also needs the last decoder layer N-1 in
+EAGLE3_DUMP_LAYERS (its output before the final norm is speculators' last slot). Rerunning with the
+same --out resumes: done samples are skipped, edited conversations are extracted again.
 Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
 """
 import argparse
@@ -15,6 +17,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eaglepatch.errors import run_main  # noqa: E402
+
+
+def _layer_ids(text: str) -> list:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers (e.g. -1,1,29)") from None
+    if any(k < -1 for k in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer ids are -1 (embedding output) or >= 0")
+    return ids
 
 
 def main(argv=None) -> int:
@@ -32,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for /generate")
     ap.add_argument("--retries", type=int, default=5, help="retries of transient HTTP failures per request")
     ap.add_argument("--max-attempts", type=int, default=3, help="attempts per sample (bad or missing dumps)")
+    ap.add_argument("--aux-layers", type=_layer_ids, metavar="IDS",
+                    help="EAGLE-3 ids (-1 = embedding output, k = output of layer k) of the draft's aux layers, "
+                         "e.g. -1,1,29 (default: the dumped layers except the last layer N-1)")
     ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
                     help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
     ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use")
@@ -41,20 +56,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body() -> int:
-        from eaglepatch.errors import UsageError
         from eaglepatch.extract import Options, extract
 
-        if a.max_len < 1 or a.concurrency < 1 or a.max_attempts < 1 or a.dump_timeout <= 0:
-            raise UsageError("--max-len, --concurrency, --max-attempts and --dump-timeout must be positive",
-                             "pass positive values")
         opts = Options(server=a.server, model=a.model, tokenizer=a.tokenizer, data=a.data, dump_dir=a.dump_dir,
                        out=a.out, format=a.format, max_len=a.max_len, concurrency=a.concurrency,
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
+                       aux_layers=a.aux_layers,
                        trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None)
         return extract(opts)
 
-    return run_main(body)
+    def guarded() -> int:
+        try:
+            return body()
+        except ModuleNotFoundError as exc:
+            from eaglepatch.errors import UsageError
+
+            raise UsageError(f"extract.py needs the Python package {exc.name!r}, which is not installed",
+                             "pip install -e '.[extract]' (from the eaglepatch checkout)") from None
+
+    return run_main(guarded)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 
   python tools/guard.py --draft-config DRAFT/config.json --dataset OUT [--release 0.5.9 | --sglang ROOT]
 
-Maps the draft's eagle_aux_hidden_state_layer_ids (and use_aux_hidden_state) through the capture
-semantics of the sglang release the series targets (default: the newest series), or of the tree at
---sglang ROOT, to Hugging Face hidden_states indices and compares them with the dataset's manifest
-(or a dump file). Exit: 0 match, 1 mismatch (both lists printed in both conventions), 2 usage error.
+Recognises the draft config's family and reads its layer ids in that family's convention:
+eagle_config (SGLang/SpecForge: EAGLE-3 ids, mapped through the capture semantics of the sglang
+release the series targets, default the newest series, or of the tree at --sglang ROOT);
+speculators (speculators_model_type: top-level HF indices, as vLLM reads them); top-level ids
+without either (vLLM reads them, SGLang ignores them); none (every server's defaults). The Hugging
+Face hidden_states indices each server would feed the draft are compared with the dataset's
+manifest (or a dump file). Warns where SpecForge or speculators cannot train the ids.
+Exit: 0 match, 1 mismatch (both lists printed in both conventions), 2 usage error.
 """
 import argparse
 import json
@@ -42,9 +46,11 @@ def main(argv=None) -> int:
                 have = available_series()
                 release = list(have)[-1] if have else "0.5.9"
             sem = guard.release_semantics(release)
-        v = guard.check(guard.read_draft(a.draft_config), guard.read_dataset(a.dataset), sem)
+        draft = guard.read_draft(a.draft_config)
+        v = guard.check(draft, guard.read_dataset(a.dataset), sem)
         if a.json:
             print(json.dumps({"ok": v.ok, "rule": sem.rule, "source": sem.source, "series": sem.series,
+                              "family": draft.family, "servers": v.servers,
                               "served_hf_indices": v.served_hf, "lines": v.lines}, indent=2))
         else:
             print(v.text())

@@ -3,7 +3,10 @@
 A virtual environment under ``${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}/cpu-env-<key>`` where
 ``key`` = sha256(cpu-requirements.txt bytes + python version)[:12]. It is built from nothing when
 absent: torch (CPU build) first, then every other pinned requirement with a constraints file that
-pins torch, so no dependency can pull a CUDA torch. A file lock serialises concurrent builders;
+pins torch, so no dependency can pull a CUDA torch, then the requirements marked ``# no-deps:
+MODULE ...`` with ``pip install --no-deps`` (packages whose declared requirements conflict with the
+pins, e.g. the trainers whose readers the tests run; what they import is pinned as ordinary
+lines), checked by importing the modules the marker names. A file lock serialises concurrent builders;
 the environment is marked complete only after the last step, and an incomplete one (an
 interrupted build) is wiped and rebuilt. sglang is deliberately not installed: smoke runs put the
 tree under test first on PYTHONPATH.
@@ -85,6 +88,17 @@ def _requirements(requirements: Path | None = None) -> tuple[str, list[str]]:
     return torch_pin, rest
 
 
+def _no_deps(requirements: Path) -> tuple[list[str], list[str]]:
+    """(the pins marked '# no-deps: MODULE ...', the modules the build must import) from the file."""
+    pins, modules = [], []
+    for raw in requirements.read_text().splitlines():
+        line, _, comment = (part.strip() for part in raw.partition("#"))
+        if line and comment.startswith("no-deps"):
+            pins.append(line)
+            modules += comment.partition(":")[2].split()
+    return pins, modules
+
+
 def _log(msg: str) -> None:
     print("[cpuenv] " + msg, file=sys.stderr, flush=True)
 
@@ -117,6 +131,8 @@ def _run_logged(cmd: list[str], logf: Path, what: str) -> None:
 
 def _build(d: Path, requirements: Path) -> None:
     torch_pin, rest = _requirements(requirements)
+    nodeps, modules = _no_deps(requirements)
+    rest = [r for r in rest if r not in nodeps]
     t0 = time.monotonic()
     _log("building %s (python %s, %d pinned requirements)" % (d, _py_version(), len(rest) + 1))
     venv.EnvBuilder(with_pip=True, clear=True, symlinks=True).create(d)
@@ -126,17 +142,20 @@ def _build(d: Path, requirements: Path) -> None:
     torch_cmd = pip + [torch_pin]
     if os.environ.get(TORCH_INDEX_ENV):
         torch_cmd += ["--index-url", os.environ[TORCH_INDEX_ENV]]
-    _run_logged(torch_cmd, logf, "step 1/3: pip install %s" % torch_pin)
+    _run_logged(torch_cmd, logf, "step 1/4: pip install %s" % torch_pin)
     constraints = d / "constraints.txt"
     constraints.write_text(torch_pin + "\n")
     reqs = d / "requirements.txt"
     reqs.write_text("\n".join(rest) + "\n")
     _run_logged(pip + ["-r", str(reqs), "-c", str(constraints)], logf,
-                "step 2/3: pip install %d pinned packages (torch constrained)" % len(rest))
-    _log("step 3/3: checking the environment ...")
+                "step 2/4: pip install %d pinned packages (torch constrained)" % len(rest))
+    if nodeps:
+        _run_logged(pip + ["--no-deps"] + nodeps, logf, "step 3/4: pip install --no-deps %s" % " ".join(nodeps))
+    _log("step 4/4: checking the environment ...")
     check = (
         "import torch, transformers, safetensors, unidiff, git, pyflakes, pytest, tqdm, requests;"
-        "print(torch.__version__, transformers.__version__)"
+        + "".join("import %s;" % m for m in modules)
+        + "print(torch.__version__, transformers.__version__)"
     )
     out = subprocess.run([py, "-c", check], capture_output=True, text=True)
     if out.returncode != 0:

@@ -12,10 +12,22 @@ Every convention names the same residual stream (see docs/design.md):
 SGLang concatenates the captured states in layer order (ascending capture index), whatever the
 order of the ids in the config, so the served list is ``sorted(set(capture indices))``.
 
-The guard maps the draft's ``eagle_aux_hidden_state_layer_ids`` through the semantics of a
-release (``release_semantics``) or of an sglang tree it will serve with (``tree_semantics``,
-read from ``set_eagle3_layers_to_capture`` in ``srt/models/deepseek_v2.py`` with ``ast``) and
-compares the HF indices with those the dataset's manifest (or a dump file) records.
+Draft configs come in families, each with its own convention (``read_draft``):
+
+- ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang and SpecForge): EAGLE-3 ids, which
+  SGLang maps through the semantics of a release (``release_semantics``) or of the sglang tree it
+  will serve with (``tree_semantics``, read from ``set_eagle3_layers_to_capture`` in
+  ``srt/models/deepseek_v2.py`` with ``ast``); no ids: SGLang's default capture indices;
+- speculators (``speculators_model_type``; ids top-level): HF indices (0 = embedding output, N =
+  the last layer before the final norm), which vLLM reads as such; SGLang reads only
+  ``eagle_config`` and does not serve this family;
+- top-level ids without either: vLLM reads them as HF indices, SGLang ignores them and captures
+  its defaults; both readings are checked;
+- no ids at all: every server's defaults (HF [2, N//2, N-3]).
+
+``check`` compares, per server, the HF indices it would feed the draft with those the dataset's
+manifest (its aux layers) or a dump file (every dumped layer) records, and warns where the
+family's trainer cannot train the ids.
 """
 
 from __future__ import annotations
@@ -36,6 +48,15 @@ RULES = {
     IDENTITY: "EAGLE-3 id k -> capture index k",
 }
 KNOWN_RELEASES = {"0.5.9": PLUS_ONE}
+
+
+def _read_json(path: Path, what: str, fix: str):
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})", fix) from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"{what} {path} is not JSON ({str(exc)[:80]})", fix) from None
 
 
 @dataclass
@@ -69,7 +90,8 @@ def release_semantics(release: str, patches_root: Path | None = None) -> Semanti
     root = patches_root or Path(__file__).resolve().parents[2] / "patches"
     man = root / f"sglang-{release}" / "manifest.json"
     if man.is_file():
-        cs = json.loads(man.read_text()).get("capture_semantics") or {}
+        m = _read_json(man, "series manifest", "restore the series files (git checkout patches/)")
+        cs = (m.get("capture_semantics") if isinstance(m, dict) else None) or {}
         rule = cs.get("eagle_id_to_capture_index")
         if rule in RULES and cs.get("capture_index_to_hf_index", "identity") == "identity":
             return Semantics(rule, f"series manifest {man}", series=True, embed_ok=True)
@@ -86,6 +108,21 @@ def _package_parent(root: Path) -> Path:
             return pp
     raise UsageError(f"{root} holds no sglang/srt/models/deepseek_v2.py",
                      "pass an sglang git checkout (ROOT/python/sglang) or the directory that holds sglang/")
+
+
+def _source(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path} ({getattr(exc, 'strerror', None) or type(exc).__name__})",
+                         "fix or re-fetch the sglang tree") from None
+
+
+def _parse(path: Path, src: str | None = None) -> ast.AST:
+    try:
+        return ast.parse(_source(path) if src is None else src, str(path))
+    except (SyntaxError, ValueError) as exc:
+        raise UsageError(f"{path} does not parse ({getattr(exc, 'msg', exc)})", "fix or re-fetch the sglang tree") from None
 
 
 def _find_def(tree: ast.AST, cls: str | None, name: str):
@@ -152,7 +189,7 @@ def _series_rule(pp: Path) -> str:
     if not settings.is_file():
         raise UsageError(f"{pp}/sglang/srt/models/deepseek_v2.py calls eagle3_capture.set_eagle3_layers but "
                          f"{settings} is missing", "apply the whole series (tools/apply.py) or use a clean tree")
-    tree = ast.parse(settings.read_text(), str(settings))
+    tree = _parse(settings)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "capture_index":
             rets = [n for n in ast.walk(node) if isinstance(n, ast.Return) and n.value is not None]
@@ -192,11 +229,8 @@ def _embed_ok(tree: ast.AST, src: str) -> bool | None:
 def tree_semantics(root: Path | str) -> Semantics:
     pp = _package_parent(Path(root))
     path = pp / "sglang" / "srt" / "models" / "deepseek_v2.py"
-    src = path.read_text()
-    try:
-        tree = ast.parse(src, str(path))
-    except SyntaxError as exc:
-        raise UsageError(f"{path} does not parse ({exc.msg} at line {exc.lineno})", "fix or re-fetch the tree") from None
+    src = _source(path)
+    tree = _parse(path, src)
     fn = _find_def(tree, "DeepseekV2ForCausalLM", "set_eagle3_layers_to_capture") or _find_def(
         tree, None, "set_eagle3_layers_to_capture")
     if fn is None:
@@ -223,11 +257,30 @@ def tree_semantics(root: Path | str) -> Semantics:
 
 # ---- the draft and the dataset ----------------------------------------------------------------
 
+EAGLE_CONFIG, SPECULATORS, TOP_LEVEL, NO_IDS = "eagle_config", "speculators", "top-level", "none"
+FAMILIES = {
+    EAGLE_CONFIG: "SGLang/SpecForge eagle_config: EAGLE-3 ids, read by SGLang through its release's capture rule",
+    SPECULATORS: "speculators (speculators_model_type): top-level HF indices (0 = embedding output, k = output of "
+                 "layer k-1, N = last layer before the final norm), read as such by vLLM; SGLang reads only "
+                 "eagle_config",
+    TOP_LEVEL: "top-level eagle_aux_hidden_state_layer_ids without eagle_config: vLLM reads them as HF indices, "
+               "SGLang ignores them and captures its defaults",
+    NO_IDS: "no layer ids: every server captures its defaults",
+}
+
+
 @dataclass
 class Draft:
     path: str
-    layer_ids: list | None  # None: the release's default
+    layer_ids: list | None  # as written; None: the servers' defaults
     use_aux: bool
+    family: str = EAGLE_CONFIG
+
+
+def _int_list(v, where: str) -> list:
+    if not isinstance(v, list) or not v or not all(isinstance(k, int) and not isinstance(k, bool) for k in v):
+        raise UsageError(f"{where}={v!r} is not a list of integers", "write it as e.g. [-1, 1, 29]")
+    return v
 
 
 def read_draft(path: Path | str) -> Draft:
@@ -236,27 +289,43 @@ def read_draft(path: Path | str) -> Draft:
         path = path / "config.json"
     if not path.is_file():
         raise UsageError(f"draft config {path} does not exist", "pass the draft model's config.json with --draft-config")
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as exc:
-        raise UsageError(f"draft config {path} is not JSON ({exc})", "pass the draft model's config.json") from None
-    eagle = cfg.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
-    use_aux = eagle.get("use_aux_hidden_state", cfg.get("use_aux_hidden_state", True))
-    if ids is not None and (not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool)
-                                                                   for k in ids) or not ids):
-        raise UsageError(f"{path}: eagle_aux_hidden_state_layer_ids={ids!r} is not a list of integers",
-                         "write it as e.g. [-1, 1, 29]")
-    return Draft(str(path), ids, bool(use_aux))
+    fix = "pass the draft model's config.json"
+    cfg = _read_json(path, "draft config", fix)
+    if not isinstance(cfg, dict):
+        raise UsageError(f"draft config {path} is a JSON {type(cfg).__name__}, not an object", fix)
+    key = "eagle_aux_hidden_state_layer_ids"
+    top = cfg.get(key)
+    if "eagle_config" in cfg and "speculators_model_type" not in cfg:
+        eagle = cfg["eagle_config"]
+        if not isinstance(eagle, dict):
+            raise UsageError(f"{path}: eagle_config is a {type(eagle).__name__}, not an object",
+                             'write it as {"eagle_aux_hidden_state_layer_ids": [...], "use_aux_hidden_state": true}')
+        ids = eagle.get(key)
+        use_aux = eagle.get("use_aux_hidden_state", True)
+        if not isinstance(use_aux, bool):
+            raise UsageError(f"{path}: eagle_config.use_aux_hidden_state={use_aux!r} is not true/false",
+                             "write true or false")
+        return Draft(str(path), _int_list(ids, f"{path}: eagle_config.{key}") if ids is not None else None,
+                     use_aux, EAGLE_CONFIG)
+    family = SPECULATORS if "speculators_model_type" in cfg else TOP_LEVEL if top is not None else NO_IDS
+    return Draft(str(path), _int_list(top, f"{path}: {key}") if top is not None else None, True, family)
 
 
 @dataclass
 class DatasetLayers:
     path: str
-    layer_ids: list
+    layer_ids: list  # EAGLE-3 ids of the draft's aux layers (a dump: every dumped layer)
     hf: list
     num_layers: int
-    final: str = "post_norm"
+    final: str | None = "post_norm"
+    kind: str = "dataset"  # dataset | dump
+    dataset_format: str | None = None
+
+
+def _positive_int(v, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)) or not str(v).isdigit() or int(v) < 1:
+        raise UsageError(f"{where}={v!r} is not a positive integer", "pass a dataset written by tools/extract.py")
+    return int(v)
 
 
 def read_dataset(path: Path | str) -> DatasetLayers:
@@ -266,25 +335,36 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     if not path.is_file():
         raise UsageError(f"{path} does not exist", "pass the dataset directory written by tools/extract.py (or a dump file)")
     if path.suffix == ".safetensors":
-        from .extract.dumps import read_metadata
-
         try:
-            m = read_metadata(path)
-            return DatasetLayers(str(path), json.loads(m["eagle3_layer_ids"]), json.loads(m["hf_hidden_state_indices"]),
-                                 int(m["num_hidden_layers"]), m.get("final", "post_norm"))
+            from safetensors import safe_open
+        except ImportError:
+            raise UsageError("reading a dump file needs the Python package 'safetensors'",
+                             "pip install -e '.[extract]' (or pass the dataset directory)") from None
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                m = dict(f.metadata() or {})
+            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
+            n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
+        except UsageError:
+            raise
         except Exception as exc:
             raise UsageError(f"{path} is not a readable eagle3 dump ({type(exc).__name__})",
                              "pass a dataset directory or a dump file") from None
-    try:
-        m = json.loads(path.read_text())
-    except ValueError:
-        raise UsageError(f"{path} is not JSON", "pass the dataset directory written by tools/extract.py") from None
-    ids, hf = m.get("eagle3_layer_ids"), m.get("hf_hidden_state_indices")
-    n = (m.get("model") or {}).get("num_hidden_layers", m.get("num_hidden_layers"))
-    if ids is None or hf is None or n is None:
+        return DatasetLayers(str(path), ids, [k + 1 for k in ids], n, m.get("final", "post_norm"), "dump")
+    m = _read_json(path, "dataset manifest", "pass the dataset directory written by tools/extract.py")
+    if not isinstance(m, dict):
+        raise UsageError(f"{path} is a JSON {type(m).__name__}, not a manifest", "pass the dataset directory written by "
+                         "tools/extract.py")
+    ids = m.get("eagle3_layer_ids")
+    model = m.get("model") if isinstance(m.get("model"), dict) else {}
+    n = model.get("num_hidden_layers", m.get("num_hidden_layers"))
+    if ids is None or n is None:
         raise UsageError(f"{path} records no layer ids (no sample was extracted yet?)",
                          "run tools/extract.py to completion first")
-    return DatasetLayers(str(path), list(ids), list(hf), int(n), m.get("final", "post_norm"))
+    ids = _int_list(ids, f"{path}: eagle3_layer_ids")
+    n = _positive_int(n, f"{path}: num_hidden_layers")
+    fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
+    return DatasetLayers(str(path), ids, [k + 1 for k in ids], n, m.get("final"), "dataset", fmt)
 
 
 # ---- the check ------------------------------------------------------------------------------
@@ -294,6 +374,7 @@ class Verdict:
     ok: bool
     lines: list = field(default_factory=list)
     served_hf: list | None = None
+    servers: dict = field(default_factory=dict)  # server -> {"ok", "served_hf"}
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -303,24 +384,33 @@ def _ids_of(hf: list) -> list:
     return [h - 1 for h in hf]
 
 
-def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
+def _default_hf(n: int) -> list:
+    """SGLang's, vLLM's and speculators' default: capture / HF indices [2, N//2, N-3]."""
+    return [2, n // 2, n - 3]
+
+
+def _compare(served: list, data: DatasetLayers) -> str | None:
+    """Why the served HF indices do not fit the dataset side, or None."""
+    if data.kind == "dump":
+        missing = [h for h in served if h not in data.hf]
+        return (f"the dump holds no HF hidden_states indices {missing} that the draft would be served"
+                if missing else None)
+    if served != list(data.hf):
+        return "the draft would be served other hidden states than it was trained on"
+    return None
+
+
+def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list]:
+    """SGLang's reading: (problems, description lines, served HF)."""
     n = data.num_layers
-    head = [f"semantics: {RULES[sem.rule]} (from {sem.source})",
-            f"draft:   {draft.path}",
-            f"dataset: {data.path} ({n} decoder layers)"]
-    ds = (f"dataset: EAGLE-3 ids (output of layer k, -1 = embedding) {data.layer_ids} -> "
-          f"HF hidden_states indices {data.hf}")
-    if not draft.use_aux:
-        return Verdict(False, head + [
-            "MISMATCH: the draft sets use_aux_hidden_state=false, so SGLang feeds it only the final hidden "
-            "state, but the dataset's training inputs are aux layers", ds,
-            "fix: set eagle_config.use_aux_hidden_state=true in the draft config"])
-    if draft.layer_ids is None:
-        capture = [2, n // 2, n - 3]
-        how = f"(none configured: the default capture indices [2, {n}//2, {n}-3])"
-    else:
+    if draft.family == EAGLE_CONFIG and draft.layer_ids is not None:
         capture = sem.capture(draft.layer_ids)
         how = ""
+    else:
+        capture = _default_hf(n)
+        how = ("(SGLang reads only eagle_config.eagle_aux_hidden_state_layer_ids: its default capture indices "
+               f"[2, {n}//2, {n}-3])" if draft.family != EAGLE_CONFIG else
+               f"(none configured: the default capture indices [2, {n}//2, {n}-3])")
     problems = []
     bad = [i for i in capture if not 0 <= i <= n - 1]
     if bad:
@@ -332,17 +422,89 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
     served = sorted({i for i in capture if 0 <= i <= n - 1})
     if len(served) != len(capture) and not bad:
         problems.append(f"capture indices {capture} repeat a layer: SGLang captures it once")
-    draft_ids = draft.layer_ids if draft.layer_ids is not None else _ids_of(capture)
-    dl = (f"draft:   EAGLE-3 ids {draft_ids}{' ' + how if how else ''} -> capture indices {capture} -> served HF "
-          f"hidden_states indices {served} (= EAGLE-3 output-of-layer ids {_ids_of(served)})")
-    if served != list(data.hf):
-        problems.insert(0, "the draft would be served other hidden states than it was trained on")
+    ids = draft.layer_ids if draft.family == EAGLE_CONFIG and draft.layer_ids is not None else _ids_of(capture)
+    desc = [f"semantics: {RULES[sem.rule]} (from {sem.source})",
+            f"SGLang draft: EAGLE-3 ids {ids}{' ' + how if how else ''} -> capture indices {capture} -> served HF "
+            f"hidden_states indices {served} (= EAGLE-3 output-of-layer ids {_ids_of(served)})"]
+    why = _compare(served, data)
+    if why:
+        problems.insert(0, why)
     if problems:
-        fix_ids = sem.ids_for(list(data.hf))
-        fix = (f"fix: set eagle_aux_hidden_state_layer_ids to {fix_ids} in the draft config (under this release's "
-               f"convention), or re-extract with EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}"
-               if fix_ids is not None else
-               "fix: no draft config can request these layers under this release; re-extract with "
-               f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
-        return Verdict(False, head + ["MISMATCH: " + p for p in problems] + [dl, ds, fix], served)
-    return Verdict(True, head + ["OK: the draft is served the hidden states it was trained on", dl, ds], served)
+        fix_ids = sem.ids_for(list(data.hf)) if data.kind == "dataset" else None
+        where = "eagle_config.eagle_aux_hidden_state_layer_ids"
+        if fix_ids is not None:
+            desc.append(f"fix: set {where.split('.')[-1] if draft.family == EAGLE_CONFIG else where} to {fix_ids} in "
+                        f"the draft config (under this release's convention), or re-extract with "
+                        f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+        else:
+            desc.append("fix: no draft config can request these layers under this release; re-extract with "
+                        f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+    return problems, desc, served
+
+
+def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list]:
+    """vLLM's reading of top-level ids (HF indices, the speculators convention)."""
+    n = data.num_layers
+    hf = draft.layer_ids if draft.layer_ids is not None else _default_hf(n)
+    how = "" if draft.layer_ids is not None else f" (none configured: the default [2, {n}//2, {n}-3])"
+    problems = []
+    bad = [h for h in hf if not 0 <= h <= n]
+    if bad:
+        problems.append(f"HF indices {bad} name no hidden state of a {n}-layer model (0..{n})")
+    served = sorted(set(h for h in hf if 0 <= h <= n))
+    desc = [f"vLLM draft: HF indices {hf}{how} -> served HF hidden_states indices {served} "
+            f"(= EAGLE-3 output-of-layer ids {_ids_of(served)})"]
+    why = _compare(served, data)
+    if why:
+        problems.insert(0, why)
+    if problems:
+        desc.append(f"fix: set eagle_aux_hidden_state_layer_ids to {list(data.hf)} (HF indices, as speculators and "
+                    f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+    return problems, desc, served
+
+
+def _training_warnings(draft: Draft, data: DatasetLayers) -> list:
+    """Where the trainer of this config family (or of this dataset's format) cannot train the ids."""
+    out = []
+    n = data.num_layers
+    if draft.family == EAGLE_CONFIG and draft.layer_ids is not None and (
+            len(draft.layer_ids) != 3 or min(draft.layer_ids) < 0):
+        out.append(f"warning: SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids; it cannot train "
+                   f"{draft.layer_ids} (speculators can, as HF indices {[k + 1 for k in draft.layer_ids]})")
+    if draft.family in (SPECULATORS, TOP_LEVEL) and draft.layer_ids is not None:
+        if min(draft.layer_ids) < 0 or max(draft.layer_ids) > n or len(set(draft.layer_ids)) != len(draft.layer_ids):
+            out.append(f"warning: speculators 0.9.0 rejects {draft.layer_ids}: its ids are distinct HF indices "
+                       f"0..{n} (0 = embedding output, -1 is not an id)")
+    if data.dataset_format == "specforge" and (len(data.layer_ids) != 3 or min(data.layer_ids) < 0):
+        out.append(f"warning: this specforge-format dataset holds EAGLE-3 ids {data.layer_ids}; SpecForge 0.2.0 "
+                   f"trains exactly three non-negative ids")
+    return out
+
+
+def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
+    n = data.num_layers
+    head = [f"draft:   {draft.path} ({FAMILIES[draft.family]})",
+            f"dataset: {data.path} ({n} decoder layers{', ' + data.dataset_format + ' format' if data.dataset_format else ''})"]
+    ds = (f"dataset: EAGLE-3 ids (output of layer k, -1 = embedding) {data.layer_ids} -> "
+          f"HF hidden_states indices {data.hf}" + (" (every dumped layer)" if data.kind == "dump" else ""))
+    if draft.family == EAGLE_CONFIG and not draft.use_aux:
+        return Verdict(False, head + [
+            "MISMATCH: the draft sets use_aux_hidden_state=false, so SGLang feeds it only the final hidden "
+            "state, but the dataset's training inputs are aux layers", ds,
+            "fix: set eagle_config.use_aux_hidden_state=true in the draft config"], None, {"sglang": {"ok": False}})
+    readers = {SPECULATORS: ["vllm"], TOP_LEVEL: ["sglang", "vllm"]}.get(draft.family, ["sglang"])
+    lines, servers, ok = list(head), {}, True
+    for server in readers:
+        problems, desc, served = _sglang(draft, data, sem) if server == "sglang" else _vllm(draft, data)
+        name = "SGLang" if server == "sglang" else "vLLM"
+        verdict = [f"MISMATCH ({name}): {p}" for p in problems] or [
+            f"OK ({name}): the draft is served the hidden states {'the dump holds' if data.kind == 'dump' else 'it was trained on'}"]
+        fix = [d for d in desc if d.startswith("fix:")]
+        lines += verdict + [d for d in desc if not d.startswith("fix:")]
+        servers[server] = {"ok": not problems, "served_hf": served, "fix": fix[0] if fix else None}
+        ok = ok and not problems
+    lines.append(ds)
+    lines += _training_warnings(draft, data)
+    lines += [s["fix"] for s in servers.values() if s["fix"]]
+    first = servers[readers[0]]["served_hf"]
+    return Verdict(ok, lines, first, servers)

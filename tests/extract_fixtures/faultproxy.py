@@ -20,10 +20,12 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import requests
+
+from loopback import LoopbackServer
 
 
 def _key(ids) -> str:
@@ -55,7 +57,7 @@ def _rewrite(path: Path, how: str) -> None:
     os.replace(tmp, path)
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     def __init__(self, upstream: str, dump_dir: Path):
         self.upstream = upstream.rstrip("/")
         self.dump_dir = Path(dump_dir)
@@ -104,14 +106,4 @@ class FaultProxy:
                         _rewrite(path, action)
                 self._reply(r.status_code, r.content, r.headers.get("Content-Type", "application/json"))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)

@@ -3,7 +3,9 @@
 The tokenizer is word-level (whitespace split) with exactly ``vocab_size`` entries, so every id
 fits the tiny DeepSeek-V3 checkpoint (vocab 1024; bos 0, eos 1). Its chat template marks
 assistant output with ``{% generation %}`` blocks (or not, with ``generation=False``) and is
-saved in tokenizer_config.json, so ``AutoTokenizer.from_pretrained(dir)`` loads it.
+saved in tokenizer_config.json, so ``AutoTokenizer.from_pretrained(dir)`` loads it. Other templates:
+``REWRITE`` (a header that depends on the whole conversation, so no rendering of a prefix is a
+prefix of the full one) and ``DROP`` (earlier assistant turns rendered without their content).
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ TEMPLATE = (
 )
 
 
+# the conversation's length in the first line: every earlier rendering differs from the full one's start
+REWRITE = TEMPLATE.replace("{{ bos_token }}", "{{ bos_token }}<|system|> {{ WORDS[messages|length] }} <|eot|> ")
+# only the last assistant turn keeps its content (as templates that strip earlier reasoning do)
+DROP = TEMPLATE.replace("{{ m['content'] }} <|eot|>{% endgeneration %}",
+                        "{% if loop.last %}{{ m['content'] }}{% else %}dark{% endif %} <|eot|>{% endgeneration %}")
+assert REWRITE != TEMPLATE and DROP != TEMPLATE
+WORD_LIST = "{% set WORDS = ['zero','one','two','three','four','five','six','seven','eight','nine','ten'] %}"
+REWRITE = WORD_LIST + REWRITE
+
+
 def vocab(vocab_size: int = 1024) -> dict:
     toks = SPECIALS + WORDS
     toks += [f"w{i}" for i in range(vocab_size - len(toks))]
@@ -42,7 +54,7 @@ def vocab(vocab_size: int = 1024) -> dict:
     return {t: i for i, t in enumerate(toks)}
 
 
-def build_tokenizer(dest: Path, vocab_size: int = 1024, generation: bool = True) -> Path:
+def build_tokenizer(dest: Path, vocab_size: int = 1024, generation: bool = True, template: str = TEMPLATE) -> Path:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -55,7 +67,7 @@ def build_tokenizer(dest: Path, vocab_size: int = 1024, generation: bool = True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token="<|eot|>",
                                    unk_token="<|unk|>", pad_token="<|pad|>")
     fast.add_special_tokens({"additional_special_tokens": SPECIALS[4:]})
-    tmpl = TEMPLATE if generation else TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tmpl = template if generation else template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     fast.chat_template = tmpl
     fast.save_pretrained(str(dest))
     return dest

@@ -11,6 +11,7 @@ number) when absent. Ids must be unique: they key resume.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,12 @@ class Conversation:
     index: int  # 0-based position in the file (among conversations)
     line: int  # 1-based line number
     messages: list  # [{"role": ..., "content": ...}]
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the normalized messages: a done sample whose conversation changed is redone."""
+        blob = json.dumps(self.messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _content_text(content, where: str) -> str:
@@ -62,7 +69,7 @@ def _normalize(rec: dict, where: str) -> list:
             if not isinstance(m, dict) or "role" not in m:
                 raise UsageError(f"{where}: message {j} has no 'role'", "give every message a role and content")
             role = m["role"]
-            if role not in OPENAI_ROLES:
+            if not isinstance(role, str) or role not in OPENAI_ROLES:
                 raise UsageError(f"{where}: message {j} has unknown role {role!r}",
                                  "use system/user/assistant/tool")
             out.append({"role": "system" if role == "developer" else role,
@@ -92,27 +99,37 @@ def load_conversations(path: Path | str) -> list[Conversation]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"data file {path} does not exist", "pass a JSONL file with --data")
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise UsageError(f"cannot read data file {path} ({exc.strerror})", "pass a readable JSONL file") from None
     convs: list[Conversation] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
-        for n, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{where}: not valid JSON ({exc.msg})", "write one JSON object per line") from None
-            if not isinstance(rec, dict):
-                raise UsageError(f"{where}: a line is not a JSON object", "write one JSON object per line")
-            rid = rec.get("id", rec.get("conversation_id", rec.get("uuid")))
-            sid = str(rid) if rid is not None else f"line-{n}"
-            if sid in seen:
-                raise UsageError(f"{where}: duplicate conversation id {sid!r} (first at line {seen[sid]})",
-                                 "give every conversation a unique 'id' (resume is keyed by it)")
-            seen[sid] = n
-            msgs = _normalize(rec, where)
-            convs.append(Conversation(id=sid, index=len(convs), line=n, messages=msgs))
+    for n, blob in enumerate(lines, 1):
+        try:
+            raw = blob.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{path}:{n}: not UTF-8 (byte {blob[exc.start]:#04x} at column {exc.start + 1})",
+                             "convert the data file to UTF-8 (e.g. iconv -t UTF-8)") from None
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: not valid JSON ({exc.msg})", "write one JSON object per line") from None
+        except RecursionError:
+            raise UsageError(f"{where}: JSON nested too deeply", "write one flat JSON object per line") from None
+        if not isinstance(rec, dict):
+            raise UsageError(f"{where}: a line is not a JSON object", "write one JSON object per line")
+        rid = rec.get("id", rec.get("conversation_id", rec.get("uuid")))
+        sid = str(rid) if rid is not None else f"line-{n}"
+        if sid in seen:
+            raise UsageError(f"{where}: duplicate conversation id {sid!r} (first at line {seen[sid]})",
+                             "give every conversation a unique 'id' (resume is keyed by it)")
+        seen[sid] = n
+        msgs = _normalize(rec, where)
+        convs.append(Conversation(id=sid, index=len(convs), line=n, messages=msgs))
     if not convs:
         raise UsageError(f"data file {path} holds no conversations", "pass a non-empty JSONL file")
     return convs

@@ -138,8 +138,8 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
         raise BadDump(f"{path.name}: hidden_size {H}, the model's config says {hidden_size}")
     layer_ids = _json_list(meta, "eagle3_layer_ids", path)
     hf = _json_list(meta, "hf_hidden_state_indices", path)
-    if len(hf) != len(layer_ids):
-        raise BadDump(f"{path.name}: {len(layer_ids)} layer ids but {len(hf)} HF indices")
+    if hf != [k + 1 for k in layer_ids]:
+        raise BadDump(f"{path.name}: HF indices {hf} are not the EAGLE-3 ids {layer_ids} plus one")
     want_dtype = meta["dtype"]
     layers = {}
     expected = {f"layer.{k}" for k in layer_ids} | {"input_ids"}
@@ -172,3 +172,17 @@ def remove_quietly(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def no_dump_message(dump_dir: Path, timeout: float) -> tuple[str, str]:
+    """(problem, fix) when /generate answered but no dump appeared for the first request."""
+    others = any_server_dumps(Path(dump_dir))
+    if others:
+        return (f"/generate answered but no dump for the request appeared in {dump_dir} within "
+                f"{timeout:g} s, although the directory holds {len(others)} other dump(s)",
+                "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) or raise --dump-timeout")
+    return (f"/generate answered but no dump file appeared in {dump_dir} within {timeout:g} s: "
+            f"the server is not the patched sglang, runs without EAGLE3_DUMP_DIR, or writes to a directory "
+            f"that is not {dump_dir} on this machine",
+            "start the patched server with EAGLE3_DUMP_DIR=<dir> and pass that same directory, as this "
+            "machine sees it, with --dump-dir")

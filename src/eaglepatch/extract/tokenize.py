@@ -4,23 +4,40 @@ Two ways to find the assistant tokens:
 
 - ``generation``: the template marks assistant output with ``{% generation %}`` blocks, and
   transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` returns the mask.
-- ``offsets``: any other template. For each assistant turn i the conversation is rendered up to
-  the turn's start (``messages[:i]`` with the generation prompt) and up to its end
-  (``messages[:i+1]``); the characters in between are the turn (content and end-of-turn marker).
-  When a template rewrites earlier turns (so the renderings are not prefixes of each other), the
-  turn's content is searched in the full text after the previous turn instead. Tokens whose
-  character offsets overlap a turn get mask 1. This needs a fast tokenizer (offset mapping).
+- ``offsets``: any other template. Each assistant turn is located by rendering the conversation
+  with that turn's content replaced by a unique marker: the marker must appear exactly once, and
+  putting the content back must give the real rendering, so the turn's characters are known
+  exactly even when the template rewrites earlier turns (and words of the reply that also occur
+  in another turn are never matched). The turn's end-of-turn marker is what the template writes
+  after the content when the turn is the last message (trailing whitespace excluded); it must
+  follow the content in the full rendering too. Tokens whose character offsets overlap a turn
+  get mask 1. This needs a fast tokenizer (offset mapping).
+
+A turn that cannot be located, or a generation mask that is all zero although the conversation
+has assistant turns, raises ``MaskError``: that sample fails with the reason, it is never written
+with a wrong or empty mask.
+
+Thread safety: transformers caches one compiled template per template string, and that template
+carries one ``AssistantTracker`` shared by every caller, so concurrent renders corrupt each
+other's masks. Every render of a chat template in this process goes through ``_RENDER_LOCK``.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+MARKER = "EAGLEPATCHTURNMARKER7F3A"  # one word, no markup: templates copy it through unchanged
+_RENDER_LOCK = threading.Lock()
+
+
+class MaskError(Exception):
+    """The assistant tokens of this conversation cannot be determined; the message says why."""
 
 
 @dataclass
@@ -35,17 +52,17 @@ class ChatTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError:  # pragma: no cover - environment problem
-            raise UsageError("transformers is not installed", "pip install transformers tokenizers") from None
+            raise UsageError("transformers is not installed", "pip install -e '.[extract]'") from None
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         except Exception as exc:
             raise UsageError(f"cannot load a tokenizer from {path} ({type(exc).__name__}: {str(exc)[:200]})",
                              "pass the model's Hugging Face tokenizer directory with --tokenizer") from None
         self.path = str(path)
-        template = self.tok.chat_template
+        template = getattr(self.tok, "chat_template", None)
         if isinstance(template, dict):  # named templates: use the default one
-            template = template.get("default") or next(iter(template.values()))
-        if not template:
+            template = template.get("default") or next(iter(template.values()), None)
+        if not template or not isinstance(template, str):
             raise UsageError(f"the tokenizer in {path} has no chat template",
                              "use the model's tokenizer (its tokenizer_config.json holds chat_template)")
         self.template = template
@@ -63,56 +80,73 @@ class ChatTokenizer:
     def __len__(self) -> int:
         return len(self.tok)
 
-    def _render(self, messages, add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _apply(self, messages, **kw):
+        with _RENDER_LOCK:
+            return self.tok.apply_chat_template(messages, **kw)
 
+    def _render(self, messages, add_generation_prompt: bool = False) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ---- generation blocks -----------------------------------------------------------------
     def _encode_generation(self, messages):
-        out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                           return_assistant_tokens_mask=True, add_generation_prompt=False)
+        out = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                          add_generation_prompt=False)
         ids = list(out["input_ids"])
         mask = [int(bool(x)) for x in out["assistant_masks"]]
+        if not any(mask) and any(m["role"] == "assistant" for m in messages):
+            raise MaskError("the chat template's {% generation %} blocks marked no token although the "
+                            "conversation has assistant turns")
         return ids, mask
 
-    def _assistant_spans(self, messages, text: str):
-        spans = []
-        cursor = 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            span = None
-            try:
-                before = self._render(messages[:i], add_generation_prompt=True) if i else ""
-                upto = self._render(messages[: i + 1], add_generation_prompt=False)
-            except Exception:
-                before = upto = None
-            if (before is not None and upto.startswith(before) and text.startswith(upto)
-                    and len(upto) > len(before) and len(before) >= cursor):
-                span = (len(before), len(upto))
-            elif m["content"]:
-                pos = text.find(m["content"], cursor)
-                if pos >= 0:
-                    span = (pos, pos + len(m["content"]))
-            if span is not None:
-                spans.append(span)
-                cursor = span[1]
-        return spans
+    # ---- offsets ---------------------------------------------------------------------------
+    def _turn_span(self, messages, i: int, text: str) -> tuple[int, int]:
+        """Character span of assistant turn ``i`` (content and end-of-turn marker) in ``text``."""
+        content = messages[i]["content"]
+        where = f"assistant turn {sum(1 for m in messages[:i] if m['role'] == 'assistant') + 1}"
+        if MARKER in content:
+            raise MaskError(f"{where} contains the marker word {MARKER}")
+        marked = [dict(m) for m in messages]
+        marked[i]["content"] = MARKER
+        full = self._render(marked)
+        if full.count(MARKER) != 1:
+            raise MaskError(f"cannot locate {where}: the chat template renders its content "
+                            f"{full.count(MARKER)} times (dropped or repeated)")
+        pos = full.index(MARKER)
+        if full[:pos] + content + full[pos + len(MARKER):] != text:
+            raise MaskError(f"cannot locate {where}: the chat template does not copy its content verbatim")
+        upto = self._render(marked[: i + 1])
+        if upto.count(MARKER) != 1:
+            raise MaskError(f"cannot locate the end of {where} (the conversation cut after it renders "
+                            f"the turn {upto.count(MARKER)} times)")
+        tail = upto[upto.index(MARKER) + len(MARKER):].rstrip()
+        end = pos + len(content)
+        if not text.startswith(tail, end):
+            raise MaskError(f"cannot locate the end of {where}: the end-of-turn text {tail[:40]!r} does not "
+                            f"follow it in the full conversation")
+        return pos, end + len(tail)
 
     def _encode_offsets(self, messages):
-        text = self._render(messages, add_generation_prompt=False)
-        spans = self._assistant_spans(messages, text)
+        text = self._render(messages)
+        spans = [self._turn_span(messages, i, text) for i, m in enumerate(messages) if m["role"] == "assistant"]
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        mask = []
-        for s, e in enc["offset_mapping"]:
-            hit = e > s and any(s < b and e > a for a, b in spans)
-            mask.append(int(hit))
+        mask = [int(e > s and any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]]
+        if spans and not any(mask):
+            raise MaskError("the assistant turns were located but cover no token")
         return ids, mask
 
     def encode(self, messages, max_len: int | None = None) -> Encoded:
-        if self.mask_method == "generation":
-            ids, mask = self._encode_generation(messages)
-        else:
-            ids, mask = self._encode_offsets(messages)
+        """Token ids and loss mask; raises MaskError when the mask cannot be trusted."""
+        try:
+            if self.mask_method == "generation":
+                ids, mask = self._encode_generation(messages)
+            else:
+                ids, mask = self._encode_offsets(messages)
+        except MaskError:
+            raise
+        except Exception as exc:  # a template that raises on this conversation (raise_exception, bad roles)
+            raise MaskError(f"the chat template fails on this conversation ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})") from None
         truncated = bool(max_len) and len(ids) > max_len
         if truncated:
             ids, mask = ids[:max_len], mask[:max_len]

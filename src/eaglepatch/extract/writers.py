@@ -1,49 +1,131 @@
-"""Dataset writers: one file per sample, written to a temporary name and renamed.
+"""Dataset writers: one file per sample, named by its conversation id, plus each format's index.
 
-- ``specforge``: ``rows_<a>-<b>/data_<i>.ckpt``, a ``torch.save`` dict of plain tensors (loads with
-  ``torch.load(weights_only=True)``) as SpecForge's offline EAGLE-3 dataset reads it:
-  ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``hidden_state`` [1, T, H] (the final,
-  post-norm state), ``aux_hidden_state`` [1, T, L*H] (the aux layers concatenated in ascending
-  layer order, the order SGLang concatenates them when serving).
-- ``speculators``: ``rows_<a>-<b>/data_<i>.safetensors`` with ``token_ids`` int64 [T],
-  ``hidden_states`` [T, L+1, H] (the aux layers in ascending order, then the final post-norm
-  state) and ``loss_mask`` int64 [T]; the header metadata names each slot of the L axis.
+Every sample is written to a temporary name and renamed to ``OUT/samples/<hh>/<id>-<hash>.<ext>``
+(``hh``: the first two hex digits of sha256(id), ``<id>`` the id with unsafe characters replaced,
+``<hash>`` 12 hex digits of sha256(id)), so an edited input never makes one sample overwrite
+another's file.
+
+- ``specforge`` (SpecForge 0.2.0's offline reader walks OUT for ``*.ckpt``): a ``torch.save`` dict of
+  plain tensors: ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``hidden_state`` [1, T, H] (the
+  final, post-norm state: SpecForge's TargetHead applies the LM head to it directly),
+  ``aux_hidden_state`` [1, T, L*H] (the aux layers concatenated in ascending layer order, the
+  order SGLang concatenates them when serving).
+- ``speculators`` (speculators 0.9.0's ArrowDataset + FileTransfer): each sample a safetensors
+  file with ``token_ids`` int64 [T], ``hidden_states`` [T, L+1, H] (the aux layers in ascending
+  order, then the output of the last decoder layer BEFORE the final norm: speculators builds
+  its targets as ``verifier_lm_head(verifier_norm(hidden_states[:, -1]))``) and ``loss_mask``
+  int64 [T]. ``publish_speculators`` then makes OUT what speculators opens: a ``datasets``
+  ``save_to_disk`` table (``input_ids``, ``loss_mask``, ``seq_len``, torch format) with one row per
+  sample, ``OUT/hidden_states/hs_<row>.safetensors`` (hard links to the sample files) and
+  ``OUT/token_freq.pt`` (loss-masked token counts, speculators' vocab-mapping input).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import shutil
 import threading
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-ROWS_PER_DIR = 5000
 FORMATS = ("specforge", "speculators")
+SAMPLES_DIR = "samples"
+HIDDEN_STATES_DIR = "hidden_states"
+TOKEN_FREQ_FILE = "token_freq.pt"
+_STAGING = ".publish"
 
 
-def rel_path(fmt: str, index: int) -> str:
-    a = index // ROWS_PER_DIR * ROWS_PER_DIR
+class LayoutError(Exception):
+    """The dump cannot give what the format needs; ``fix`` says what to change."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which dumped tensors a sample holds. Layer ids are EAGLE-3 ids (-1 = embedding output,
+    k = output of decoder layer k); ``last`` is N-1 for speculators (its last slot), else None."""
+
+    format: str
+    aux: tuple  # ascending
+    last: int | None
+    num_layers: int
+
+    @property
+    def aux_hf(self) -> list:
+        return [k + 1 for k in self.aux]
+
+    def slots(self) -> list:
+        names = [f"eagle3:{k}" for k in self.aux]
+        return names + ([f"eagle3:{self.last}:pre_norm"] if self.format == "speculators" else [])
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "aux": list(self.aux), "last": self.last, "num_layers": self.num_layers}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Layout":
+        return cls(d["format"], tuple(d["aux"]), d["last"], d["num_layers"])
+
+
+def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, aux=None) -> Layout:
+    """The layout for ``fmt`` from the layers the server dumps; ``aux`` (EAGLE-3 ids) defaults to
+    every dumped layer except the last decoder layer N-1."""
+    last = num_layers - 1
+    dumped = sorted(dump_ids)
+    chosen = sorted(set(aux)) if aux is not None else [k for k in dumped if k != last]
+    missing = [k for k in chosen if k not in dumped]
+    if missing:
+        raise LayoutError(f"--aux-layers asks for EAGLE-3 layers {missing} but the server dumps {dumped}",
+                          f"start the server with EAGLE3_DUMP_LAYERS including {','.join(map(str, missing))}, "
+                          f"or pass --aux-layers from {dumped}")
+    if not chosen:
+        raise LayoutError(f"no aux layer left: the server dumps only {dumped} (layer {last} is the verifier's "
+                          f"last layer)", "start the server with EAGLE3_DUMP_LAYERS naming the draft's layers too")
+    if fmt == "speculators" and last not in dumped:
+        want = ",".join(map(str, chosen + [last]))
+        raise LayoutError(f"--format speculators needs the last decoder layer's output before the final norm "
+                          f"(EAGLE-3 id {last}, HF index {num_layers}) but the server dumps layers {dumped}",
+                          f"start the server with EAGLE3_DUMP_LAYERS including {last} "
+                          f"(e.g. EAGLE3_DUMP_LAYERS={want})")
+    if fmt == "specforge" and not has_final:
+        raise LayoutError("--format specforge needs the final (post-norm) state but the server dumps none",
+                          "start the server with EAGLE3_DUMP_FINAL=1")
+    return Layout(fmt, tuple(chosen), last if fmt == "speculators" else None, num_layers)
+
+
+def sample_rel(fmt: str, conv_id: str) -> str:
+    h = hashlib.sha256(conv_id.encode()).hexdigest()
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", conv_id).strip("._")[:80] or "conv"
     ext = "ckpt" if fmt == "specforge" else "safetensors"
-    return f"rows_{a}-{a + ROWS_PER_DIR}/data_{index}.{ext}"
+    return f"{SAMPLES_DIR}/{h[:2]}/{safe}-{h[:12]}.{ext}"
 
 
 def _tmp_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def write_sample(fmt: str, out_dir: Path, index: int, sample_id: str, dump, loss_mask) -> tuple[str, int]:
-    """Write one sample; returns (path relative to out_dir, bytes on disk)."""
+def stale_temporaries(out_dir: Path) -> list:
+    return list(Path(out_dir).glob(f"{SAMPLES_DIR}/*/.*.tmp"))
+
+
+def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, loss_mask) -> int:
+    """Write one sample at ``out_dir/rel`` (temporary name, then rename); returns its size."""
     import torch
 
-    rel = rel_path(fmt, index)
     path = Path(out_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_for(path)
     ids = dump.input_ids.to(torch.int64).clone()
     mask = torch.tensor(loss_mask, dtype=torch.int64)
-    aux = [dump.layers[f"layer.{k}"] for k in dump.layer_ids]
+    aux = [dump.layers[f"layer.{k}"] for k in layout.aux]
     try:
-        if fmt == "specforge":
+        if layout.format == "specforge":
             data = {
                 "input_ids": ids,
                 "loss_mask": mask,
@@ -52,39 +134,84 @@ def write_sample(fmt: str, out_dir: Path, index: int, sample_id: str, dump, loss
             }
             with open(tmp, "wb") as fh:  # closed here even when the disk is full (no fd kept by the error)
                 torch.save(data, fh)
-        elif fmt == "speculators":
+        else:
             from safetensors.torch import save_file
 
-            slots = [f"eagle3:{k}" for k in dump.layer_ids] + ["final:post_norm"]
-            stacked = torch.stack(aux + [dump.final], dim=1).contiguous()
-            meta = {
-                "sample_id": sample_id,
-                "hidden_states_layers": json.dumps(slots),
-                "eagle3_layer_ids": json.dumps(dump.layer_ids),
-                "hf_hidden_state_indices": json.dumps(dump.hf_indices),
-                "final": "post_norm",
-            }
+            stacked = torch.stack(aux + [dump.layers[f"layer.{layout.last}"]], dim=1).contiguous()
+            meta = {"sample_id": sample_id, "hidden_states_slots": json.dumps(layout.slots()),
+                    "hf_hidden_state_indices": json.dumps(layout.aux_hf + [layout.num_layers]),
+                    "last_slot": "pre_norm"}
             save_file({"token_ids": ids, "hidden_states": stacked, "loss_mask": mask}, str(tmp), metadata=meta)
-        else:
-            raise ValueError(f"unknown format {fmt!r}")
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return rel, path.stat().st_size
+    return path.stat().st_size
 
 
 def read_sample(fmt: str, path: Path) -> dict:
-    """Read a sample back as {input_ids, loss_mask, aux [T, L*H], final [T, H]} (for checks)."""
+    """A sample back as {input_ids, loss_mask, aux [T, L*H], last [T, H]} (for checks); ``last`` is the
+    post-norm final state (specforge) or the pre-norm last-layer output (speculators)."""
     import torch
 
     if fmt == "specforge":
         d = torch.load(str(path), weights_only=True)
         return {"input_ids": d["input_ids"], "loss_mask": d["loss_mask"],
-                "aux": d["aux_hidden_state"].squeeze(0), "final": d["hidden_state"].squeeze(0)}
+                "aux": d["aux_hidden_state"].squeeze(0), "last": d["hidden_state"].squeeze(0)}
     from safetensors.torch import load_file
 
     d = load_file(str(path))
     hs = d["hidden_states"]
     return {"input_ids": d["token_ids"], "loss_mask": d["loss_mask"],
-            "aux": hs[:, :-1, :].reshape(hs.shape[0], -1), "final": hs[:, -1, :]}
+            "aux": hs[:, :-1, :].reshape(hs.shape[0], -1), "last": hs[:, -1, :]}
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        os.symlink(os.path.relpath(src, dst.parent), dst)
+
+
+def publish_speculators(out_dir: Path, rels: list) -> None:
+    """Make ``out_dir`` the dataset speculators opens, with row i = ``rels[i]``. Built in a staging
+    directory, then moved in: ``hidden_states/`` by two renames, the table's files with
+    ``state.json`` last, shards the new table does not list removed."""
+    import datasets
+    import torch
+    from safetensors import safe_open
+
+    out_dir = Path(out_dir)
+    staging = out_dir / _STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / HIDDEN_STATES_DIR).mkdir(parents=True)
+    ids_col, mask_col, lens, freq = [], [], [], Counter()
+    for i, rel in enumerate(rels):
+        src = out_dir / rel
+        with safe_open(str(src), framework="pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        ids_col.append(ids.numpy())
+        mask_col.append(mask.numpy())
+        lens.append(int(ids.shape[0]))
+        freq.update(ids[mask.bool()].tolist())
+        _link(src, staging / HIDDEN_STATES_DIR / f"hs_{i}.safetensors")
+    datasets.disable_progress_bars()
+    table = datasets.Dataset.from_dict({"input_ids": ids_col, "loss_mask": mask_col, "seq_len": lens})
+    table.with_format("torch").save_to_disk(str(staging / "table"))
+    torch.save(dict(freq), staging / TOKEN_FREQ_FILE)
+
+    old = out_dir / ".hidden_states.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if (out_dir / HIDDEN_STATES_DIR).exists():
+        os.rename(out_dir / HIDDEN_STATES_DIR, old)
+    os.rename(staging / HIDDEN_STATES_DIR, out_dir / HIDDEN_STATES_DIR)
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(staging / TOKEN_FREQ_FILE, out_dir / TOKEN_FREQ_FILE)
+    state = json.loads((staging / "table" / "state.json").read_text())
+    keep = {d["filename"] for d in state.get("_data_files", [])}
+    for f in sorted((staging / "table").iterdir(), key=lambda p: p.name == "state.json"):
+        os.replace(f, out_dir / f.name)
+    for f in out_dir.glob("data-*.arrow"):
+        if f.name not in keep:
+            f.unlink()
+    shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,124 @@
+"""Stage 1 of the run: the options, and everything read before anything is written.
+
+``check_options`` refuses bad flags and directories; ``read_inputs`` reads the model's sizes
+(``config.json``), the conversations, the tokenizer, the settings a dataset in OUT was started
+with and the samples it already holds. All of it raises ``UsageError`` (exit 2) on bad input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from . import record as rec_mod
+from .data import load_conversations
+from .tokenize import ChatTokenizer
+from .writers import FORMATS
+
+
+@dataclass
+class Options:
+    server: str
+    model: Path
+    data: Path
+    dump_dir: Path
+    out: Path
+    format: str = "specforge"
+    tokenizer: Path | None = None
+    max_len: int = 2048
+    concurrency: int = 4
+    dump_timeout: float = 60.0
+    request_timeout: float = 600.0
+    retries: int = 5
+    max_attempts: int = 3
+    keep_dumps: bool = False
+    limit: int | None = None
+    mask: str = "auto"
+    aux_layers: list | None = None  # EAGLE-3 ids; None: the dumped layers except N-1
+    trust_remote_code: bool = False
+    progress: bool | None = None  # None: only on a terminal
+
+
+@dataclass
+class Inputs:
+    cfg: dict
+    all_convs: list  # the whole input file
+    convs: list  # after --limit
+    tok: ChatTokenizer
+    done: dict
+    pending: list
+    settings: rec_mod.Settings
+
+
+def model_config(model_dir: Path) -> dict:
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise UsageError(f"{cfg_path} does not exist", "pass the served model's directory (with config.json) as --model")
+    try:
+        cfg = json.loads(cfg_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{cfg_path} is not readable JSON ({type(exc).__name__})",
+                         "pass the served model's directory as --model") from None
+    text = cfg.get("text_config") or cfg if isinstance(cfg, dict) else None  # multimodal: the text model's sizes
+    if not isinstance(text, dict):
+        raise UsageError(f"{cfg_path} is not a model config (a JSON object)", "pass the served model's directory as --model")
+    out = {}
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        v = text.get(k, cfg.get(k))
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UsageError(f"{cfg_path} has no positive integer {k}", "pass the served model's directory as --model")
+        out[k] = v
+    archs = cfg.get("architectures")
+    out["architecture"] = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    return out
+
+
+def check_options(o: Options) -> None:
+    if o.format not in FORMATS:
+        raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(FORMATS)}")
+    nums = {"--max-len": o.max_len, "--concurrency": o.concurrency, "--max-attempts": o.max_attempts,
+            "--dump-timeout": o.dump_timeout, "--request-timeout": o.request_timeout}
+    bad = [k for k, v in nums.items() if not (v > 0 and v != float("inf"))]
+    if bad or o.retries < 0 or (o.limit is not None and o.limit < 1):
+        raise UsageError(f"{', '.join(bad) or '--retries/--limit'} out of range",
+                         "pass positive finite --max-len, --concurrency, --max-attempts, --dump-timeout, "
+                         "--request-timeout, --limit and a non-negative --retries")
+    d = Path(o.dump_dir)
+    if not d.is_dir():
+        raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
+                         "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with --dump-dir")
+    if not os.access(d, os.R_OK | os.X_OK):
+        raise UsageError(f"dump directory {d} is not readable by this user",
+                         "make it readable or run as a user who can read it")
+    if not os.access(d, os.W_OK) and not o.keep_dumps:
+        raise UsageError(f"dump directory {d} is not writable by this user (used dumps are removed)",
+                         "make it writable or pass --keep-dumps")
+    out = Path(o.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory", "pass a new or existing dataset directory")
+
+
+def read_inputs(o: Options) -> Inputs:
+    cfg = model_config(o.model)
+    all_convs = load_conversations(o.data)
+    convs = all_convs[: o.limit] if o.limit is not None else all_convs
+    tok = ChatTokenizer(o.tokenizer or o.model, trust_remote_code=o.trust_remote_code, mask_method=o.mask)
+    if len(tok) > cfg["vocab_size"]:
+        raise UsageError(f"the tokenizer in {tok.path} has {len(tok)} tokens but the model's vocab_size is "
+                         f"{cfg['vocab_size']} (tokenizer/model mismatch)",
+                         "pass the served model's own tokenizer with --tokenizer")
+    want = {"format": o.format, "max_len": o.max_len, "mask_method": tok.mask_method,
+            "chat_template_sha256": hashlib.sha256(tok.template.encode()).hexdigest(),
+            "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
+    settings = rec_mod.Settings(Path(o.out), want)
+    lay = settings.data.get("layout")
+    if lay and o.aux_layers is not None and sorted(set(o.aux_layers)) != lay.get("aux"):
+        raise UsageError(f"{o.out} holds aux layers {lay.get('aux')}, --aux-layers asks {sorted(set(o.aux_layers))}",
+                         "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
+    done = rec_mod.load_done(Path(o.out), all_convs)
+    pending = [c for c in convs if c.id not in done]
+    return Inputs(cfg, all_convs, convs, tok, done, pending, settings)

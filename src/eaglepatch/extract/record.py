@@ -1,0 +1,177 @@
+"""What a run records in OUT: settings, progress and the manifest.
+
+- ``.extract-settings.json``: the settings the dataset was started with (format, max length, mask
+  method, chat template hash, model sizes, then the layout once the first dump is seen); written
+  before the first sample is recorded; a resume with other settings is refused.
+- ``progress.jsonl``: one line per finished sample (written, or skipped for having no assistant
+  token), appended after its file is in place. A sample is done when its latest line carries the
+  fingerprint of the conversation as the input has it now and its file has the recorded size;
+  a conversation edited between runs is extracted again (into the same file, named by its id).
+- ``manifest.json``: rewritten atomically at the end of every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import UsageError
+
+MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
+SETTINGS_FILE = ".extract-settings.json"
+PROGRESS_FILE = "progress.jsonl"
+MANIFEST_FILE = "manifest.json"
+COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
+
+
+class Fatal(UsageError):
+    """A problem that stops the whole run (exit 2)."""
+
+
+def atomic_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise Fatal(f"cannot write {path} ({exc.strerror or exc})",
+                    "free space or fix permissions on --out and rerun (done samples are kept)") from None
+
+
+def read_json(path: Path, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} {path} ({type(exc).__name__})",
+                         "pass a new --out (this one is not a dataset written by tools/extract.py)") from None
+
+
+class Settings:
+    """The settings file: checked against this run's at start, written with the first sample."""
+
+    def __init__(self, out: Path, want: dict):
+        self.path = Path(out) / SETTINGS_FILE
+        self.data = dict(want, layout=None, dump_meta={})
+        self.saved = False
+        if self.path.is_file():
+            have = read_json(self.path, "the settings file")
+            if not isinstance(have, dict):
+                raise UsageError(f"{self.path} is not a settings object", "pass a new --out")
+            for k in COMPARED:
+                if have.get(k) != want[k]:
+                    raise UsageError(f"{out} holds a dataset made with {k}={have.get(k)!r}, this run has {want[k]!r}",
+                                     "rerun with the same settings to resume, or pass a new --out")
+            self.data.update(layout=have.get("layout"), dump_meta=have.get("dump_meta") or {})
+            self.saved = True
+
+    def save(self) -> None:
+        atomic_json(self.path, self.data)
+        self.saved = True
+
+
+def load_done(out: Path, convs) -> dict:
+    """Conversation id -> its progress record, for the samples that are done (see the module doc)."""
+    path = Path(out) / PROGRESS_FILE
+    if not path.is_file():
+        return {}
+    fps = {c.id: c.fingerprint for c in convs}
+    latest = {}
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror})", "fix the permissions on --out, or pass a new --out") from None
+    for raw in text.splitlines():
+        try:
+            rec = json.loads(raw)
+        except ValueError:  # a torn last line of a killed run
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+            latest[rec["id"]] = rec
+    done = {}
+    for cid, rec in latest.items():
+        if cid not in fps or rec.get("fp") != fps[cid]:
+            continue
+        if rec.get("skipped"):
+            done[cid] = rec
+            continue
+        f = Path(out) / str(rec.get("file") or "")
+        if rec.get("file") and f.is_file() and f.stat().st_size == rec.get("bytes"):
+            done[cid] = rec
+    return done
+
+
+def append_progress(out: Path, rec: dict) -> None:
+    line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+    try:
+        fd = os.open(Path(out) / PROGRESS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.write(fd, line) != len(line):  # one write on an O_APPEND fd: whole, or torn (ignored on read)
+                raise OSError(28, "short write to progress.jsonl")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise Fatal(f"cannot record progress in {out} ({exc.strerror or exc})",
+                    "free space or fix permissions on --out and rerun (done samples are kept)") from None
+
+
+def orphans(out: Path, fmt: str, done: dict) -> list:
+    """Sample files under ``out`` that no done record names (conversations removed from the input)."""
+    mine = {rec["file"] for rec in done.values() if rec.get("file")}
+    ext = "ckpt" if fmt == "specforge" else "safetensors"
+    return [p for p in Path(out).glob(f"samples/*/*.{ext}") if p.relative_to(out).as_posix() not in mine]
+
+
+def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict) -> dict:
+    """The manifest of ``o.out``: what the dataset holds, in both layer conventions."""
+    recs = [done[c.id] for c in convs if c.id in done and not done[c.id].get("skipped")]
+    failed = sorted(({"id": x.conv_id, "reason": x.reason} for x in outcomes if x.status == "failed"),
+                    key=lambda r: r["id"])
+    skipped = sorted(({"id": c.id, "reason": done[c.id]["skipped"]} for c in convs
+                      if c.id in done and done[c.id].get("skipped")), key=lambda r: r["id"])
+    lay = settings.data.get("layout") or {}
+    meta = settings.data.get("dump_meta") or {}
+    aux = lay.get("aux")
+    n = cfg["num_hidden_layers"]
+    m = {
+        "format": MANIFEST_FORMAT,
+        "dataset_format": o.format,
+        "samples": len(recs),
+        "tokens": sum(r["tokens"] for r in recs),
+        "loss_tokens": sum(r.get("loss_tokens", 0) for r in recs),
+        "bytes": sum(r["bytes"] for r in recs),
+        "files": [r["file"] for r in recs],
+        "conversations": len(convs),
+        "failed": failed,
+        "failed_ids": [r["id"] for r in failed],
+        "skipped": skipped,
+        "eagle3_layer_ids": aux,
+        "hf_hidden_state_indices": [k + 1 for k in aux] if aux is not None else None,
+        "dump_layer_ids": meta.get("eagle3_layer_ids"),
+        "final": "post_norm" if o.format == "specforge" else None,
+        "model": {"path": str(o.model), "served_path": meta.get("model_path"),
+                  "architecture": meta.get("architecture") or cfg.get("architecture"),
+                  "hidden_size": cfg["hidden_size"], "num_hidden_layers": n,
+                  "vocab_size": cfg["vocab_size"], "dtype": meta.get("dtype"), "tp_size": meta.get("tp_size")},
+        "sglang_release": meta.get("sglang_version"),
+        "series_version": meta.get("series_version"),
+        "tokenizer": {"path": tok.path, "mask_method": tok.mask_method, "size": len(tok)},
+        "max_len": o.max_len,
+        "data": str(o.data),
+        "progress": PROGRESS_FILE,
+        "last_run": last_run,
+    }
+    if o.format == "specforge":
+        m["layout"] = ("samples/<hh>/<id>-<hash>.ckpt: torch.save dict input_ids [T], loss_mask [T], "
+                       "hidden_state [1,T,H] (final, post-norm), aux_hidden_state [1,T,L*H] (aux layers ascending)")
+    else:
+        m["layout"] = ("datasets save_to_disk table (input_ids, loss_mask, seq_len) + hidden_states/hs_<row>.safetensors: "
+                       "token_ids [T], hidden_states [T,L+1,H] (aux layers ascending, then layer N-1 before the final norm)")
+        hf_aux = [k + 1 for k in aux] if aux is not None else None
+        # speculators' own fields, in its (and vLLM's) HF-index convention: 0 = embedding, N = last layer pre-norm
+        m["speculators"] = {"eagle_aux_hidden_state_layer_ids": hf_aux, "target_layer_ids": hf_aux,
+                            "hidden_states_layer_ids": hf_aux + [n] if hf_aux is not None else None,
+                            "verifier_last_hidden_state": {"hf_index": n, "eagle3_id": n - 1, "norm": "pre_norm"},
+                            "data_path": ".", "hidden_states_path": "hidden_states", "token_freq_path": "token_freq.pt"}
+    return m
