@@ -89,59 +89,78 @@ def assets(tmp_path_factory):
                            hf=_hf)
 
 
-@pytest.fixture(scope="module")
-def server(assets):
-    from eaglepatch.fetch import unpacked_release
-    from eaglepatch.smoke.tree import patched_tree
+def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    """Stop a process group started with start_new_session (SIGKILL when SIGTERM is not enough)."""
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=20)
 
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, what: str, ready) -> float:
+    """Poll ``ready(url)`` until it holds; fail with the log's tail when the process exits or is too slow."""
     import requests
 
-    series = Path(os.environ.get("EAGLEPATCH_TEST_SERIES", REPO / "patches" / "sglang-0.5.9"))
-    pp = patched_tree(unpacked_release("0.5.9", quiet=True), series, assets.root / "pp")
-    dump_dir = assets.root / "dumps"
-    dump_dir.mkdir()
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            pytest.fail("%s exited (%s):\n%s" % (what, proc.returncode, log.read_text()[-3000:]))
+        if time.monotonic() - t0 > SERVER_START_TIMEOUT:
+            _stop(proc)
+            pytest.fail("%s not ready after %d s:\n%s" % (what, SERVER_START_TIMEOUT, log.read_text()[-3000:]))
+        try:
+            if ready(url):
+                return time.monotonic() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+
+
+def start_server(assets, pp: Path, dump_dir: Path, name: str) -> SimpleNamespace:
+    """A patched sglang 0.5.9 HTTP server (``launch_server``) on CPU with the dump into ``dump_dir``.
+    ``--sleep-on-idle``: an idle scheduler waits on its sockets instead of spinning a core."""
+    import requests
+
     port = _free_port()
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", EAGLE3_DUMP_DIR=str(dump_dir),
                EAGLE3_DUMP_LAYERS=",".join(map(str, LAYERS)),
                PYTHONPATH=os.pathsep.join([str(pp), str(REPO / "src" / "eaglepatch" / "smoke" / "stubs")]))
-    log = open(assets.root / "server.log", "w")
+    log = assets.root / f"{name}.log"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(assets.ckpt),
            "--tokenizer-path", str(assets.tok), "--device", "cpu", "--attention-backend", "torch_native",
            "--disable-cuda-graph", "--dtype", "float32", "--disable-radix-cache", "--chunked-prefill-size", "-1",
            "--disable-overlap-schedule", "--max-total-tokens", "4096", "--context-length", "1024",
            "--max-running-requests", "8", "--random-seed", "0", "--mem-fraction-static", "0.5",
-           "--grammar-backend", "none", "--port", str(port), "--host", "127.0.0.1"]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+           "--grammar-backend", "none", "--sleep-on-idle", "--port", str(port), "--host", "127.0.0.1"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    wall = _wait_ready(proc, url, log, f"sglang server {name}",
+                       lambda u: requests.get(u + "/health_generate", timeout=30).status_code == 200)
+    return SimpleNamespace(url=url, port=port, proc=proc, log=log, start_s=round(wall, 1))
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    from eaglepatch.fetch import unpacked_release
+    from eaglepatch.smoke.tree import patched_tree
+
+    series = Path(os.environ.get("EAGLEPATCH_TEST_SERIES", REPO / "patches" / "sglang-0.5.9"))
+    pp = patched_tree(unpacked_release("0.5.9", quiet=True), series, assets.root / "pp")
+    dump_dir = assets.root / "dumps"
+    dump_dir.mkdir()
+    s = start_server(assets, pp, dump_dir, "server")
+    FIGURES["server_start_s"] = s.start_s
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("sglang server exited (%s):\n%s" % (proc.returncode,
-                            (assets.root / "server.log").read_text()[-3000:]))
-            if time.monotonic() - t0 > SERVER_START_TIMEOUT:
-                pytest.fail("sglang server not ready after %d s:\n%s" % (SERVER_START_TIMEOUT,
-                            (assets.root / "server.log").read_text()[-3000:]))
-            try:
-                if requests.get(url + "/health_generate", timeout=30).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        FIGURES["server_start_s"] = round(time.monotonic() - t0, 1)
-        yield SimpleNamespace(url=url, dump_dir=dump_dir, pp=pp, port=port,
+        yield SimpleNamespace(url=s.url, dump_dir=dump_dir, pp=pp, port=s.port,
                               series_version=json.loads((series / "manifest.json").read_text())["series_version"])
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=20)
-        log.close()
+        _stop(s.proc)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +199,11 @@ def run_cli(argv) -> SimpleNamespace:
 
 
 def extract(assets, server, out, *extra, dump_dir=None, url=None, tokenizer=None, model=None):
-    return run_cli(["--server", url or server.url, "--model", model or assets.ckpt,
-                    "--tokenizer", tokenizer or assets.tok, "--data", assets.data,
-                    "--dump-dir", dump_dir or server.dump_dir, "--out", out, "--no-progress", *extra])
+    """The CLI on the suite's data; ``url``: another server URL, or a list of them (--server repeated)."""
+    urls = url if isinstance(url, list) else [url or server.url]
+    return run_cli([a for u in urls for a in ("--server", u)] + [
+        "--model", model or assets.ckpt, "--tokenizer", tokenizer or assets.tok, "--data", assets.data,
+        "--dump-dir", dump_dir or server.dump_dir, "--out", out, "--no-progress", *extra])
 
 
 def records(out: Path) -> list:
@@ -527,7 +548,8 @@ def test_specforge_reads_the_export(assets, server, reference, indexed_ckpt, by_
 @in_env
 def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_path):
     """Between runs one conversation is edited, one removed and one inserted at the top (every
-    position shifts): only the edited and the new one are extracted, no other file is touched."""
+    position shifts): only the edited and the new one are extracted, the removed one's sample is
+    deleted (SpecForge's reader takes every .ckpt under OUT), no other file is touched."""
     import shutil
 
     import tinychat
@@ -548,7 +570,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
                  "--dump-dir", server.dump_dir, "--out", out, "--no-progress"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "extracting 2 of 25 conversations (23 already done)" in p.stderr
-    assert "warning: 1 sample file(s)" in p.stderr  # conv-004's file: no longer in the input
+    assert "removed 1 sample file(s) of conversations no longer in" in p.stderr  # conv-004's file
     after = {x: (x.stat().st_mtime_ns, x.stat().st_size) for x in out.glob("samples/*/*")}
     changed = {x.relative_to(out).as_posix() for x in after if after[x] != before.get(x)}
     assert changed == {sample_rel("specforge", "conv-002"), sample_rel("specforge", "new-000")}
@@ -559,6 +581,64 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     assert float((s["last"] - reference.run(enc.input_ids).final).abs().max()) <= TOL
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and sample_rel("specforge", "conv-004") not in man["files"]
+    assert not (out / sample_rel("specforge", "conv-004")).exists()
+    assert sorted(x.relative_to(out).as_posix() for x in out.glob("samples/*/*.ckpt")) == sorted(man["files"])
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+
+    assert len(build_offline_eagle3_dataset(str(out), max_len=2048)) == man["samples"]
+
+
+@in_env
+def test_removed_conversations_leave_the_speculators_table(assets, server, expected, tmp_path):
+    """Conversations removed from the input between runs: the rerun deletes their samples and
+    rebuilds the table from the rest (speculators' ArrowDataset reads exactly those); --limit does not
+    shrink the dataset; an input left with no sample removes the table too."""
+    import shutil
+
+    import tinychat
+    from speculators.train.data import ArrowDataset
+
+    from eaglepatch.extract.writers import sample_rel
+
+    src = assets.root / "out-speculators"
+    assert (src / "state.json").is_file(), "test_killed_run_resumes must run first"
+    out = tmp_path / "ds"
+    shutil.copytree(src, out, copy_function=shutil.copy2)  # own copies: hard links would share inodes
+    gone = {"conv-001", "conv-010", "conv-017"}
+    data = tinychat.write_jsonl(tmp_path / "fewer.jsonl", [r for r in assets.recs if r["id"] not in gone])
+
+    def rerun(data, *extra):
+        return run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", assets.tok, "--data", data,
+                        "--dump-dir", server.dump_dir, "--out", out, "--format", "speculators", "--no-progress",
+                        *extra])
+
+    p = rerun(data)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "nothing to do" in p.stderr and "removed 3 sample file(s) of conversations no longer in" in p.stderr
+    man = json.loads((out / "manifest.json").read_text())
+    keep = [r["id"] for r in assets.recs if r["id"] not in gone and r["id"] != "no-assistant"]
+    assert man["samples"] == len(keep) == N_CONV - 3 and man["last_run"]["stale_samples_removed"] == 3
+    assert man["files"] == [sample_rel("speculators", i) for i in keep]
+    assert sorted(x.relative_to(out).as_posix() for x in out.glob("samples/*/*.safetensors")) == sorted(man["files"])
+    ds = ArrowDataset(max_len=2048, datapath=str(out), on_missing="raise", hidden_states_dtype=torch.float32)
+    assert len(ds) == man["samples"] == len(list(out.glob("hidden_states/hs_*.safetensors")))
+    rows = {tuple(ds[k]["input_ids"].tolist()) for k in range(len(ds))}
+    assert rows == {tuple(expected[i].input_ids) for i in keep}  # the table's rows: exactly the kept ones
+    freq = torch.load(str(out / "token_freq.pt"), weights_only=True)
+    assert sum(freq.values()) == man["loss_tokens"]
+    # --limit limits what a run extracts, not what the dataset holds
+    p = rerun(data, "--limit", "3")
+    assert p.returncode == 0 and "sample file(s)" not in p.stderr, p.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["samples"] == len(keep)
+    assert len(ArrowDataset(max_len=2048, datapath=str(out), on_missing="raise")) == len(keep)
+    # an input whose only conversation has no assistant turn: no sample, no table
+    only = tinychat.write_jsonl(tmp_path / "none.jsonl", [r for r in assets.recs if r["id"] == "no-assistant"])
+    p = rerun(only)
+    assert p.returncode == 0 and f"removed {len(keep)} sample file(s)" in p.stderr, p.stderr[-2000:]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["samples"] == 0 and man["files"] == [] and [s["id"] for s in man["skipped"]] == ["no-assistant"]
+    assert not list(out.glob("samples/*/*")) and not (out / "hidden_states").exists()
+    assert not (out / "state.json").exists() and not list(out.glob("data-*.arrow"))
 
 
 @in_env
@@ -618,6 +698,140 @@ def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server
     check_dataset(out, "specforge", reference, expected)
 
 
+# ---- many servers: a second replica, the router, a replica killed mid-run -----------------------
+
+@pytest.fixture(scope="module")
+def replicas(assets, server):
+    """Second replicas of the suite's server (same patched tree, same shared dump directory), started
+    on demand; ``start()`` gives a running one, ``kill(r)`` SIGKILLs its whole process group."""
+    started = []
+
+    def start():
+        r = start_server(assets, server.pp, server.dump_dir, f"replica-{len(started) + 1}")
+        started.append(r)
+        FIGURES.setdefault("replica_start_s", []).append(r.start_s)
+        return r
+
+    def kill(r):
+        os.killpg(r.proc.pid, signal.SIGKILL)
+        r.proc.wait(timeout=30)
+
+    try:
+        yield SimpleNamespace(start=start, kill=kill)
+    finally:
+        for r in started:
+            _stop(r.proc)
+
+
+def answered_after_start(replica) -> int:
+    """/generate requests a replica answered after its own warm-up (from its log)."""
+    text = replica.log.read_text()
+    return text.partition("The server is fired up")[2].count('"POST /generate HTTP/1.1" 200')
+
+
+class Router:
+    """SGLang's router (sglang-router, pinned in cpu-requirements.txt) on localhost, round robin over
+    ``workers``; ready once it lists every worker."""
+
+    def __init__(self, assets, workers: list):
+        self.workers, self.log = workers, assets.root / "router.log"
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                    "--port", self.url.rsplit(":", 1)[1], "--policy", "round_robin", "--log-level", "warn",
+                    "--worker-urls", *workers]
+
+    def __enter__(self):
+        import requests
+
+        def ready(u):
+            r = requests.get(u + "/workers", timeout=10)
+            return r.status_code == 200 and len(r.json().get("workers", [])) == len(self.workers) \
+                and requests.get(u + "/get_model_info", timeout=10).status_code == 200
+
+        with open(self.log, "w") as fh:
+            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        FIGURES["router_start_s"] = round(_wait_ready(self.proc, self.url, self.log, "sglang router", ready), 1)
+        return self
+
+    def __exit__(self, *exc):
+        _stop(self.proc)
+
+
+def extract_killing(assets, server, out, replicas, victim, after: int, *argv, url=None):
+    """The CLI in a thread; ``victim`` is killed once ``after`` samples are recorded. Returns the
+    CLI's result and the number of records at the kill."""
+    import threading
+
+    res = {}
+    th = threading.Thread(target=lambda: res.update(p=extract(assets, server, out, *argv, url=url)))
+    th.start()
+    prog, t0 = out / "progress.jsonl", time.monotonic()
+    try:
+        while not (prog.is_file() and len(prog.read_text().splitlines()) >= after):
+            assert th.is_alive(), "extract ended before the replica could be killed: " + res["p"].stderr[-2000:]
+            assert time.monotonic() - t0 < 300, "no progress within 300 s"
+            time.sleep(0.02)
+        replicas.kill(victim)
+        at_kill = len(prog.read_text().splitlines())
+    finally:
+        th.join(timeout=900)
+    return res["p"], at_kill
+
+
+def check_once(out: Path, fmt: str) -> None:
+    """Every conversation recorded once, one sample file each, nothing half-written."""
+    ids = [r["id"] for r in records(out)]
+    assert len(ids) == len(set(ids)) == N_CONV + 1, sorted(ids)
+    ext = "ckpt" if fmt == "specforge" else "safetensors"
+    assert len(list(out.glob(f"samples/*/*.{ext}"))) == N_CONV
+    assert not list(out.glob("samples/*/.*.tmp"))
+
+
+@in_env
+def test_router_spreads_and_survives_a_killed_replica(assets, server, replicas, reference, expected):
+    """The production layout on localhost: two replicas sharing one dump directory behind SGLang's
+    router; one replica is SIGKILLed mid-run. Every sample is extracted once and equals HF."""
+    b = replicas.start()
+    out = assets.root / "out-router"
+    with Router(assets, [server.url, b.url]) as router:
+        p, at_kill = extract_killing(assets, server, out, replicas, b, 3, "--format", "specforge",
+                                     "--concurrency", "4", "--dump-timeout", "10", url=router.url)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert at_kill < N_CONV + 1, f"the replica was killed after the run ({at_kill} records)"
+    assert answered_after_start(b) >= 1, "the router sent nothing to the second replica"
+    # the router sent requests to the dead replica and retried them on the live one
+    assert f"Failed to send typed request worker_url={b.url} route=/generate" in router.log.read_text()
+    check_once(out, "specforge")
+    worst = check_dataset(out, "specforge", reference, expected)
+    # one answer per sample, more when a request answered by the killed replica left no dump (sent again)
+    (srv,) = json.loads((out / "manifest.json").read_text())["last_run"]["servers"]
+    assert srv["url"] == router.url and srv["answered"] >= N_CONV and srv["put_aside"] == 0
+    FIGURES["router"] = {"max_abs_diff_vs_hf": worst, "killed_after_records": at_kill,
+                         "replica_answered_before_kill": answered_after_start(b), "wall_s": round(p.wall, 2)}
+
+
+@in_env
+def test_two_servers_directly_one_killed(assets, server, replicas, reference, expected):
+    """--server twice: each server is probed alone first, then requests go round robin; the second
+    replica is SIGKILLed mid-run, the client puts it aside and sends its requests to the first."""
+    b = replicas.start()
+    out = assets.root / "out-two-servers"
+    p, at_kill = extract_killing(assets, server, out, replicas, b, 4, "--format", "speculators",
+                                 "--concurrency", "4", "--dump-timeout", "10", url=[server.url, b.url])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert at_kill < N_CONV + 1, f"the replica was killed after the run ({at_kill} records)"
+    assert f"warning: server {b.url} failed (" in p.stderr, p.stderr[-3000:]
+    assert f"from 2 servers ({server.url}, {b.url})" in p.stderr
+    check_once(out, "speculators")
+    worst = check_dataset(out, "speculators", reference, expected)
+    a_, b_ = json.loads((out / "manifest.json").read_text())["last_run"]["servers"]
+    assert (a_["url"], b_["url"]) == (server.url, b.url)
+    assert a_["answered"] + b_["answered"] >= N_CONV and b_["put_aside"] >= 1 and a_["put_aside"] == 0
+    assert 1 <= b_["answered"] <= answered_after_start(b)  # the client's count agrees with the replica's log
+    FIGURES["two_servers"] = {"max_abs_diff_vs_hf": worst, "killed_after_records": at_kill,
+                              "answered": [a_["answered"], b_["answered"]], "wall_s": round(p.wall, 2)}
+
+
 @in_env
 def test_one_line_errors(assets, server, reference, tmp_path):
     def one_line(p, *needles):
@@ -631,6 +845,14 @@ def test_one_line_errors(assets, server, reference, tmp_path):
     # server unreachable
     one_line(extract(assets, server, tmp_path / "o1", url=f"http://127.0.0.1:{_free_port()}"),
              "cannot reach the SGLang server")
+    # an empty --server entry, a server named twice (the comma list and the repeated flag)
+    one_line(extract(assets, server, tmp_path / "o12", url=f"{server.url},"), "--server names no server")
+    one_line(extract(assets, server, tmp_path / "o13", url=[server.url, server.url + "/"]),
+             f"--server names {server.url} more than once")
+    # one of two servers unreachable: refused at start, naming it
+    dead = f"http://127.0.0.1:{_free_port()}"
+    one_line(extract(assets, server, tmp_path / "o14", url=f"{server.url},{dead}"),
+             f"cannot reach the SGLang server at {dead}", "leave it out of --server")
     # dump directory not visible here
     one_line(extract(assets, server, tmp_path / "o2", dump_dir=tmp_path / "nowhere"), "is not visible on this machine")
     # the server does not write where we look (dump off / not patched / other directory)
@@ -675,7 +897,7 @@ def test_one_line_errors(assets, server, reference, tmp_path):
                  "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")
     one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
              "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 1, 2, 3]")
-    for i in range(1, 12):
+    for i in range(1, 15):
         assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"
 
 

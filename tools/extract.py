@@ -4,8 +4,10 @@
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
       --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers -1,1,29] [--max-len 2048]
 
-The server must run the patched sglang with EAGLE3_DUMP_DIR=DIR (the same directory, as this
-machine sees it, as --dump-dir). --format speculators also needs the last decoder layer N-1 in
+--server is one patched SGLang server, SGLang's router in front of several, or several servers
+(repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
+while and its requests are sent to the others. Every server must run the patched sglang with
+EAGLE3_DUMP_DIR=DIR (one directory shared by all of them; DIR as this machine sees it is --dump-dir). --format speculators also needs the last decoder layer N-1 in
 EAGLE3_DUMP_LAYERS (its output before the final norm is speculators' last slot). Rerunning with the
 same --out resumes: done samples are skipped, edited conversations are extracted again.
 Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
@@ -31,7 +33,9 @@ def _layer_ids(text: str) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="extract.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", required=True, help="SGLang server URL, e.g. http://127.0.0.1:30000")
+    ap.add_argument("--server", required=True, action="append", metavar="URL",
+                    help="SGLang server or router URL, e.g. http://127.0.0.1:30000; repeat it or give a comma "
+                         "list for several servers (requests are spread over them)")
     ap.add_argument("--model", required=True, type=Path, help="the served model's directory (config.json, tokenizer)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
@@ -39,7 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
     ap.add_argument("--format", choices=["specforge", "speculators"], default="specforge")
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
-    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    ap.add_argument("--concurrency", type=int, default=4,
+                    help="requests in flight, over all servers (give each replica several)")
     ap.add_argument("--dump-timeout", type=float, default=60.0, help="seconds to wait for a dump file")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for /generate")
     ap.add_argument("--retries", type=int, default=5, help="retries of transient HTTP failures per request")
@@ -50,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
                     help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
     ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use")
-    ap.add_argument("--limit", type=int, help="only the first N conversations")
+    ap.add_argument("--limit", type=int, help="extract only the first N conversations (samples done earlier stay)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
@@ -58,8 +63,9 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch.extract import Options, extract
 
-        opts = Options(server=a.server, model=a.model, tokenizer=a.tokenizer, data=a.data, dump_dir=a.dump_dir,
-                       out=a.out, format=a.format, max_len=a.max_len, concurrency=a.concurrency,
+        opts = Options(servers=[u for arg in a.server for u in arg.split(",")], model=a.model,
+                       tokenizer=a.tokenizer, data=a.data, dump_dir=a.dump_dir, out=a.out, format=a.format,
+                       max_len=a.max_len, concurrency=a.concurrency,
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
                        aux_layers=a.aux_layers,

@@ -22,7 +22,7 @@ from .writers import FORMATS
 
 @dataclass
 class Options:
-    server: str
+    servers: list  # SGLang server or router URLs; requests are spread over them (``client``)
     model: Path
     data: Path
     dump_dir: Path
@@ -87,6 +87,15 @@ def check_options(o: Options) -> None:
         raise UsageError(f"{', '.join(bad) or '--retries/--limit'} out of range",
                          "pass positive finite --max-len, --concurrency, --max-attempts, --dump-timeout, "
                          "--request-timeout, --limit and a non-negative --retries")
+    if isinstance(o.servers, str):
+        o.servers = [o.servers]
+    if not o.servers or any(not isinstance(u, str) or not u.strip() for u in o.servers):
+        raise UsageError("--server names no server (an empty URL)",
+                         "pass --server http://HOST:PORT, repeated or as a comma list for several servers")
+    o.servers = [u.strip().rstrip("/") for u in o.servers]
+    twice = sorted({u for u in o.servers if o.servers.count(u) > 1})
+    if twice:
+        raise UsageError(f"--server names {twice[0]} more than once", "name each server once")
     d = Path(o.dump_dir)
     if not d.is_dir():
         raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",

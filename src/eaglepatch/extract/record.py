@@ -7,7 +7,9 @@
   token), appended after its file is in place. A sample is done when its latest line carries the
   fingerprint of the conversation as the input has it now and its file has the recorded size;
   a conversation edited between runs is extracted again (into the same file, named by its id).
-- ``manifest.json``: rewritten atomically at the end of every run.
+- ``manifest.json``: rewritten atomically at the end of every run, listing the done samples of every
+  conversation in the input file (``--limit`` limits what a run extracts, not what the dataset
+  holds); sample files no done record names are deleted first (``remove_orphans``).
 """
 
 from __future__ import annotations
@@ -116,11 +118,22 @@ def append_progress(out: Path, rec: dict) -> None:
                     "free space or fix permissions on --out and rerun (done samples are kept)") from None
 
 
-def orphans(out: Path, fmt: str, done: dict) -> list:
-    """Sample files under ``out`` that no done record names (conversations removed from the input)."""
+def remove_orphans(out: Path, fmt: str, done: dict) -> int:
+    """Delete the sample files under ``out`` that no done record names (conversations removed from the
+    input, or edited since and not extracted again: SpecForge's reader takes every .ckpt under OUT);
+    returns how many. Sample directories left empty go too."""
     mine = {rec["file"] for rec in done.values() if rec.get("file")}
     ext = "ckpt" if fmt == "specforge" else "safetensors"
-    return [p for p in Path(out).glob(f"samples/*/*.{ext}") if p.relative_to(out).as_posix() not in mine]
+    n = 0
+    for p in sorted(Path(out).glob(f"samples/*/*.{ext}")):
+        if p.relative_to(out).as_posix() not in mine:
+            p.unlink()
+            n += 1
+            try:
+                p.parent.rmdir()
+            except OSError:  # not empty
+                pass
+    return n
 
 
 def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict) -> dict:

@@ -10,9 +10,19 @@
              (speculators) and manifest.json (``finish``).
 
 Stages 2-5 run on ``--concurrency`` worker threads, one conversation each; stage 6 runs on the
-main thread. The first conversation runs alone: it proves the server writes dumps where we look
-and fixes the dataset's layout (``writers.resolve_layout``). OUT is locked (flock on the
-directory) for the whole run; a run that fails before recording any sample leaves no file behind.
+main thread. Requests are spread over the ``--server`` URLs (replicas, or one SGLang router) by
+``client.SGLangClient``: round robin over the servers that are up, a failed server put aside for a
+while and the request sent to the next one. Before the threads start, one conversation is sent
+alone to each server in turn: it proves that server writes dumps where we look (behind a router,
+the replica the router picks), and the first fixes the dataset's layout
+(``writers.resolve_layout``). Every dump is validated, whichever server wrote it, and each sample
+is written and recorded once, by this process.
+
+At the end (``finish``) the dataset is made to hold exactly the samples of the conversations in
+``--data`` as it is now: sample files of conversations removed from it (or edited since and not
+extracted again) are deleted, then the speculators table and the manifest are written from the
+same list. OUT is locked (flock on the directory) for the whole run; a run that fails before
+recording any sample leaves no file behind.
 """
 
 from __future__ import annotations
@@ -32,8 +42,8 @@ from .client import RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
 from .record import Fatal
 from .tokenize import MaskError
-from .writers import (SAMPLES_DIR, Layout, LayoutError, publish_speculators, resolve_layout, sample_rel,
-                      stale_temporaries, write_sample)
+from .writers import (Layout, LayoutError, publish_speculators, resolve_layout, sample_rel, stale_temporaries,
+                      write_sample)
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
@@ -72,7 +82,7 @@ class Extractor:
         o = self.o
         check_options(o)
         inp = read_inputs(o)
-        client = SGLangClient(o.server, timeout=o.request_timeout, retries=o.retries)
+        client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log)
         if inp.pending:  # a finished dataset reruns without a server
             client.server_info()
         out = Path(o.out)
@@ -106,12 +116,12 @@ class Extractor:
         outcomes: list[Outcome] = []
         if inp.pending:
             self.log(f"extracting {len(inp.pending)} of {len(inp.convs)} conversations "
-                     f"({len(inp.convs) - len(inp.pending)} already done) from {o.server} into {o.out} "
+                     f"({len(inp.convs) - len(inp.pending)} already done) from {client.describe()} into {o.out} "
                      f"(--format {o.format})")
             outcomes = self._run_pending(inp, client, t0)
         else:
             self.log(f"nothing to do: all {len(inp.convs)} conversations are already in {o.out}")
-        return self.finish(inp, outcomes, time.monotonic() - t0, client.retried)
+        return self.finish(inp, outcomes, time.monotonic() - t0, client)
 
     def _run_pending(self, inp: Inputs, client: SGLangClient, t0: float) -> list:
         from tqdm import tqdm
@@ -133,13 +143,15 @@ class Extractor:
             bar.update(1)
 
         try:
-            # conversations alone until one has been sent: it proves the server writes dumps where we look
+            # each server alone until one conversation has been sent to it: it proves the server writes
+            # dumps where we look
             rest = iter(inp.pending)
-            for c in rest:
-                x = self.process(c, inp, client, probe=True)
-                finish_one(x)
-                if x.attempts:
-                    break
+            for server in range(len(client.urls)):
+                for c in rest:
+                    x = self.process(c, inp, client, probe=server)
+                    finish_one(x)
+                    if x.attempts:
+                        break
             with ThreadPoolExecutor(max_workers=o.concurrency, thread_name_prefix="extract") as pool:
                 inflight: set = set()
                 try:
@@ -163,7 +175,7 @@ class Extractor:
         return outcomes
 
     # ---- stages 2-5, one conversation ---------------------------------------------------------
-    def process(self, conv, inp: Inputs, client: SGLangClient, probe: bool = False) -> Outcome:
+    def process(self, conv, inp: Inputs, client: SGLangClient, probe: int | None = None) -> Outcome:
         o = self.o
         out = Outcome(conv.id, conv.index, conv.fingerprint, "failed")
         enc = self.tokenize(conv, inp, out)
@@ -217,22 +229,29 @@ class Extractor:
                         f"{inp.cfg['vocab_size']} (tokenizer/model mismatch)", "use the served model's tokenizer")
         return enc
 
-    def request(self, ids, path: Path, client: SGLangClient, probe: bool) -> tuple[str, bool]:
-        """Stage 3. ('', _) once the dump file is there, else (why not, whether a retry may help)."""
+    def request(self, ids, path: Path, client: SGLangClient, probe: int | None) -> tuple[str, bool]:
+        """Stage 3. ('', _) once the dump file is there, else (why not, whether a retry may help).
+        ``probe``: send to that server only, and stop the run if it fails."""
         o = self.o
         dumps_mod.remove_quietly(path)  # never read a stale dump of an earlier request
         try:
-            client.generate(ids)
+            client.generate(ids, server=probe)
         except RequestError as exc:
             return f"server refused the request: {exc}", False
         except TransientError as exc:
-            if probe or not client.alive():
-                raise Fatal(f"the server at {o.server} stopped answering ({exc})",
-                            "look at the server log, restart it and rerun (done samples are kept)") from None
+            if probe is not None or not client.alive():
+                who = (f"the server at {client.urls[probe or 0]} stopped answering"
+                       if probe is not None or len(client.urls) == 1
+                       else f"none of the {len(client.urls)} servers answers")
+                raise Fatal(f"{who} ({exc})",
+                            "look at the server logs, restart them and rerun (done samples are kept)") from None
             return f"/generate failed: {exc}", True
         if not dumps_mod.wait_for(path, o.dump_timeout):
-            if probe:
-                raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), o.dump_timeout))
+            if probe is not None:
+                problem, fix = dumps_mod.no_dump_message(Path(o.dump_dir), o.dump_timeout)
+                if len(client.urls) > 1:
+                    problem = f"server {client.urls[probe]}: {problem}"
+                raise Fatal(problem, fix)
             return f"no dump file {path.name} appeared within {o.dump_timeout:g} s", True
         return "", False
 
@@ -305,11 +324,23 @@ class Extractor:
         rec_mod.append_progress(Path(self.o.out), rec)
         inp.done[x.conv_id] = rec
 
-    def finish(self, inp: Inputs, outcomes: list, wall: float, retried: int) -> int:
+    def finish(self, inp: Inputs, outcomes: list, wall: float, client: SGLangClient) -> int:
+        """Stage 6, after the last sample: the dataset made to hold exactly the samples of ``--data`` as it
+        is now (every conversation of the file, also those past ``--limit``), then the speculators table
+        and the manifest from that one list."""
         o = self.o
         out = Path(o.out)
-        rows = [inp.done[c.id]["file"] for c in inp.convs if c.id in inp.done and not inp.done[c.id].get("skipped")]
-        if o.format == "speculators" and rows:
+        try:
+            removed = rec_mod.remove_orphans(out, o.format, inp.done)
+        except OSError as exc:
+            raise Fatal(f"cannot remove stale samples from {out} ({exc.strerror or exc})",
+                        "fix permissions on --out and rerun (done samples are kept)") from None
+        if removed:
+            self.log(f"removed {removed} sample file(s) of conversations no longer in {o.data} "
+                     f"(removed from it, or edited and not extracted again)")
+        rows = [inp.done[c.id]["file"] for c in inp.all_convs
+                if c.id in inp.done and not inp.done[c.id].get("skipped")]
+        if o.format == "speculators" and inp.settings.saved:
             try:
                 publish_speculators(out, rows)
             except OSError as exc:
@@ -318,12 +349,14 @@ class Extractor:
         ok = [x for x in outcomes if x.status == "ok"]
         failed = [x for x in outcomes if x.status == "failed"]
         skipped = [x for x in outcomes if x.status == "skipped"]
+        retried = client.retried
         last_run = {"wall_s": round(wall, 3), "extracted": len(ok), "failed": len(failed), "skipped": len(skipped),
-                    "bad_dumps_rejected": self.bad_dumps, "request_retries": retried}
-        man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.convs, inp.done, outcomes, last_run)
+                    "bad_dumps_rejected": self.bad_dumps, "request_retries": retried, "stale_samples_removed": removed,
+                    "servers": [{"url": u, "answered": n, "put_aside": a}
+                                for u, n, a in zip(client.urls, client.answered, client.put_aside)]}
+        man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
         if inp.settings.saved:
             rec_mod.atomic_json(out / rec_mod.MANIFEST_FILE, man)
-        self._warn_orphans(inp)
         toks = sum(x.tokens for x in ok)
         self.log(
             f"summary: {len(ok)} extracted ({toks} tokens, {sum(x.nbytes for x in ok) / 2**20:.1f} MiB) in {wall:.1f} s "
@@ -331,17 +364,13 @@ class Extractor:
             f"{len(inp.convs) - len(inp.pending)} already done; {len(skipped)} skipped (no assistant tokens); "
             f"{len(failed)} failed; {self.bad_dumps} bad dumps rejected; {retried} request retries; "
             f"dataset: {man['samples']} samples, {man['tokens']} tokens")
+        if len(client.urls) > 1 and outcomes:
+            self.log("requests answered per server: " + ", ".join(
+                f"{u} {n}" + (f" (put aside {a}x)" if a else "")
+                for u, n, a in zip(client.urls, client.answered, client.put_aside)))
         for x in failed:
             self.log(f"failed: {x.conv_id}: {x.reason}")
         return 1 if failed else 0
-
-    def _warn_orphans(self, inp: Inputs) -> None:
-        extra = rec_mod.orphans(Path(self.o.out), self.o.format, inp.done)
-        if extra:
-            self.log(f"warning: {len(extra)} sample file(s) under {Path(self.o.out) / SAMPLES_DIR} belong to no "
-                     f"conversation of {self.o.data} (removed or edited since they were written); they are not in "
-                     f"the manifest, but SpecForge's reader takes every .ckpt under the directory: delete them "
-                     f"or extract into a new --out")
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self.lock:

@@ -176,12 +176,20 @@ def _link(src: Path, dst: Path) -> None:
 def publish_speculators(out_dir: Path, rels: list) -> None:
     """Make ``out_dir`` the dataset speculators opens, with row i = ``rels[i]``. Built in a staging
     directory, then moved in: ``hidden_states/`` by two renames, the table's files with
-    ``state.json`` last, shards the new table does not list removed."""
+    ``state.json`` last, shards the new table does not list removed. No rows: the table of an
+    earlier run is removed (``state.json`` first), so it cannot outlive its samples."""
+    out_dir = Path(out_dir)
+    if not rels:
+        for name in ("state.json", "dataset_info.json", TOKEN_FREQ_FILE):
+            (out_dir / name).unlink(missing_ok=True)
+        for f in out_dir.glob("data-*.arrow"):
+            f.unlink()
+        shutil.rmtree(out_dir / HIDDEN_STATES_DIR, ignore_errors=True)
+        return
     import datasets
     import torch
     from safetensors import safe_open
 
-    out_dir = Path(out_dir)
     staging = out_dir / _STAGING
     shutil.rmtree(staging, ignore_errors=True)
     (staging / HIDDEN_STATES_DIR).mkdir(parents=True)
