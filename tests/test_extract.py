@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ sys.path.insert(0, str(REPO / "tests" / "extract_fixtures"))
 
 import importlib.util
 
+import cpuserver  # noqa: E402
+
 IN_ENV = all(importlib.util.find_spec(m) for m in ("torch", "transformers", "tokenizers", "safetensors", "tqdm"))
 if IN_ENV:
     import torch
@@ -47,7 +48,6 @@ LAYERS = [-1, 1, 2, 3]  # EAGLE3_DUMP_LAYERS of the server: the aux layers, then
 AUX = [-1, 1, 2]  # the dataset's aux layers (the default: every dumped layer except N-1); HF indices 0, 2, 3
 N_CONV = 24
 TOL = 1e-4
-SERVER_START_TIMEOUT = 300
 FIGURES: dict = {}
 # EAGLEPATCH_TEST_SERIES: another series directory for the server's tree (default: the repo's 0.5.9 series)
 
@@ -63,12 +63,6 @@ def test_extract_suite_in_cpu_env():
 
 
 # ---- fixtures --------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
@@ -89,60 +83,12 @@ def assets(tmp_path_factory):
                            hf=_hf)
 
 
-def _stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
-    """Stop a process group started with start_new_session (SIGKILL when SIGTERM is not enough)."""
+def start_patched(assets, pp: Path, dump_dir: Path, name: str) -> SimpleNamespace:
+    """A patched server on the suite's checkpoint and tokenizer, dumping LAYERS into ``dump_dir``."""
     try:
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=20)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path, what: str, ready) -> float:
-    """Poll ``ready(url)`` until it holds; fail with the log's tail when the process exits or is too slow."""
-    import requests
-
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            pytest.fail("%s exited (%s):\n%s" % (what, proc.returncode, log.read_text()[-3000:]))
-        if time.monotonic() - t0 > SERVER_START_TIMEOUT:
-            _stop(proc)
-            pytest.fail("%s not ready after %d s:\n%s" % (what, SERVER_START_TIMEOUT, log.read_text()[-3000:]))
-        try:
-            if ready(url):
-                return time.monotonic() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-
-
-def start_server(assets, pp: Path, dump_dir: Path, name: str) -> SimpleNamespace:
-    """A patched sglang 0.5.9 HTTP server (``launch_server``) on CPU with the dump into ``dump_dir``.
-    ``--sleep-on-idle``: an idle scheduler waits on its sockets instead of spinning a core."""
-    import requests
-
-    port = _free_port()
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", EAGLE3_DUMP_DIR=str(dump_dir),
-               EAGLE3_DUMP_LAYERS=",".join(map(str, LAYERS)),
-               PYTHONPATH=os.pathsep.join([str(pp), str(REPO / "src" / "eaglepatch" / "smoke" / "stubs")]))
-    log = assets.root / f"{name}.log"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(assets.ckpt),
-           "--tokenizer-path", str(assets.tok), "--device", "cpu", "--attention-backend", "torch_native",
-           "--disable-cuda-graph", "--dtype", "float32", "--disable-radix-cache", "--chunked-prefill-size", "-1",
-           "--disable-overlap-schedule", "--max-total-tokens", "4096", "--context-length", "1024",
-           "--max-running-requests", "8", "--random-seed", "0", "--mem-fraction-static", "0.5",
-           "--grammar-backend", "none", "--sleep-on-idle", "--port", str(port), "--host", "127.0.0.1"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wall = _wait_ready(proc, url, log, f"sglang server {name}",
-                       lambda u: requests.get(u + "/health_generate", timeout=30).status_code == 200)
-    return SimpleNamespace(url=url, port=port, proc=proc, log=log, start_s=round(wall, 1))
+        return cpuserver.start_server(pp, assets.ckpt, assets.tok, dump_dir, LAYERS, assets.root / f"{name}.log")
+    except cpuserver.NotReady as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +100,13 @@ def server(assets):
     pp = patched_tree(unpacked_release("0.5.9", quiet=True), series, assets.root / "pp")
     dump_dir = assets.root / "dumps"
     dump_dir.mkdir()
-    s = start_server(assets, pp, dump_dir, "server")
+    s = start_patched(assets, pp, dump_dir, "server")
     FIGURES["server_start_s"] = s.start_s
     try:
         yield SimpleNamespace(url=s.url, dump_dir=dump_dir, pp=pp, port=s.port,
                               series_version=json.loads((series / "manifest.json").read_text())["series_version"])
     finally:
-        _stop(s.proc)
+        cpuserver.stop(s.proc)
 
 
 @pytest.fixture(scope="module")
@@ -707,7 +653,7 @@ def replicas(assets, server):
     started = []
 
     def start():
-        r = start_server(assets, server.pp, server.dump_dir, f"replica-{len(started) + 1}")
+        r = start_patched(assets, server.pp, server.dump_dir, f"replica-{len(started) + 1}")
         started.append(r)
         FIGURES.setdefault("replica_start_s", []).append(r.start_s)
         return r
@@ -720,41 +666,7 @@ def replicas(assets, server):
         yield SimpleNamespace(start=start, kill=kill)
     finally:
         for r in started:
-            _stop(r.proc)
-
-
-def answered_after_start(replica) -> int:
-    """/generate requests a replica answered after its own warm-up (from its log)."""
-    text = replica.log.read_text()
-    return text.partition("The server is fired up")[2].count('"POST /generate HTTP/1.1" 200')
-
-
-class Router:
-    """SGLang's router (sglang-router, pinned in cpu-requirements.txt) on localhost, round robin over
-    ``workers``; ready once it lists every worker."""
-
-    def __init__(self, assets, workers: list):
-        self.workers, self.log = workers, assets.root / "router.log"
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                    "--port", self.url.rsplit(":", 1)[1], "--policy", "round_robin", "--log-level", "warn",
-                    "--worker-urls", *workers]
-
-    def __enter__(self):
-        import requests
-
-        def ready(u):
-            r = requests.get(u + "/workers", timeout=10)
-            return r.status_code == 200 and len(r.json().get("workers", [])) == len(self.workers) \
-                and requests.get(u + "/get_model_info", timeout=10).status_code == 200
-
-        with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        FIGURES["router_start_s"] = round(_wait_ready(self.proc, self.url, self.log, "sglang router", ready), 1)
-        return self
-
-    def __exit__(self, *exc):
-        _stop(self.proc)
+            cpuserver.stop(r.proc)
 
 
 def extract_killing(assets, server, out, replicas, victim, after: int, *argv, url=None):
@@ -793,12 +705,13 @@ def test_router_spreads_and_survives_a_killed_replica(assets, server, replicas, 
     router; one replica is SIGKILLed mid-run. Every sample is extracted once and equals HF."""
     b = replicas.start()
     out = assets.root / "out-router"
-    with Router(assets, [server.url, b.url]) as router:
+    with cpuserver.Router([server.url, b.url], assets.root / "router.log") as router:
+        FIGURES["router_start_s"] = router.start_s
         p, at_kill = extract_killing(assets, server, out, replicas, b, 3, "--format", "specforge",
                                      "--concurrency", "4", "--dump-timeout", "10", url=router.url)
     assert p.returncode == 0, p.stderr[-3000:]
     assert at_kill < N_CONV + 1, f"the replica was killed after the run ({at_kill} records)"
-    assert answered_after_start(b) >= 1, "the router sent nothing to the second replica"
+    assert cpuserver.answered_after_start(b.log) >= 1, "the router sent nothing to the second replica"
     # the router sent requests to the dead replica and retried them on the live one
     assert f"Failed to send typed request worker_url={b.url} route=/generate" in router.log.read_text()
     check_once(out, "specforge")
@@ -807,7 +720,7 @@ def test_router_spreads_and_survives_a_killed_replica(assets, server, replicas, 
     (srv,) = json.loads((out / "manifest.json").read_text())["last_run"]["servers"]
     assert srv["url"] == router.url and srv["answered"] >= N_CONV and srv["put_aside"] == 0
     FIGURES["router"] = {"max_abs_diff_vs_hf": worst, "killed_after_records": at_kill,
-                         "replica_answered_before_kill": answered_after_start(b), "wall_s": round(p.wall, 2)}
+                         "replica_answered_before_kill": cpuserver.answered_after_start(b.log), "wall_s": round(p.wall, 2)}
 
 
 @in_env
@@ -827,7 +740,7 @@ def test_two_servers_directly_one_killed(assets, server, replicas, reference, ex
     a_, b_ = json.loads((out / "manifest.json").read_text())["last_run"]["servers"]
     assert (a_["url"], b_["url"]) == (server.url, b.url)
     assert a_["answered"] + b_["answered"] >= N_CONV and b_["put_aside"] >= 1 and a_["put_aside"] == 0
-    assert 1 <= b_["answered"] <= answered_after_start(b)  # the client's count agrees with the replica's log
+    assert 1 <= b_["answered"] <= cpuserver.answered_after_start(b.log)  # the client's count agrees with the replica's log
     FIGURES["two_servers"] = {"max_abs_diff_vs_hf": worst, "killed_after_records": at_kill,
                               "answered": [a_["answered"], b_["answered"]], "wall_s": round(p.wall, 2)}
 
@@ -843,14 +756,14 @@ def test_one_line_errors(assets, server, reference, tmp_path):
         return lines[0]
 
     # server unreachable
-    one_line(extract(assets, server, tmp_path / "o1", url=f"http://127.0.0.1:{_free_port()}"),
+    one_line(extract(assets, server, tmp_path / "o1", url=f"http://127.0.0.1:{cpuserver.free_port()}"),
              "cannot reach the SGLang server")
     # an empty --server entry, a server named twice (the comma list and the repeated flag)
     one_line(extract(assets, server, tmp_path / "o12", url=f"{server.url},"), "--server names no server")
     one_line(extract(assets, server, tmp_path / "o13", url=[server.url, server.url + "/"]),
              f"--server names {server.url} more than once")
     # one of two servers unreachable: refused at start, naming it
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{cpuserver.free_port()}"
     one_line(extract(assets, server, tmp_path / "o14", url=f"{server.url},{dead}"),
              f"cannot reach the SGLang server at {dead}", "leave it out of --server")
     # dump directory not visible here

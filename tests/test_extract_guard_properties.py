@@ -182,7 +182,8 @@ def mostly(common, *rare):
        model_kind=mostly("good", "bytes", "missing"), model_bytes=_file_bytes(),
        tok_kind=mostly("good", "model", "missing"), dump_kind=mostly("good", "missing", "file"),
        out_kind=mostly("new", "nested-new", "file", "under-file", "empty-dir"),
-       server=st.one_of(st.just("closed"), st.sampled_from(["", "nonsense", "http://[::1", "ftp://x", "http://a..b:1"]),
+       server=st.one_of(st.just("closed"), st.sampled_from(["", "nonsense", "http://[::1", "ftp://x", "http://a..b:1",
+                                                          ",", "x,", "http://a:1,http://a:1/", "closed,closed"]),
                         st.text(max_size=12)),
        fmt=mostly(None, "specforge", "speculators", "other"),
        nums=st.dictionaries(st.sampled_from(["--max-len", "--concurrency", "--dump-timeout", "--request-timeout",
@@ -207,7 +208,7 @@ def test_extract_cli_properties(ex, tmp_path_factory, data_kind, data_bytes, mod
     (root / "empty").mkdir()
     out = {"new": root / "out", "nested-new": root / "a" / "b" / "out", "file": root / "f",
            "under-file": root / "f" / "out", "empty-dir": root / "empty"}[out_kind]
-    url = f"http://127.0.0.1:{ex['port']}" if server == "closed" else server
+    url = server.replace("closed", f"http://127.0.0.1:{ex['port']}") if server.startswith("closed") else server
     argv = ["--server", url, "--model", model, "--tokenizer", tok, "--data", data, "--dump-dir", dump,
             "--out", out, "--no-progress"]
     if fmt:
