@@ -66,15 +66,19 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, what: str, ready, ti
         time.sleep(0.5)
 
 
-def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: Path) -> SimpleNamespace:
+def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: Path,
+                 threads: int | None = None) -> SimpleNamespace:
     """The sglang tree at ``pp`` serving ``ckpt`` on CPU with EAGLE3_DUMP_DIR=``dump_dir`` and
     EAGLE3_DUMP_LAYERS=``layers``. ``--sleep-on-idle``: an idle scheduler waits on its sockets
-    instead of spinning a core (two of them would take both cores of a 2-core machine)."""
+    instead of spinning a core (two of them would take both cores of a 2-core machine).
+    ``threads``: OMP_NUM_THREADS of the server (torch's intra-op threads; default: every core)."""
     import requests
 
     port = free_port()
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", EAGLE3_DUMP_DIR=str(dump_dir),
                EAGLE3_DUMP_LAYERS=",".join(map(str, layers)), PYTHONPATH=os.pathsep.join([str(pp), str(STUBS)]))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--tokenizer-path", str(tok),
            "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
            "--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-overlap-schedule",
