@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (every configuration)")
     ap.add_argument("--join", type=int, default=6,
-                    help="tinychat conversations joined into one prompt (default 6: ~100-700 tokens)")
+                    help="tinychat conversations joined into one prompt (default 6: 260-620 tokens)")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="torch threads per server (OMP_NUM_THREADS; default 1: a replica per core)")
     a = ap.parse_args()
