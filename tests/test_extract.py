@@ -670,8 +670,8 @@ def replicas(assets, server):
 
 
 def extract_killing(assets, server, out, replicas, victim, after: int, *argv, url=None):
-    """The CLI in a thread; ``victim`` is killed once ``after`` samples are recorded. Returns the
-    CLI's result and the number of records at the kill."""
+    """The CLI in a thread; ``victim`` is killed once ``after`` samples are recorded and it has
+    answered a request of the run. Returns the CLI's result and the number of records at the kill."""
     import threading
 
     res = {}
@@ -679,7 +679,8 @@ def extract_killing(assets, server, out, replicas, victim, after: int, *argv, ur
     th.start()
     prog, t0 = out / "progress.jsonl", time.monotonic()
     try:
-        while not (prog.is_file() and len(prog.read_text().splitlines()) >= after):
+        while not (prog.is_file() and len(prog.read_text().splitlines()) >= after
+                   and cpuserver.answered_after_start(victim.log) >= 1):
             assert th.is_alive(), "extract ended before the replica could be killed: " + res["p"].stderr[-2000:]
             assert time.monotonic() - t0 < 300, "no progress within 300 s"
             time.sleep(0.02)

@@ -75,7 +75,7 @@ def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: P
     import requests
 
     port = free_port()
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", EAGLE3_DUMP_DIR=str(dump_dir),
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", EAGLE3_DUMP_DIR=str(dump_dir), PYTHONUNBUFFERED="1",
                EAGLE3_DUMP_LAYERS=",".join(map(str, layers)), PYTHONPATH=os.pathsep.join([str(pp), str(STUBS)]))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -94,7 +94,8 @@ def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: P
 
 
 def answered_after_start(log: Path) -> int:
-    """/generate requests a server answered after its own warm-up request (from its log)."""
+    """/generate requests a server answered after its own warm-up request (from its log, written
+    unbuffered)."""
     return log.read_text().partition("The server is fired up")[2].count('"POST /generate HTTP/1.1" 200')
 
 
