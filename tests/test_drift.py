@@ -11,6 +11,7 @@ def test_pinned_gate_passes_on_the_real_series():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "sglang-0.5.9 on sglang 0.5.9: all exact (15/15 hunks exact)" in r.stdout
     assert "sglang-0.5.23 on sglang 0.5.23: all exact" in r.stdout
+    assert "sglang-0.5.17 on sglang 0.5.17: all exact" in r.stdout
 
 
 def test_pinned_gate_fails_when_a_series_is_not_exact_on_its_release(tmp_path):
@@ -53,7 +54,8 @@ def test_committed_drift_doc_covers_every_release_since_the_pin():
     md = (REPO / "docs" / "drift.md").read_text()
     for rel in ("0.5.9", "0.5.10", "0.5.11", "0.5.15.post1", "0.5.22", "0.5.23"):
         assert f"\n| {rel} | sglang-" in md, rel
-    assert "| 0.5.23 | sglang-0.5.23 | 8/8 exact | all exact |" in md
+    assert "| 0.5.23 | sglang-0.5.23 | 12/12 exact | all exact |" in md
+    assert "| 0.5.17 | sglang-0.5.17 | 12/12 exact | all exact |" in md
 
 
 def test_usage_errors():

@@ -52,7 +52,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     import torch
 
     import _hf
-    import _runner
+    import _rt
 
     if not Path(ckpt, "config.json").exists():
         _hf.build_deepseek(Path(ckpt))
@@ -77,19 +77,19 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     for label, d in (("missing", missing), ("readonly", readonly)):
         os.environ["EAGLE3_DUMP_DIR"] = d
         try:
-            r = _runner.make_runner(_runner.server_args(Path(ckpt)))
+            r = _rt.make_runner(_rt.server_args(Path(ckpt)))
             res[label] = {"started": True}
-            _runner.release(r)
+            _rt.release(r)
         except Exception as exc:
             res[label] = {"started": False, "error": "%s: %s" % (type(exc).__name__, exc)}
-            _runner.release(None)
+            _rt.release(None)
         save()
 
     rng = random.Random(7)
 
     def forward(runner, prompts):
         try:
-            o = _runner.extend(runner, prompts).next_token_logits
+            o = _rt.extend(runner, prompts).next_token_logits
             return {"logits_ok": bool(o is not None and tuple(o.shape)[0] == len(prompts)
                                       and torch.isfinite(o).all())}
         except Exception as exc:
@@ -99,7 +99,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
 
     # -- full disk
     os.environ["EAGLE3_DUMP_DIR"] = full
-    runner = _runner.make_runner(_runner.server_args(Path(ckpt)))
+    runner = _rt.make_runner(_rt.server_args(Path(ckpt)))
     writer = capture_target(runner.model)._eagle3_capture_state.writer
     steps = []
     prompts = [_prompt(rng, FULL_TOKENS) for _ in range(6)]
@@ -115,19 +115,21 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     res["full"] = {"steps": steps, "log": [m for m in messages if "failed" in m]}
     save()
     writer.close()
-    _runner.release(runner)
+    _rt.release(runner)
 
     # -- burst under a small pending cap
     os.environ["EAGLE3_DUMP_DIR"] = burst
     os.environ["EAGLE3_DUMP_MAX_PENDING_MB"] = str(BURST_CAP_MB)
-    runner = _runner.make_runner(_runner.server_args(Path(ckpt)))
+    runner = _rt.make_runner(_rt.server_args(Path(ckpt)))
     writer = capture_target(runner.model)._eagle3_capture_state.writer
     prompts = [_prompt(rng, rng.randint(5, 60)) for _ in range(BURST_REQUESTS)]
     errors, largest = [], 0
     for b in range(0, BURST_REQUESTS, BURST_BATCH):
         batch = prompts[b:b + BURST_BATCH]
         tokens = sum(map(len, batch))
-        largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8))
+        # rows (states float32, ids int64) + each request's slot (int64) and full length (int32),
+        # which the writer reads to follow requests across chunked-prefill forwards
+        largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8) + len(batch) * (8 + 4))
         import threading
 
         def hung(k=b // BURST_BATCH):
@@ -163,7 +165,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
                     "files": sorted(os.listdir(burst))}
     save()
     writer.close()
-    _runner.release(runner)
+    _rt.release(runner)
 
 
 # ------------------------------------------------------------------------------------------

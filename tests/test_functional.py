@@ -147,6 +147,15 @@ def test_cpu_requirements_are_all_pinned_and_env_matches():
         assert got.split("+")[0] == ver, "%s: env has %s, pinned %s" % (name, got, ver)
 
 
+def test_patched_tree_inside_a_git_repository_is_patched(tmp_path, release_059):
+    """git apply run inside a repository skips the paths it thinks are outside the current
+    directory and still succeeds; the smoke tree must be patched wherever it is built."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    pp = patched_tree(release_059, SERIES[PINNED_RELEASE], tmp_path / "inside" / "pp", smoke=False)
+    assert (pp / "sglang" / "srt" / "eagle3_capture" / "dump.py").is_file()
+    assert "eagle3_capture" in (pp / "sglang" / "srt" / "models" / "deepseek_v2.py").read_text()
+
+
 # ---- import level -----------------------------------------------------------------------------
 
 def test_import_level(smoke_groups):

@@ -1,7 +1,8 @@
 """Per-request prefill hidden-state dump: one safetensors file per request.
 
 The forward thread only starts device-to-host copies of a prefill's rows into reused (pinned,
-on CUDA) host buffers; a writer thread waits for the copies, cuts the rows per request and
+on CUDA) host buffers, on a side stream so that the forward's next kernels do not wait for them;
+a writer thread waits for the copies, cuts the rows per request and
 writes ``<key>.safetensors`` through a temporary name and a rename, so readers never see a
 partial file. Bytes copied but not yet written are capped (``staging``): at the cap the forward
 waits (backpressure).
@@ -20,6 +21,7 @@ removed and later requests are written again once space returns.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -114,6 +116,7 @@ class DumpWriter:
         self._partials: Dict[int, _Partial] = {}
         self._abandoned: Dict[int, int] = {}  # slot -> rows still to come of a dropped request
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._stream = None
         self._thread = None
         if enabled:
             self._thread = threading.Thread(
@@ -121,6 +124,14 @@ class DumpWriter:
             )
             self._thread.start()
             atexit.register(self.close)
+
+    def _side_stream(self):
+        """The stream the device-to-host copies run on: after the forward's kernels so far (it
+        waits for them), beside the ones that follow, which need not wait for the copies."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
 
     @property
     def pending_bytes(self) -> int:
@@ -167,15 +178,19 @@ class DumpWriter:
         held = sum(_nbytes(t) for n, t in everything.items() if n not in copied)
         buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
         host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
-        for name, buf in zip(copied, buffers):
-            src = everything[name]
-            view = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
-            view.copy_(src, non_blocking=True)
-            host[name] = view
+        stream = self._side_stream() if any(everything[n].is_cuda for n in copied) else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, buf in zip(copied, buffers):
+                src = everything[name]
+                view = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
+                view.copy_(src, non_blocking=True)
+                if src.is_cuda:  # the allocator must not reuse it before the copy is done
+                    src.record_stream(stream)
+                host[name] = view
         event = None
-        if ids.is_cuda:
+        if stream is not None:
             event = torch.cuda.Event()
-            event.record()
+            event.record(stream)
         lookup = {k[1:]: v for k, v in host.items() if k.startswith("@")} or None
         tensors = {k: v for k, v in host.items() if not k.startswith("@")}
         self._queue.put(_Job(tensors, buffers, held, event, spans, lookup))
