@@ -747,6 +747,42 @@ def test_two_servers_directly_one_killed(assets, server, replicas, reference, ex
 
 
 @in_env
+def test_a_request_failing_on_every_server_is_retried_then_listed(assets, server, reference, expected):
+    """Two servers (fault proxies in front of the suite's server): conv-003 is refused by both every
+    time, conv-006 once by each. A refusing server is put aside and the request goes to the next one
+    that is up (to all of them when none is); conv-003 is tried on both servers per --retries and
+    --max-attempts, then listed as failed with no file; conv-006 is extracted. The rerun completes
+    conv-003 and the dataset is exact."""
+    from eaglepatch.extract.dumps import dump_key
+    from eaglepatch.extract.writers import sample_rel
+    from faultproxy import FaultProxy
+
+    k = {cid: dump_key(e.input_ids) for cid, e in expected.items()}
+    out = assets.root / "out-every-server"
+    with FaultProxy(server.url, server.dump_dir) as p1, FaultProxy(server.url, server.dump_dir) as p2:
+        for px in (p1, p2):
+            px.plan = {k["conv-003"]: ["503"] * 8, k["conv-006"]: ["503"]}
+        p = extract(assets, server, out, "--concurrency", "2", "--retries", "1", "--max-attempts", "2",
+                    url=f"{p1.url},{p2.url}")
+        logs = {p1.url: list(p1.log), p2.url: list(p2.log)}
+    assert p.returncode == 1, p.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["failed_ids"] == ["conv-003"] and "2 attempts failed" in man["failed"][0]["reason"]
+    assert not (out / sample_rel("specforge", "conv-003")).exists()
+    for url, log in logs.items():  # conv-003 went to both servers
+        assert (k["conv-003"], "503") in log, (url, log)
+    assert 1 <= sum(log.count((k["conv-006"], "503")) for log in logs.values()) <= 2
+    assert "warning: server http://127.0.0.1:" in p.stderr and "failed (HTTP 503" in p.stderr
+    srv = man["last_run"]["servers"]
+    assert sum(s["answered"] for s in srv) == N_CONV - 1 and all(s["answered"] >= 1 for s in srv), srv
+    # 2 attempts x 2 rounds of the servers that are up (all of them when none is): 4 to 8 refusals
+    assert 4 <= sum(log.count((k["conv-003"], "503")) for log in logs.values()) <= 8
+    p = extract(assets, server, out)
+    assert p.returncode == 0 and "summary: 1 extracted" in p.stderr, p.stderr[-2000:]
+    check_dataset(out, "specforge", reference, expected)
+
+
+@in_env
 def test_one_line_errors(assets, server, reference, tmp_path):
     def one_line(p, *needles):
         assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
