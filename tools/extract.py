@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Extract EAGLE-3 training hidden states from a patched SGLang server into a dataset.
+"""Extract EAGLE-3 training hidden states from patched SGLang servers into a dataset.
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
       --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers -1,1,29] [--max-len 2048]
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, type=Path, help="the served model's directory (config.json, tokenizer)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
-    ap.add_argument("--dump-dir", required=True, type=Path, help="the server's EAGLE3_DUMP_DIR as seen from here")
+    ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR (one shared directory) as seen from here")
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
     ap.add_argument("--format", choices=["specforge", "speculators"], default="specforge")
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
