@@ -701,6 +701,65 @@ def check_once(out: Path, fmt: str) -> None:
 
 
 @in_env
+def test_client_round_robin_puts_aside_and_back():
+    """The client alone against two loopback HTTP servers that can be made to answer 503: requests
+    alternate; a failing server is put aside (one warning) and its request goes to the other; after
+    the cooldown it gets requests again and its first answer puts it back; a request that fails on
+    every server is retried per --retries, then raises; a pinned request goes to its server only."""
+    import threading
+    from http.server import BaseHTTPRequestHandler
+
+    from eaglepatch.extract.client import SGLangClient, TransientError
+    from loopback import LoopbackServer
+
+    class Server(LoopbackServer):
+        def __init__(self):
+            self.hits, self.fail, lock, outer = 0, False, threading.Lock(), self
+
+            class Handler(BaseHTTPRequestHandler):
+                def log_message(self, *a):
+                    pass
+
+                def do_POST(self):
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                    with lock:
+                        outer.hits += 1
+                    status, body = (503, b"{}") if outer.fail else (200, b'{"text": "x"}')
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+            self._serve(Handler)
+
+    with Server() as a, Server() as b:
+        lines = []
+        c = SGLangClient([a.url, b.url], retries=1, backoff=0.01, cooldown=0.5, log=lines.append)
+        for _ in range(6):
+            assert c.generate([0, 5, 6]) == {"text": "x"}
+        assert (a.hits, b.hits) == (3, 3) and c.retried == 0
+        b.fail = True
+        for _ in range(4):
+            c.generate([0, 5, 6])
+        assert (a.hits, b.hits) == (7, 4) and c.put_aside == [0, 1] and c.retried == 1
+        assert lines == [f"warning: server {b.url} failed (HTTP 503: {{}}); its requests go to the other servers, "
+                         f"it is tried again in 0.5 s"]
+        time.sleep(0.6)
+        b.fail = False
+        for _ in range(2):
+            c.generate([0, 5, 6])
+        assert (a.hits, b.hits) == (8, 5) and lines[-1] == f"server {b.url} answers again"
+        assert c.answered == [8, 4]
+        a.fail = b.fail = True  # every server fails: (retries + 1) rounds of both, then the error
+        with pytest.raises(TransientError, match="2 attempts failed"):
+            c.generate([0, 5, 6])
+        assert (a.hits, b.hits) == (10, 7) and c.retried == 4
+        a.fail = b.fail = False
+        c.generate([0, 5, 6], server=1)  # pinned (the run's probe): that server only, aside or not
+        assert (a.hits, b.hits) == (10, 8)
+
+
+@in_env
 def test_router_spreads_and_survives_a_killed_replica(assets, server, replicas, reference, expected):
     """The production layout on localhost: two replicas sharing one dump directory behind SGLang's
     router; one replica is SIGKILLed mid-run. Every sample is extracted once and equals HF."""
