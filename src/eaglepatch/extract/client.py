@@ -61,10 +61,6 @@ class SGLangClient:
         self.put_aside = [0] * len(self.urls)  # times a server was put aside
         self.retried = 0  # transient failures followed by another try (all threads, all servers)
 
-    @property
-    def url(self) -> str:
-        return self.urls[0]
-
     def describe(self) -> str:
         return self.urls[0] if len(self.urls) == 1 else f"{len(self.urls)} servers ({', '.join(self.urls)})"
 
@@ -76,11 +72,10 @@ class SGLangClient:
             sessions[i] = requests.Session()
         return sessions[i]
 
-    def server_info(self) -> dict:
-        """``/get_model_info`` (and ``/get_server_info`` when present) of every server, the first
-        server's returned; a usage error names a server that cannot be reached."""
-        infos = [self._info(i) for i in range(len(self.urls))]
-        return infos[0]
+    def server_info(self) -> list:
+        """``/get_model_info`` (and ``/get_server_info`` when present) of every server, in order; a
+        usage error names a server that cannot be reached."""
+        return [self._info(i) for i in range(len(self.urls))]
 
     def _info(self, i: int) -> dict:
         url, s = self.urls[i], self._session(i)
