@@ -84,7 +84,7 @@ class SGLangClient:
             fix = "start it or leave it out of --server"
         try:
             r = s.get(url + "/get_model_info", timeout=min(self.timeout, 30))
-        except requests.RequestException as exc:
+        except (requests.RequestException, ValueError) as exc:  # ValueError: a URL urllib3 cannot parse
             raise UsageError(f"cannot reach the SGLang server at {url} ({type(exc).__name__})", fix) from None
         if r.status_code != 200:
             raise UsageError(f"{url}/get_model_info answered HTTP {r.status_code}",

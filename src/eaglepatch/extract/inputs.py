@@ -77,6 +77,28 @@ def model_config(model_dir: Path) -> dict:
     return out
 
 
+def url_problem(url: str) -> str:
+    """Why ``url`` cannot name an HTTP server (empty when it can): scheme, host, port, host labels."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "no http:// or https:// scheme"
+    host = parts.hostname
+    if not host:
+        return "no host"
+    if ":" not in host:  # not an IPv6 literal: every DNS label must encode
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            return f"host {host!r} has an empty or over-long label"
+    return ""
+
+
 def check_options(o: Options) -> None:
     if o.format not in FORMATS:
         raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(FORMATS)}")
@@ -93,6 +115,11 @@ def check_options(o: Options) -> None:
         raise UsageError("--server names no server (an empty URL)",
                          "pass --server http://HOST:PORT, repeated or as a comma list for several servers")
     o.servers = [u.strip().rstrip("/") for u in o.servers]
+    for u in o.servers:
+        why = url_problem(u)
+        if why:
+            raise UsageError(f"--server {u!r} is not a server URL ({why})",
+                             "pass --server http://HOST:PORT (an SGLang server or router)")
     twice = sorted({u for u in o.servers if o.servers.count(u) > 1})
     if twice:
         raise UsageError(f"--server names {twice[0]} more than once", "name each server once")
