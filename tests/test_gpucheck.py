@@ -173,6 +173,14 @@ def test_probe_without_the_fix_fails_on_a_partial_sum(cpu_capture, ref, small):
     unfixed, fixed = R.check_probe("d", recs, ps, refs)
     assert fixed.passed, fixed.detail  # TP=1: the layer input is complete
     assert not unfixed.passed and "[]" in unfixed.detail  # nothing deferred at TP=1: nothing to catch
+    # the same probes judged against the layer one off (the input of layer i read as layer i or i-2) fail
+    n = ref.num_layers
+    for d in (1, -1):
+        off = [dict(r, **{"layer.%d" % k: r["layer.%d" % (k + d)] for k in range(-1, n) if -1 <= k + d < n})
+               for r in refs]
+        _, wrong = R.check_probe("d", recs, ps, off)
+        assert not wrong.passed and wrong.comparisons
+        assert max(c.max_err for c in wrong.comparisons) > 5 * TOL
     # What rank 0 of a TP=2 run holds at the layer input when the previous layer deferred its
     # all-reduce, as the probe would record it (two short requests): the check without the fix
     # must fail there, with the all-reduce completed it must pass.
@@ -234,6 +242,38 @@ def test_draft_verdict_on_synthetic_records(ref):
                                                                            fn, ids).detail
     wrong = dict(ver, hidden=torch.cat([pack(ref.states(ps[r] + [outs[r][0], 7, 8, 9]), 39, 43) for r in range(2)]))
     assert not R.check_draft("b", [ext, d_pre, wrong, d_dec], ps, outs, fn, ids).passed  # rows one position off
+    shifted = R.check_draft("b", recs, ps, outs, fn, [k + 1 for k in ids])  # the same rows read as ids + 1
+    assert not shifted.passed and min(c.max_err for c in shifted.comparisons) > 5 * TOL, shifted.detail
+
+
+def test_run_comparison_fails_on_shifted_ids_and_a_skipped_norm(cpu_capture, small):
+    """check d's "TP=2 == TP=1" comparisons (dump files, draft prefill inputs) on the real CPU run: the
+    run against the float32 reference of the same names passes; the reference read one layer off, or
+    with the final norm skipped (or applied to the last layer's output), fails."""
+    ps, refs = small
+    n = models.CHECK_MODEL["num_hidden_layers"]
+    dumps = R.dump_states(cpu_capture / "dump", ps)
+    drafts = R.draft_prefill_inputs(R.load_records(cpu_capture / "spy"), ps, models.EAGLE_IDS)
+    assert all(set(d) == {"input_ids", "layer.-1", "layer.1", "layer.2", "final"} for d in dumps)
+    assert all(set(d) == {"layer.-1", "layer.1", "layer.2"} for d in drafts)
+
+    def like(run, pick):
+        return [{k: pick(r, k) for k in got if k != "input_ids"} for got, r in zip(run, refs)]
+
+    same = lambda r, k: r[k]  # noqa: E731
+    up = lambda r, k: r[k] if k == "final" else r["layer.%d" % (int(k.split(".")[1]) + 1)]  # noqa: E731
+    down = lambda r, k: r[k] if k == "final" or k == "layer.-1" else r["layer.%d" % (int(k.split(".")[1]) - 1)]  # noqa: E731
+    pre = lambda r, k: r["layer.%d" % (n - 1)] if k == "final" else r[k]  # noqa: E731
+    for run in (dumps, drafts):
+        assert R.compare_runs("d", run, like(run, same)).passed
+        for wrong in (up, down):
+            v = R.compare_runs("d", run, like(run, wrong))
+            assert not v.passed and max(c.max_err for c in v.comparisons) > 5 * TOL, v.detail
+    v = R.compare_runs("d", dumps, like(dumps, pre))  # final stored without the norm
+    assert not v.passed and "final" in v.detail
+    post = [dict(r, **{"layer.2": r["final"]}) for r in like(dumps, same)]  # a normed state read as layer 2
+    assert not R.compare_runs("d", dumps, post).passed
+    assert not R.compare_runs("d", dumps, [{} for _ in dumps]).passed  # nothing to compare is no pass
 
 
 def test_gpucheck_hooks_and_engine_arguments_exist_in_sglang_0517():
