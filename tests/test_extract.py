@@ -156,13 +156,30 @@ def records(out: Path) -> list:
     return [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines() if line.strip()]
 
 
-def check_dataset(out: Path, fmt: str, reference, expected) -> float:
-    """Every sample equals the HF reference on the same weights; returns the largest difference."""
+HF_AUX = (0, 2, 3)  # the HF hidden-state indices of AUX (output of layer k = index k + 1; embedding = 0)
+
+
+def sample_error(s: dict, ref, fmt: str, aux_streams=HF_AUX, last: str | None = None) -> float:
+    """Largest |sample - HF| of one read sample: its aux slots against the HF hidden states
+    ``aux_streams``, its last slot against ``last`` ("final": post-norm, "pre": the last layer's
+    output before the norm; default what ``fmt`` stores: SpecForge the final state, speculators
+    the pre-norm one)."""
+    aux_ref = torch.cat([ref.stream[i] for i in aux_streams], dim=-1)
+    last = last or ("final" if fmt == "specforge" else "pre")
+    last_ref = ref.final if last == "final" else ref.stream[4] if last == "pre" else ref.stream[int(last)]
+    assert s["aux"].shape == aux_ref.shape and s["last"].shape == last_ref.shape
+    return max(float((s["aux"].float() - aux_ref).abs().max()), float((s["last"].float() - last_ref).abs().max()))
+
+
+def dataset_error(out: Path, fmt: str, reference, expected, **wrong) -> float:
+    """The dataset's bookkeeping checked (manifest, records, ids, masks, file names and sizes);
+    returns the largest |sample - HF| over every sample (``wrong``: read the reference otherwise,
+    see ``sample_error``)."""
     from eaglepatch.extract.writers import read_sample, sample_rel
 
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and man["failed"] == [] and man["dataset_format"] == fmt
-    assert man["eagle3_layer_ids"] == AUX and man["hf_hidden_state_indices"] == [0, 2, 3]
+    assert man["eagle3_layer_ids"] == AUX and man["hf_hidden_state_indices"] == list(HF_AUX)
     assert man["dump_layer_ids"] == LAYERS
     assert [s["id"] for s in man["skipped"]] == ["no-assistant"]
     recs = [r for r in records(out) if not r.get("skipped")]
@@ -177,14 +194,14 @@ def check_dataset(out: Path, fmt: str, reference, expected) -> float:
         enc = expected[r["id"]]
         assert s["input_ids"].tolist() == enc.input_ids
         assert s["loss_mask"].tolist() == enc.loss_mask
-        ref = reference.run(enc.input_ids)
-        aux_ref = torch.cat([ref.stream[0], ref.stream[2], ref.stream[3]], dim=-1)
-        # SpecForge: the final post-norm state; speculators: the last layer's output before the norm
-        last_ref = ref.final if fmt == "specforge" else ref.stream[4]
-        assert float((ref.final - ref.stream[4]).abs().max()) > 1.0  # the comparison can tell them apart
-        assert s["aux"].shape == aux_ref.shape and s["last"].shape == last_ref.shape
-        worst = max(worst, float((s["aux"].float() - aux_ref).abs().max()),
-                    float((s["last"].float() - last_ref).abs().max()))
+        worst = max(worst, sample_error(s, reference.run(enc.input_ids), fmt, **wrong))
+    return worst
+
+
+def check_dataset(out: Path, fmt: str, reference, expected) -> float:
+    """Every sample equals the HF reference on the same weights; returns the largest difference
+    (shown failing on ids shifted by one and a skipped norm: test_dataset_check_fails_on_wrong_layers)."""
+    worst = dataset_error(out, fmt, reference, expected)
     assert worst <= TOL, f"max |dataset - HF| = {worst:.3g} > {TOL}"
     return worst
 
@@ -416,6 +433,13 @@ def test_speculators_check_catches_a_post_norm_last_slot(assets, server, referen
     fig = speculators_check(mixed, assets, reference)
     assert fig["top1_agreement"] < 0.95, fig
     FIGURES["speculators_post_norm_last_slot"] = fig
+    for f in sorted((mixed / "hidden_states").glob("hs_*.safetensors")):  # the last slot one layer early
+        t = load_file(str(f))
+        t["hidden_states"][:, -1] = reference.run(t["token_ids"].tolist()).stream[3]  # layer N-2's output
+        save_file(t, str(f))
+    fig = speculators_check(mixed, assets, reference)
+    assert fig["top1_agreement"] < 0.95, fig
+    FIGURES["speculators_last_slot_one_layer_early"] = fig
 
     from hfserver import HFDumpServer
 
@@ -492,6 +516,29 @@ def test_specforge_reads_the_export(assets, server, reference, indexed_ckpt, by_
 
 
 @in_env
+def test_dataset_check_fails_on_wrong_layers(assets, server, reference, expected):
+    """The reference check every extraction test relies on, on the real extracted datasets read
+    against the wrong HF states: aux ids shifted by one (up, and down where a lower index exists),
+    the last slot one layer early, and the final norm skipped (SpecForge) or applied (speculators).
+    Every one is far above the tolerance the true reading passes."""
+    fmts = {"specforge": assets.root / "out-specforge", "speculators": assets.root / "out-speculators"}
+    assert all((o / "manifest.json").is_file() for o in fmts.values()), "the format tests must run first"
+    figures = {}
+    for fmt, out in fmts.items():
+        right = dataset_error(out, fmt, reference, expected)
+        assert right <= TOL
+        wrong_norm = "pre" if fmt == "specforge" else "final"
+        for name, wrong in (("aux ids + 1", {"aux_streams": tuple(i + 1 for i in HF_AUX)}),
+                            ("aux ids - 1", {"aux_streams": (0, 1, 2)}),
+                            ("last slot one layer early", {"last": "3"}),
+                            ("norm skipped" if fmt == "specforge" else "norm applied", {"last": wrong_norm})):
+            err = dataset_error(out, fmt, reference, expected, **wrong)
+            assert err > 100 * TOL, (fmt, name, err)
+            figures[f"{fmt}: {name}"] = round(err, 3)
+    FIGURES["dataset_check_on_wrong_layers_max_abs_diff"] = figures
+
+
+@in_env
 def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_path):
     """Between runs one conversation is edited, one removed and one inserted at the top (every
     position shifts): only the edited and the new one are extracted, the removed one's sample is
@@ -524,7 +571,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     enc = tok.encode(edited["messages"], 2048)
     s = read_sample("specforge", out / sample_rel("specforge", "conv-002"))
     assert s["input_ids"].tolist() == enc.input_ids and s["loss_mask"].tolist() == enc.loss_mask
-    assert float((s["last"] - reference.run(enc.input_ids).final).abs().max()) <= TOL
+    assert sample_error(s, reference.run(enc.input_ids), "specforge") <= TOL
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and sample_rel("specforge", "conv-004") not in man["files"]
     assert not (out / sample_rel("specforge", "conv-004")).exists()
