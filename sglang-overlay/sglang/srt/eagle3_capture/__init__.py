@@ -37,6 +37,7 @@ from .settings import (
     DumpSettings,
     capture_index,
     check_layer_ids,
+    default_layer_ids,
     upstream_capture_indices,
 )
 
@@ -151,7 +152,7 @@ def set_eagle3_layers(model, layer_ids: Optional[List[int]] = None) -> None:
                 layer_ids, layer_ids, state.eagle, upstream,
             )
     elif not state.eagle_configured:
-        state.eagle = [2, num_layers // 2, num_layers - 3]
+        state.eagle = [capture_index(k) for k in default_layer_ids(num_layers)]
     model.capture_aux_hidden_states = True
     _sync(model, state)
 

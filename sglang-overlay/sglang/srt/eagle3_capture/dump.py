@@ -134,10 +134,6 @@ class DumpWriter:
         return self._stream
 
     @property
-    def pending_bytes(self) -> int:
-        return self.staging.in_use
-
-    @property
     def peak_pending_bytes(self) -> int:
         return self.staging.peak_in_use
 
