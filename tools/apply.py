@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         from eaglepatch.applier import apply_series, fetch_and_apply
         from eaglepatch.errors import UsageError
         from eaglepatch.series import available_series, check_release, load_series
-        from eaglepatch.tree import pick_series
+        from eaglepatch.tree import resolve_series
 
         if a.fetch is not None:
             if a.root or len(a.fetch) > 2:
@@ -49,11 +49,8 @@ def main(argv=None) -> int:
                 raise UsageError("--fetch makes a new patched checkout; --check and --reverse do not apply",
                                  "drop --check / --reverse")
             release = check_release(a.fetch[0], "--fetch") if a.fetch else PINNED_RELEASE
-            if a.series is not None:
-                series = load_series(a.series)
-                have = {series.release: a.series}
-            else:
-                have = available_series()
+            given = load_series(a.series) if a.series is not None else None
+            have = {given.release: a.series} if given else available_series()
             if not have:
                 raise UsageError("no series under patches/", "pass --series DIR")
             if release not in have:
@@ -61,13 +58,13 @@ def main(argv=None) -> int:
                                  + ", ".join(f"sglang-{r}" for r in have) + ")",
                                  f"fetch one of those, e.g. --fetch {list(have)[-1]}")
             dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
-            tree = fetch_and_apply(release, dest, load_series(have[release]), command=command)
+            tree = fetch_and_apply(release, dest, given or load_series(have[release]), command=command)
             print(f"patched sglang {release} is in {tree.root} (package parent {tree.package_parent})")
             return 0
         if not a.root:
             raise UsageError("ROOT is missing", "pass an SGLang checkout or site-packages dir, or use --fetch")
-        series, tree = pick_series(a.root, a.series)
-        apply_series(tree, series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit,
+        pick = resolve_series(a.root, a.series)
+        apply_series(pick.tree, pick.series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit,
                      command=command)
         return 0
 

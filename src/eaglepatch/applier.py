@@ -15,16 +15,16 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .commit import committed, prepare_commit
 from .errors import RefusedError, UsageError
+from . import gitcmd
 from .gitcmd import clean_env, require_git
 from .fetch import make_git_checkout
-from .interrupts import held_interrupts, stop_point
+from .interrupts import stop_point
 from .lock import tree_lock
 from .outputs import can_write, scratch_dir
 from .series import Patch, Series, sha256_bytes
@@ -69,9 +69,8 @@ def git_apply(originals: dict, patches: list[Patch], reverse: bool = False) -> G
         for i, p in enumerate(order):
             pf = tmp / f"{i:04d}.diff"
             pf.write_bytes(p.body)
-            cmd = ["git", "apply", "-v", "--whitespace=nowarn"] + (["-R"] if reverse else []) + [str(pf)]
-            with held_interrupts():
-                r = subprocess.run(cmd, cwd=pp, env=env, capture_output=True)
+            r = gitcmd.run(["apply", "-v", "--whitespace=nowarn"] + (["-R"] if reverse else []) + [str(pf)], pp,
+                           env=env, check=False)
             out = (r.stdout + r.stderr).decode("utf-8", "replace")
             if r.returncode != 0:
                 res.error = "\n".join(ln for ln in out.splitlines() if ln.startswith(("error", "fatal")))[:2000] \
@@ -125,9 +124,11 @@ def _fmt_verdicts(chk: SeriesCheck, patches: list[Patch], reverse: bool) -> list
 
 
 def plan_series(tree: UpstreamTree, series: Series, patches: list[Patch], reverse: bool = False,
-                force: bool = False, strict_hashes: bool = True) -> tuple[SeriesCheck, GitApplyResult]:
-    """Check and compute the result of `patches` on `tree`; raise RefusedError when it cannot apply."""
-    chk = check_series(tree.read, patches, series, reverse=reverse)
+                force: bool = False, strict_hashes: bool = True,
+                chk: SeriesCheck | None = None) -> tuple[SeriesCheck, GitApplyResult]:
+    """Check (unless `chk` is that check) and compute the result of `patches` on `tree`; raise
+    RefusedError when it cannot apply."""
+    chk = chk or check_series(tree.read, patches, series, reverse=reverse)
     bad = [v for v in chk.verdicts if not (v.ok or (force and v.verdict == ANCHOR_DRIFT))]
     if bad:
         v = bad[0]
@@ -258,10 +259,10 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
         return _already(tree, series, reverse, commit, say)
     if series.manifest:
         _refuse_edits(tree, series, reverse, force)
+    chk = check_series(tree.read, series.patches, series, reverse=reverse)
     try:
-        chk, ga = plan_series(tree, series, series.patches, reverse, force)
+        chk, ga = plan_series(tree, series, series.patches, reverse, force, chk=chk)
     except RefusedError:
-        chk = check_series(tree.read, series.patches, series, reverse=reverse)
         if chk.all_already_applied:
             return _already(tree, series, reverse, commit, say, chk)
         for ln in _fmt_verdicts(chk, series.patches, reverse):

@@ -20,12 +20,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import gitcmd
 from .errors import UsageError
 from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, parse_header, read_series_list,
                      sha256_bytes, slug)
@@ -93,33 +93,19 @@ def patch_name(header_text: str) -> str:
     return f"0001-{slug(subject)}.patch"
 
 
-def _git_env(ceiling: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CEILING_DIRECTORIES=str(ceiling), LC_ALL="C", GIT_CONFIG_NOSYSTEM="1",
-               HOME=str(ceiling))  # no user or system config can change the diff
-    return env
-
-
 def diff_body(files: dict[str, bytes]) -> bytes:
     """``git diff`` (the project's DIFF_ARGS) adding ``files`` to an empty tree."""
     with tempfile.TemporaryDirectory(prefix="eaglepatch-overlay-") as td:
         work = Path(td) / "w"
         work.mkdir()
-        env = _git_env(Path(td))
-
-        def git(*args) -> bytes:
-            r = subprocess.run(["git", *args], cwd=work, env=env, capture_output=True)
-            if r.returncode != 0:
-                raise UsageError(f"git {args[0]} failed while generating the overlay patch: "
-                                 f"{r.stderr.decode(errors='replace').strip()[:300]}", "check that git 2.x works")
-            return r.stdout
-
-        git("init", "-q")
+        # no user or system config can change the diff
+        env = gitcmd.clean_env(ceiling=Path(td), extra={"GIT_CONFIG_NOSYSTEM": "1", "HOME": td})
+        gitcmd.run(["init", "-q"], work, env=env)
         for rel, data in files.items():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             (work / rel).write_bytes(data)
-        git("add", "-A", "--", ".")
-        return git("diff", "--cached", *DIFF_ARGS)
+        gitcmd.run(["add", "-A", "--", "."], work, env=env)
+        return gitcmd.run(["diff", "--cached", *DIFF_ARGS], work, env=env).stdout
 
 
 def new_file_patch(files: dict[str, bytes], header_text: str) -> bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import gitcmd
 from .errors import RefusedError, UsageError
-from .series import PACKAGE, Series, available_series, load_series, nearest_older_series, port_command
+from .series import PACKAGE, Series, available_series, load_series, nearest_older_series, port_command, sha256_bytes
 
 VERSION_RE = re.compile(r"""^\s*(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -132,8 +132,7 @@ class UpstreamTree:
         return read_target(self.path(rel))
 
     def sha256(self, rel: str) -> str | None:
-        data = self.read(rel)
-        return None if data is None else hashlib.sha256(data).hexdigest()
+        return sha256_bytes(self.read(rel))
 
     def state(self, series: Series) -> str:
         """'upstream' | 'patched' | 'partial' | 'modified' | 'unknown' against the manifest hashes."""
@@ -153,16 +152,6 @@ class UpstreamTree:
         if pat == len(files):
             return "patched"
         return "partial"
-
-    def modified_files(self, series: Series, reverse: bool = False) -> list[str]:
-        """Target files whose hash is neither what the series expects before it runs."""
-        key = "patched_sha256" if reverse else "upstream_sha256"
-        bad = []
-        for rel, h in series.manifest_files().items():
-            cur = self.sha256(rel)
-            if cur != h.get(key) and cur != h.get("patched_sha256" if not reverse else "upstream_sha256"):
-                bad.append(rel)
-        return bad
 
     def describe(self) -> str:
         rel = self.release or "unknown release"
@@ -229,9 +218,3 @@ def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = Fal
     raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
                        f"the nearest older series is {near[1].name}: see its drift with tools/verify.py {root}, "
                        f"then port it with {port}")
-
-
-def pick_series(root, series_dir=None, patches_root=None):
-    """(Series, UpstreamTree) for ROOT (see resolve_series)."""
-    p = resolve_series(root, series_dir, patches_root)
-    return p.series, p.tree

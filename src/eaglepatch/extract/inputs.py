@@ -83,7 +83,7 @@ def url_problem(url: str) -> str:
 
     try:
         parts = urlsplit(url)
-        port = parts.port
+        parts.port  # raises ValueError on a port that is not a number in range
     except ValueError as exc:
         return str(exc)
     if parts.scheme not in ("http", "https"):

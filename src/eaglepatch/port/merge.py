@@ -10,13 +10,12 @@ and which one upstream already has) and once for the whole file (the result).
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 
 from ..anchors import anchor_at, hunk_anchor_line
 from ..errors import UsageError
-from ..gitcmd import require_git
+from .. import gitcmd
 from ..series import FilePatch, Hunk, Patch, split_lines
 from ..verdicts import check_hunk
 from .drop import upstream_has
@@ -28,17 +27,16 @@ from .stamp import new_file_content
 
 def merge_file(ours: bytes, base: bytes, theirs: bytes) -> tuple[int, bytes]:
     """(number of conflicts, merged bytes with diff3 conflict markers) from `git merge-file`."""
-    require_git()
     with tempfile.TemporaryDirectory(prefix="eaglepatch-merge-") as td:
         paths = []
         for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
             p = Path(td) / name
             p.write_bytes(data)
             paths.append(str(p))
-        cmd = ["git", "merge-file", "-p", "--diff3"]
+        args = ["merge-file", "-p", "--diff3"]
         for lab in LABELS:
-            cmd += ["-L", lab]
-        r = subprocess.run(cmd + paths, capture_output=True)
+            args += ["-L", lab]
+        r = gitcmd.run(args + paths, Path(td), env=gitcmd.clean_env(ceiling=Path(td)), check=False)
     if r.returncode < 0 or r.returncode > 127:
         raise UsageError(f"git merge-file failed: {r.stderr.decode(errors='replace').strip()}",
                          "install git 2.x and check the input files")
