@@ -72,35 +72,25 @@ class SGLangClient:
             sessions[i] = requests.Session()
         return sessions[i]
 
-    def server_info(self) -> list:
-        """``/get_model_info`` (and ``/get_server_info`` when present) of every server, in order; a
-        usage error names a server that cannot be reached."""
-        return [self._info(i) for i in range(len(self.urls))]
-
-    def _info(self, i: int) -> dict:
-        url, s = self.urls[i], self._session(i)
-        fix = "start it (python -m sglang.launch_server ...) or fix --server"
-        if len(self.urls) > 1:
-            fix = "start it or leave it out of --server"
-        try:
-            r = s.get(url + "/get_model_info", timeout=min(self.timeout, 30))
-        except (requests.RequestException, ValueError) as exc:  # ValueError: a URL urllib3 cannot parse
-            raise UsageError(f"cannot reach the SGLang server at {url} ({type(exc).__name__})", fix) from None
-        if r.status_code != 200:
-            raise UsageError(f"{url}/get_model_info answered HTTP {r.status_code}",
-                             "point --server at an SGLang server or router (http://HOST:PORT)")
-        try:
-            info = r.json()
-        except ValueError:
-            raise UsageError(f"{url}/get_model_info did not answer JSON",
-                             "point --server at an SGLang server or router (http://HOST:PORT)") from None
-        try:
-            r = s.get(url + "/get_server_info", timeout=min(self.timeout, 30))
-            if r.status_code == 200:
-                info["server_info"] = r.json()
-        except (requests.RequestException, ValueError):
-            pass
-        return info
+    def check_reachable(self) -> None:
+        """Every server answers ``/get_model_info`` with JSON, in order; a usage error names the first
+        that does not."""
+        for i, url in enumerate(self.urls):
+            fix = "start it (python -m sglang.launch_server ...) or fix --server"
+            if len(self.urls) > 1:
+                fix = "start it or leave it out of --server"
+            try:
+                r = self._session(i).get(url + "/get_model_info", timeout=min(self.timeout, 30))
+            except (requests.RequestException, ValueError) as exc:  # ValueError: a URL urllib3 cannot parse
+                raise UsageError(f"cannot reach the SGLang server at {url} ({type(exc).__name__})", fix) from None
+            if r.status_code != 200:
+                raise UsageError(f"{url}/get_model_info answered HTTP {r.status_code}",
+                                 "point --server at an SGLang server or router (http://HOST:PORT)")
+            try:
+                r.json()
+            except ValueError:
+                raise UsageError(f"{url}/get_model_info did not answer JSON",
+                                 "point --server at an SGLang server or router (http://HOST:PORT)") from None
 
     def alive(self) -> bool:
         """Whether any server answers ``/get_model_info``."""

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
+from .writers import SAMPLE_EXT, SAMPLES_DIR
 
 MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
 SETTINGS_FILE = ".extract-settings.json"
@@ -123,9 +124,8 @@ def remove_orphans(out: Path, fmt: str, done: dict) -> int:
     input, or edited since and not extracted again: SpecForge's reader takes every .ckpt under OUT);
     returns how many. Sample directories left empty go too."""
     mine = {rec["file"] for rec in done.values() if rec.get("file")}
-    ext = "ckpt" if fmt == "specforge" else "safetensors"
     n = 0
-    for p in sorted(Path(out).glob(f"samples/*/*.{ext}")):
+    for p in sorted(Path(out).glob(f"{SAMPLES_DIR}/*/*.{SAMPLE_EXT[fmt]}")):
         if p.relative_to(out).as_posix() not in mine:
             p.unlink()
             n += 1

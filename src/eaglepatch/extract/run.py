@@ -84,7 +84,7 @@ class Extractor:
         inp = read_inputs(o)
         client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log)
         if inp.pending:  # a finished dataset reruns without a server
-            client.server_info()
+            client.check_reachable()
         out = Path(o.out)
         created = not out.exists()
         top = out  # the outermost directory this run creates

@@ -34,6 +34,7 @@ from pathlib import Path
 
 FORMATS = ("specforge", "speculators")
 SAMPLES_DIR = "samples"
+SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors"}  # sample file suffix per format
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ_FILE = "token_freq.pt"
 _STAGING = ".publish"
@@ -102,8 +103,7 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
 def sample_rel(fmt: str, conv_id: str) -> str:
     h = hashlib.sha256(conv_id.encode()).hexdigest()
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", conv_id).strip("._")[:80] or "conv"
-    ext = "ckpt" if fmt == "specforge" else "safetensors"
-    return f"{SAMPLES_DIR}/{h[:2]}/{safe}-{h[:12]}.{ext}"
+    return f"{SAMPLES_DIR}/{h[:2]}/{safe}-{h[:12]}.{SAMPLE_EXT[fmt]}"
 
 
 def _tmp_for(path: Path) -> Path:

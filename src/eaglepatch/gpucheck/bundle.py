@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .. import cpuenv
 from ..errors import RefusedError, UsageError
 
 PINS_FILE = Path(__file__).with_name("gpu-bundle.txt")
@@ -159,8 +160,7 @@ def piece_names(total: int, piece: int = PIECE_BYTES) -> list[str]:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("EAGLEPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eaglepatch")
-    return Path(base) / "gpu-bundle" / "wheels"
+    return cpuenv.cache_dir() / "gpu-bundle" / "wheels"
 
 
 def _pip_platform_args() -> list[str]:

@@ -16,7 +16,6 @@ Pure torch: runs on the GPU machine after the engines stopped, and in the CPU te
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +23,8 @@ from typing import Callable
 
 import torch
 
+from ..extract.dumps import dump_key
 from .criterion import TOL, compare, merge
-
-
-def dump_key(ids) -> str:
-    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
 def load_records(spy_dir: Path) -> list[dict]:
