@@ -18,6 +18,7 @@ from pathlib import Path
 from .errors import RefusedError, UsageError
 from .gitcmd import require_git
 from .lock import tree_lock
+from .outputs import filled_dir, swap_in
 from .series import PACKAGE, check_release
 
 GIT_ID = {"GIT_AUTHOR_NAME": "eaglepatch", "GIT_AUTHOR_EMAIL": "eaglepatch@localhost",
@@ -101,8 +102,7 @@ def unpacked_release(release: str, quiet: bool = False) -> Path:
         if (d / PACKAGE / "__init__.py").is_file():
             return d
         whl = fetch_release(release, quiet)
-        tmp = _mkdtemp(".unpack-", d.parent)
-        try:
+        with filled_dir(_mkdtemp(".unpack-", d.parent), d) as tmp:
             _say(f"unpacking {whl.name} ...", quiet)
             try:
                 with zipfile.ZipFile(whl) as z:
@@ -111,11 +111,6 @@ def unpacked_release(release: str, quiet: bool = False) -> Path:
                 raise UsageError(f"the cached wheel {whl} is damaged", "delete it and run again") from None
             except OSError as exc:
                 raise UsageError(f"cannot unpack {whl.name} into {d.parent}: {exc.strerror}", CACHE_FIX) from None
-            if d.exists():
-                shutil.rmtree(d)
-            os.replace(tmp, d)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
@@ -158,9 +153,7 @@ def _template(release: str, quiet: bool) -> Path:
             _git(["tag", f"v{release}"], work)
             _git(["gc", "-q"], work)
             done.unlink(missing_ok=True)
-            if tpl.exists():
-                shutil.rmtree(tpl)
-            os.replace(work, tpl)
+            swap_in(work, tpl)
             done.write_text(f"v{release}\n")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

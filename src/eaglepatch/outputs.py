@@ -1,10 +1,13 @@
-"""Files the tools write outside the tree (reports, docs/drift.md): checked before any work, and
-written whole (a temporary file in the same directory, then a rename) or not at all."""
+"""Files the tools write outside the tree (reports, docs/drift.md, cached directories): checked
+before any work, and written whole (a temporary file or directory beside the target, then a
+rename) or not at all."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RefusedError, UsageError
@@ -25,6 +28,24 @@ def scratch_dir(prefix: str, then: str = "run again; nothing was changed") -> Pa
     except OSError as exc:
         raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
                            f"free space in the temp dir (TMPDIR) and {then}") from None
+
+
+def swap_in(tmp: Path, dest: Path) -> None:
+    """Put the finished directory ``tmp`` (beside ``dest``) at ``dest``; an older ``dest`` is removed first."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+@contextmanager
+def filled_dir(tmp: Path, dest: Path):
+    """Yield ``tmp``, a new directory beside ``dest``, to fill: when the block ends normally it
+    becomes ``dest`` (``swap_in``); either way nothing of ``tmp`` is left behind."""
+    try:
+        yield tmp
+        swap_in(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_output_file(path: Path | str, flag: str) -> Path:

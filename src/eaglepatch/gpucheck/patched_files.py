@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
+from ..outputs import swap_in
 
 
 def _sha(p: Path) -> str | None:
@@ -62,9 +62,7 @@ def make_patched_files(series_dir: Path, release: str, out_dir: Path) -> dict:
             shutil.copy2(src, stage / rel)
             manifest["files"][rel] = {"upstream_sha256": _sha(upstream / rel), "patched_sha256": _sha(src)}
         (stage / "patched-files.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(stage, out_dir)
+        swap_in(stage, out_dir)
         return manifest
     finally:
         shutil.rmtree(work, ignore_errors=True)

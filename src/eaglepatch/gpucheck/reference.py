@@ -17,13 +17,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ..outputs import filled_dir
 from . import models
 
 
@@ -90,10 +89,6 @@ def make_weights(cfg: dict = models.CHECK_MODEL, shaping: dict = models.SHAPING,
     return out
 
 
-def _config_json(cfg: dict) -> dict:
-    return dict(cfg)
-
-
 def build_checkpoint(dest: Path, cfg: dict = models.CHECK_MODEL) -> Path:
     """Write the check model to ``dest`` (safetensors + config.json) unless it is complete."""
     from safetensors.torch import save_file
@@ -102,18 +97,12 @@ def build_checkpoint(dest: Path, cfg: dict = models.CHECK_MODEL) -> Path:
     if (dest / ".complete").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="." + dest.name + ".", dir=dest.parent))
-    try:
+    with filled_dir(Path(tempfile.mkdtemp(prefix="." + dest.name + ".", dir=dest.parent)), dest) as tmp:
         save_file(make_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(dict(cfg), indent=2) + "\n")
         (tmp / "eaglepatch-check-model.json").write_text(json.dumps(
             {"key": models.checkpoint_key(cfg), "shaping": models.SHAPING, "seed": models.SEED}, indent=2) + "\n")
         (tmp / ".complete").write_text("ok\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -121,7 +110,7 @@ def write_config_only(dest: Path, cfg: dict) -> Path:
     """A model directory with only config.json (for load_format=dummy engines)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
+    (dest / "config.json").write_text(json.dumps(dict(cfg), indent=2) + "\n")
     return dest
 
 
