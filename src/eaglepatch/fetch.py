@@ -15,8 +15,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import RefusedError, UsageError
-from .gitcmd import require_git
+from .errors import UsageError
+from . import gitcmd
 from .lock import tree_lock
 from .outputs import filled_dir, swap_in
 from .series import PACKAGE, check_release
@@ -114,15 +114,8 @@ def unpacked_release(release: str, quiet: bool = False) -> Path:
     return d
 
 
-def _git(args: list[str], cwd: Path, **kw) -> str:
-    require_git()
-    r = subprocess.run(["git", *args], cwd=cwd, env=git_env(kw.pop("env", None)), capture_output=True,
-                       text=True, **kw)
-    if r.returncode != 0:
-        msg = r.stderr.strip().splitlines()
-        raise RefusedError(f"git {args[0]} failed in {cwd}: {msg[-1] if msg else f'exit {r.returncode}'}",
-                           "fix what git says (e.g. free disk space) and run again")
-    return r.stdout
+def _git(args: list[str], cwd: Path, env: dict | None = None) -> None:
+    gitcmd.run(args, cwd, env=gitcmd.clean_env(extra={**GIT_ID, **(env or {})}))
 
 
 def _template(release: str, quiet: bool) -> Path:
