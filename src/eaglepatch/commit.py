@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import RefusedError
-from .gitcmd import open_repo, run
+from .gitcmd import GIT_ID, open_repo, run
 from .interrupts import held_interrupts, stop_point
 from .outputs import scratch_dir
 from .series import Series, header_to_message
@@ -200,10 +200,11 @@ def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
 
 
 def _identity_env(g: _Git) -> dict:
+    """GIT_ID's author and committer for whichever of user.name / user.email git has no value for."""
     env = {}
-    for var, key, dflt in (("NAME", "user.name", "eaglepatch"), ("EMAIL", "user.email", "eaglepatch@localhost")):
+    for var, key in (("NAME", "user.name"), ("EMAIL", "user.email")):
         try:
             g("config", key)
         except RefusedError:
-            env[f"GIT_AUTHOR_{var}"] = env[f"GIT_COMMITTER_{var}"] = dflt
+            env.update({k: v for k, v in GIT_ID.items() if k.endswith(var)})
     return env

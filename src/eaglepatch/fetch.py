@@ -17,12 +17,11 @@ from pathlib import Path
 
 from .errors import UsageError
 from . import gitcmd
+from .gitcmd import GIT_ID
 from .lock import tree_lock
 from .outputs import filled_dir, swap_in
 from .series import PACKAGE, check_release
 
-GIT_ID = {"GIT_AUTHOR_NAME": "eaglepatch", "GIT_AUTHOR_EMAIL": "eaglepatch@localhost",
-          "GIT_COMMITTER_NAME": "eaglepatch", "GIT_COMMITTER_EMAIL": "eaglepatch@localhost"}
 FIXED_DATE = "2000-01-01T00:00:00+0000"
 CACHE_FIX = "set EAGLEPATCH_CACHE to a writable directory (the releases are cached there)"
 
@@ -35,13 +34,6 @@ def cache_root() -> Path:
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
-
-
-def git_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env.update(GIT_ID)
-    env.update(extra or {})
-    return env
 
 
 def _release_dir(release: str) -> Path:

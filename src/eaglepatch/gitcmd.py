@@ -13,6 +13,9 @@ from .interrupts import held_interrupts
 
 NO_GIT = ("git is not on PATH (eaglepatch runs `git apply`, `git merge-file` and git commits)",
           "install git 2.x (e.g. apt-get install git) and run again")
+# who commits where git has no user.name / user.email (scratch repositories, the release checkout)
+GIT_ID = {"GIT_AUTHOR_NAME": "eaglepatch", "GIT_AUTHOR_EMAIL": "eaglepatch@localhost",
+          "GIT_COMMITTER_NAME": "eaglepatch", "GIT_COMMITTER_EMAIL": "eaglepatch@localhost"}
 
 
 def require_git() -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import gitcmd
 from ..errors import RefusedError, UsageError
 from ..export import build_export
-from ..fetch import FIXED_DATE, git_env
+from ..fetch import FIXED_DATE
+from ..gitcmd import GIT_ID
 from ..outputs import scratch_dir, write_atomic
 from ..series import Patch, header_to_message
 from .result import PortResult
@@ -47,8 +48,8 @@ def export_ported(snapshots, new_upstream, to_release, series_version, semantics
     repository and exported with `eaglepatch.export`, the same bytes tools/export.py writes."""
     tmp = scratch_dir("eaglepatch-port-", "run again; nothing was written")
     try:
-        env = git_env({"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE,
-                       "GIT_CEILING_DIRECTORIES": str(tmp)})
+        env = gitcmd.clean_env(ceiling=tmp, extra={**GIT_ID, "GIT_AUTHOR_DATE": FIXED_DATE,
+                                                   "GIT_COMMITTER_DATE": FIXED_DATE})
 
         def git(*args):
             return gitcmd.run(list(args), tmp, env=env).stdout
