@@ -255,19 +255,20 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
         msg = recover(pp)
         if msg:
             say(msg)
-    if tree.state(series) == ("upstream" if reverse else "patched"):
-        return _already(tree, series, reverse, commit, say)
-    if series.manifest:
-        _refuse_edits(tree, series, reverse, force)
-    chk = check_series(tree.read, series.patches, series, reverse=reverse)
-    try:
-        chk, ga = plan_series(tree, series, series.patches, reverse, force, chk=chk)
-    except RefusedError:
-        if chk.all_already_applied:
-            return _already(tree, series, reverse, commit, say, chk)
-        for ln in _fmt_verdicts(chk, series.patches, reverse):
-            say(ln)
-        raise
+    with tree.reads_once():  # the state, the edit check and the hunk check share one read of each file
+        if tree.state(series) == ("upstream" if reverse else "patched"):
+            return _already(tree, series, reverse, commit, say)
+        if series.manifest:
+            _refuse_edits(tree, series, reverse, force)
+        chk = check_series(tree.read, series.patches, series, reverse=reverse)
+        try:
+            chk, ga = plan_series(tree, series, series.patches, reverse, force, chk=chk)
+        except RefusedError:
+            if chk.all_already_applied:
+                return _already(tree, series, reverse, commit, say, chk)
+            for ln in _fmt_verdicts(chk, series.patches, reverse):
+                say(ln)
+            raise
     changes = chk.changed()
     if check:
         for ln in _fmt_verdicts(chk, series.patches, reverse):
@@ -278,7 +279,7 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
     txn = Transaction(pp, changes, command)
     cp = None
     if commit:
-        cp = prepare_commit(tree, series, ga.snapshots, changes, force=force)
+        cp = prepare_commit(tree, series, chk.originals, ga.snapshots, changes, force=force)
         txn.git = cp.txn_info()
         txn.add(":git index", cp.index, cp.index_path)
     txn.run(cp.create_branch if cp else None)

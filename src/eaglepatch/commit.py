@@ -110,17 +110,20 @@ def committed(tree, series: Series) -> str | None:
         repo.close()
 
 
-def prepare_commit(tree, series: Series, snapshots: list, changes: dict, force: bool = False) -> CommitPlan:
-    """The commits (objects only), the new index and what the branch will point at; raises a
-    refusal (nothing changed) for a busy repository, uncommitted target files or an existing branch."""
+def prepare_commit(tree, series: Series, originals: dict, snapshots: list, changes: dict,
+                   force: bool = False) -> CommitPlan:
+    """The commits (objects only), the new index and what the branch will point at, from the
+    target files as read under the lock (`originals`, rel -> bytes|None) and their state after each
+    patch; raises a refusal (nothing changed) for a busy repository, uncommitted target files or
+    an existing branch."""
     repo = open_repo(tree.root)
     try:
-        return _prepare(repo, tree, series, snapshots, changes, force)
+        return _prepare(repo, tree, series, originals, snapshots, changes, force)
     finally:
         repo.close()
 
 
-def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
+def _prepare(repo, tree, series, originals, snapshots, changes, force) -> CommitPlan:
     g = _Git(repo)
     root = Path(repo.working_tree_dir).resolve()
     check_idle(g, root)
@@ -155,7 +158,7 @@ def _prepare(repo, tree, series, snapshots, changes, force) -> CommitPlan:
     try:
         ienv = dict(os.environ, **env, GIT_INDEX_FILE=str(Path(td) / "index"))
         g("read-tree", "HEAD", env=ienv)
-        prev = {rel: tree.read(rel) for rel in final}
+        prev = originals
         for p, snap in zip(series.patches, snapshots):
             for rel, data in snap.items():
                 if data == prev.get(rel):

@@ -141,7 +141,8 @@ def verify_tree(tree: UpstreamTree, series: Series, level: str = "static", say=p
     series.require_patches()
     with tree_lock(tree.package_parent):
         refuse_if_pending(tree.package_parent, "verify")
-        rep, tmp = _read_phase(tree, series, level, list(notes or []), say)
+        with tree.reads_once():
+            rep, tmp = _read_phase(tree, series, level, list(notes or []), say)
     if tmp is None:
         return rep
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import gitcmd
@@ -98,6 +99,7 @@ class UpstreamTree:
     release: str | None
     release_source: str | None  # '_version.py' | 'dist-info' | 'git tag' | 'hashes'
     declared_release: str | None = None  # what the version source said, before the hash check
+    _reads: dict | None = field(default=None, init=False, repr=False, compare=False)  # see reads_once
 
     @classmethod
     def open(cls, root: Path | str, candidates: dict[str, Series] | None = None) -> "UpstreamTree":
@@ -129,7 +131,21 @@ class UpstreamTree:
         return self.package_parent / rel
 
     def read(self, rel: str) -> bytes | None:
-        return read_target(self.path(rel))
+        if self._reads is None:
+            return read_target(self.path(rel))
+        if rel not in self._reads:
+            self._reads[rel] = read_target(self.path(rel))
+        return self._reads[rel]
+
+    @contextmanager
+    def reads_once(self):
+        """Inside the block each file is read from disk once and then served from memory: for a
+        caller that holds the tree's lock and writes nothing while the block runs."""
+        self._reads = {}
+        try:
+            yield self
+        finally:
+            self._reads = None
 
     def sha256(self, rel: str) -> str | None:
         return sha256_bytes(self.read(rel))
