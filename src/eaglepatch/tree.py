@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import gitcmd
 from .errors import RefusedError, UsageError
-from .series import PACKAGE, Series, available_series, load_series, nearest_older_series, port_command, sha256_bytes
+from .series import PACKAGE, Series, available_series, load_series, nearest_older, port_command, sha256_bytes
 
 VERSION_RE = re.compile(r"""^\s*(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -209,28 +209,30 @@ def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = Fal
         tree = UpstreamTree.open(root, {series.release: series} if series.release else None)
         return Pick(series, tree)
     have = available_series(patches_root)
+    tree = UpstreamTree.open(root)
     cands = {}
-    for rel, d in have.items():
-        try:
-            cands[rel] = load_series(d)
-        except UsageError:
-            continue
-    tree = UpstreamTree.open(root, cands)
+    if tree.release is None:  # no version source: the series' manifests tell the release by its files' hashes
+        for rel, d in have.items():
+            try:
+                cands[rel] = load_series(d)
+            except UsageError:
+                continue
+        tree._cross_check(cands)
     if tree.release is None:
         raise UsageError(f"cannot tell the sglang release of {tree.root} (no _version.py, dist-info or v* tag, "
                          "and no series manifest matches its files)", "pass --series patches/sglang-<release>")
     if tree.release in have:
         return Pick(cands.get(tree.release) or load_series(have[tree.release]), tree)
     names = ", ".join(d.name for d in have.values()) or "none"
-    near = nearest_older_series(tree.release, patches_root)
+    near = nearest_older(tree.release, have)
     if near is None:
         raise RefusedError(f"no series for sglang {tree.release} and none older (series that exist: {names})",
                            "write a series under patches/ (tools/export.py)")
-    port = port_command(near[0], tree.release)
+    port = port_command(near, tree.release)
     if nearest:
-        return Pick(load_series(near[1]), tree,
-                    f"no series for sglang {tree.release}; verifying the nearest older series {near[1].name} "
+        return Pick(load_series(have[near]), tree,
+                    f"no series for sglang {tree.release}; verifying the nearest older series {have[near].name} "
                     f"(port it with: {port})")
     raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
-                       f"the nearest older series is {near[1].name}: see its drift with tools/verify.py {root}, "
+                       f"the nearest older series is {have[near].name}: see its drift with tools/verify.py {root}, "
                        f"then port it with {port}")
