@@ -42,11 +42,13 @@ def main(argv=None) -> int:
 
         if a.json is not None:
             check_output_file(a.json, "--json")
+        given = None  # --series alone names the release it was made for
         if a.series is not None and a.from_release is None and a.from_tree is None:
-            a.from_release = load_series(a.series).release
+            given = load_series(a.series)
+            a.from_release = given.release
         old_tree, from_rel = port.open_release_tree(a.from_tree, a.from_release, "from")
         new_tree, to_rel = port.open_release_tree(a.to_tree, a.to_release, "to")
-        old = port.load_old_series(from_rel, a.series)
+        old = given or port.load_old_series(from_rel, a.series)
         if old.release and old.release != from_rel:
             raise UsageError(f"{old.dir} was made for sglang {old.release}, not {from_rel}",
                              f"pass --from {old.release}")
