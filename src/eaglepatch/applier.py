@@ -11,7 +11,6 @@ under the tree's lock (`eaglepatch.lock`); `--commit` is part of the same transa
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import re
 import shutil
@@ -176,8 +175,7 @@ def edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
             out[rel] = "other side"
         elif data is None:
             out[rel] = "missing"
-        elif b"\r\n" in data and hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest() in (h.get(key),
-                                                                                          h.get(other)):
+        elif b"\r\n" in data and sha256_bytes(data.replace(b"\r\n", b"\n")) in (h.get(key), h.get(other)):
             out[rel] = "crlf"
         else:
             out[rel] = "edited"

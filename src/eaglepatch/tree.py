@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from contextlib import contextmanager
@@ -18,8 +17,7 @@ VERSION_RE = re.compile(r"""^\s*(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+
 
 def file_sha256(path: Path) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        return sha256_bytes(path.read_bytes())
     except (FileNotFoundError, NotADirectoryError):
         return None
 

@@ -24,7 +24,6 @@ and which command finishes it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ from .errors import RefusedError
 from .gitcmd import run as git_run
 from .interrupts import held_interrupts, stop_point
 from .outputs import can_write
+from .series import sha256_bytes
 
 TXN = ".eaglepatch-txn"
 FORMAT = 2
@@ -54,9 +54,9 @@ class Op:
 
 
 def _sha(path: str) -> str | None:
+    """sha256 of the file at `path`; None when it cannot be read, for whatever reason."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        return sha256_bytes(Path(path).read_bytes())
     except OSError:
         return None
 
@@ -155,7 +155,7 @@ class Transaction:
                 self.mkdirs.append(str(d))
         new = str(real.parent / f".{real.name}{NEW_SUFFIX}")
         self.ops.append(Op(label, str(real), new, str(real.parent / f".{real.name}{OLD_SUFFIX}") if exists else None,
-                           hashlib.sha256(data).hexdigest(), mode))
+                           sha256_bytes(data), mode))
         self.data[new] = data
 
     def _rmdirs_for(self, rel: str) -> None:
