@@ -26,10 +26,10 @@ def _sha(p: Path) -> str | None:
 
 
 def series_files(series_dir: Path) -> list[str]:
-    from ..smoke.tree import read_series
+    from ..series import read_series_list
 
     files = set()
-    for name in read_series(Path(series_dir) / "series"):
+    for name in read_series_list(Path(series_dir) / "series"):
         text = (Path(series_dir) / name).read_text(errors="replace")
         files.update(re.findall(r"^diff --git a/(\S+) b/\S+$", text, flags=re.M))
     return sorted(files)

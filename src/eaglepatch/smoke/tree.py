@@ -14,17 +14,6 @@ import shutil
 from pathlib import Path
 
 
-def read_series(path: Path) -> list[str]:
-    if not path.is_file():
-        return []
-    names = []
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    return names
-
-
 def patched_tree(release_dir: Path, series_dir: Path, dest: Path, smoke: bool = True) -> Path:
     """Build ``dest/sglang`` = upstream + series (+ smoke.series); returns ``dest`` (the package parent)."""
     from ..applier import git_apply
