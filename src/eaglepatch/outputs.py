@@ -31,10 +31,22 @@ def scratch_dir(prefix: str, then: str = "run again; nothing was changed") -> Pa
 
 
 def swap_in(tmp: Path, dest: Path) -> None:
-    """Put the finished directory ``tmp`` (beside ``dest``) at ``dest``; an older ``dest`` is removed first."""
+    """Put the finished directory ``tmp`` (beside ``dest``) at ``dest``. An older ``dest`` is
+    renamed aside first and removed only once ``tmp`` is in place (put back if that rename fails),
+    so ``dest`` is at every moment the old directory, the new one, or absent; never half of one."""
+    old = None
     if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if old is not None and not dest.exists():
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from ..errors import RefusedError, UsageError
 from ..export import build_export
 from ..fetch import FIXED_DATE
 from ..gitcmd import GIT_ID
-from ..outputs import scratch_dir, write_atomic
+from ..outputs import filled_dir, scratch_dir, write_atomic
 from ..series import Patch, header_to_message
 from .result import PortResult
 
@@ -102,24 +102,13 @@ def write_series(out: Path, files: dict, force: bool = False) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.port-", dir=out.parent))
     except OSError as exc:
         raise UsageError(f"cannot write {out}: {exc.strerror}", fix) from None
-    old = None
     try:
-        for name, data in sorted(files.items()):
-            (tmp / name).write_bytes(data)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException as exc:
-        if old is not None and not out.exists():
-            os.replace(old, out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise UsageError(f"cannot write {out}: {exc.strerror}", fix) from None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with filled_dir(tmp, out):
+            for name, data in sorted(files.items()):
+                (tmp / name).write_bytes(data)
+            os.chmod(tmp, 0o755)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror}", fix) from None
 
 
 def write_json(path: Path, res: PortResult, flag: str = "--json") -> None:
