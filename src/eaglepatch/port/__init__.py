@@ -41,12 +41,12 @@ __all__ = ["port_series", "PortResult", "HunkPort", "PatchPort", "MERGED", "UPST
            "nearest_older_series", "port_hint"]
 
 
-def created_files(res: PortResult, trees: Trees, to_release: str, series_version: str) -> dict:
+def created_files(res: PortResult, upstream_semantics: dict, to_release: str, series_version: str) -> dict:
     """The package the ported series adds: sglang-overlay/ for the new release, whose
-    release.py records how unpatched sglang of that release reads draft ids."""
+    release.py records how unpatched sglang of that release (`upstream_semantics`) reads draft ids."""
     from ..overlay import DEFAULT_UPSTREAM_MAPPING, release_files
 
-    mapping = detect_capture_semantics(trees.upstream(DEEPSEEK)).get("eagle_id_to_capture_index")
+    mapping = upstream_semantics.get("eagle_id_to_capture_index")
     if mapping not in ("plus_one", "plus_one_if_first_is_one"):
         res.notes.append(f"cannot tell how unpatched sglang {to_release} maps draft ids ({mapping}); the "
                          f"package's warning assumes '{DEFAULT_UPSTREAM_MAPPING}'")
@@ -62,7 +62,8 @@ def port_series(old: Series, old_read, new_read, from_release: str, to_release: 
     date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     check_base(old, old_read, from_release)                                   # 1. fetch
     trees = Trees(old_read, new_read)
-    trees.created = created_files(res, trees, to_release, series_version)
+    up_new = detect_capture_semantics(trees.upstream(DEEPSEEK))
+    trees.created = created_files(res, up_new, to_release, series_version)
     kept: list[tuple] = []  # (patch, the new files after it)
     for patch in old.patches + old.smoke:
         if drop_by_drop_when(res, patch, patch in old.smoke, to_release):     # 3. drop (Drop-When)
@@ -74,7 +75,7 @@ def port_series(old: Series, old_read, new_read, from_release: str, to_release: 
         res.patches.append(outcome)
         if outcome.status == "ported":
             kept.append((patch, dict(trees.new_state)))
-    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees)
+    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees, up_new)
     if not res.clean:
         return res
     if not kept:

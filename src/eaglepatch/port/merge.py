@@ -119,12 +119,14 @@ class Trees:
 
     def new(self, path: str) -> bytes | None:
         if path not in self.new_state:
-            self.new_state[path] = self.new_upstream.setdefault(path, self.new_read(path))
+            if path not in self.new_upstream:
+                self.new_upstream[path] = self.new_read(path)
+            self.new_state[path] = self.new_upstream[path]
         return self.new_state[path]
 
     def upstream(self, path: str) -> bytes | None:
         """The new release's own file (never changed by the port)."""
-        return self.new_upstream.get(path, self.new_read(path))
+        return self.new_upstream[path] if path in self.new_upstream else self.new_read(path)
 
 
 class FileMerge:

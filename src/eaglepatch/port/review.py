@@ -19,12 +19,21 @@ def locate(res: PortResult, patch: str, path: str, theirs: bytes, merged: bytes,
     sm = difflib.SequenceMatcher(a=split_lines(theirs), b=split_lines(merged), autojunk=False)
     starts = [j1 + 1 for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
     landed = [h for h in res.hunks if h.patch == patch and h.file == path and h.status in (MERGED, RELOCATED)]
+    modules: dict = {}  # the source -> its parse (None: not Python), each parsed at most once
+
+    def def_line(source: bytes, qualname: str) -> int | None:
+        side = "base" if source is base else "theirs"
+        if side not in modules:
+            modules[side] = _parse(source)
+        return _def_line(modules[side], qualname)
+
     for h, line in zip(landed, starts):
         h.line = line
         if h.anchor in ("<module>", "-") or h.status == RELOCATED:
             continue
-        before = anchor_at(base, _def_line(base, h.anchor))[1] if _def_line(base, h.anchor) else None
-        after_line = _def_line(theirs, h.anchor)
+        before_line = def_line(base, h.anchor)
+        before = anchor_at(base, before_line)[1] if before_line else None
+        after_line = def_line(theirs, h.anchor)
         after = anchor_at(theirs, after_line)[1] if after_line else None
         if after_line is None:
             h.review = f"{h.anchor} no longer exists upstream"
@@ -32,10 +41,15 @@ def locate(res: PortResult, patch: str, path: str, theirs: bytes, merged: bytes,
             h.review = f"the body of {h.anchor} changed upstream; review what the hook now does"
 
 
-def _def_line(source: bytes, qualname: str) -> int | None:
+def _parse(source: bytes) -> ast.Module | None:
     try:
-        tree = ast.parse(source)
+        return ast.parse(source)
     except SyntaxError:
+        return None
+
+
+def _def_line(tree: ast.Module | None, qualname: str) -> int | None:
+    if tree is None:
         return None
     parts = qualname.split(".")
 

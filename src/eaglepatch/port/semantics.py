@@ -91,11 +91,11 @@ def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None) 
             "capture_site": upstream.get("capture_site", "unknown")}
 
 
-def record_semantics(res: PortResult, old_semantics: dict | None, old_read, trees) -> None:
-    """Fill res.upstream_semantics / res.semantics and add a note where upstream changed them."""
+def record_semantics(res: PortResult, old_semantics: dict | None, old_read, trees, up_new: dict) -> None:
+    """Fill res.upstream_semantics / res.semantics and add a note where upstream changed them
+    (`up_new`: what detect_capture_semantics found in the new release's own DEEPSEEK file)."""
     from_release, to_release = res.from_release, res.to_release
     up_old = detect_capture_semantics(old_read(DEEPSEEK))
-    up_new = detect_capture_semantics(trees.upstream(DEEPSEEK))
     res.upstream_semantics = {from_release: up_old, to_release: up_new}
     if res.clean:
         patched_new = detect_capture_semantics(trees.new_state.get(DEEPSEEK, trees.new_upstream.get(DEEPSEEK)))
