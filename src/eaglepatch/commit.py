@@ -78,14 +78,15 @@ class _Git:
         return out
 
 
-def _git_path(g: _Git, root: Path, name: str) -> Path:
-    p = Path(g("rev-parse", "--git-path", name))
-    return p if p.is_absolute() else root / p
+def _git_paths(g: _Git, root: Path, *names: str) -> list[Path]:
+    """Where git keeps each of `names` (one `git rev-parse` prints them one per line)."""
+    out = g("rev-parse", *(a for name in names for a in ("--git-path", name))).splitlines()
+    return [p if p.is_absolute() else root / p for p in map(Path, out)]
 
 
 def check_idle(g: _Git, root: Path) -> None:
-    for name, what, how in BUSY:
-        if _git_path(g, root, name).exists():
+    for (name, what, how), path in zip(BUSY, _git_paths(g, root, *(b[0] for b in BUSY))):
+        if path.exists():
             raise RefusedError(f"{what} is in progress in {root}",
                                f"finish or abort it first ({how}), then run apply --commit again; nothing was changed")
 
@@ -180,7 +181,7 @@ def _prepare(repo, tree, series, originals, snapshots, changes, force) -> Commit
             mf.write_bytes(header_to_message(p.header).encode("utf-8"))
             parent = g("commit-tree", treesha, "-p", parent, "-F", str(mf), env=ienv)
         stop_point("commit-objects")
-        index_path = _git_path(g, root, "index")
+        index_path = _git_paths(g, root, "index")[0]
         work = Path(td) / "work-index"
         if index_path.is_file():
             shutil.copyfile(index_path, work)
