@@ -408,7 +408,8 @@ def _read_plan(txn: Path) -> dict | None:
     return plan
 
 
-def describe_pending(pp: Path | str) -> str | None:
+def describe_pending(pp: Path | str) -> tuple[str, dict | None] | None:
+    """(what the transaction pending in `pp` is, its plan or None if unreadable), or None when none is."""
     txn = Path(pp) / TXN
     if not _lexists(txn):
         return None
@@ -416,17 +417,17 @@ def describe_pending(pp: Path | str) -> str | None:
     cmd = f"`{plan['command']}`" if plan and plan.get("command") else "an eaglepatch run"
     n = len([o for o in (plan or {}).get("ops", []) if not o["path"].startswith(":")])
     if plan and (txn / "DONE").exists():
-        return f"{cmd} finished its change but was stopped while cleaning up"
+        return f"{cmd} finished its change but was stopped while cleaning up", plan
     if plan and (txn / "READY").exists():
-        return f"{cmd} was stopped after its commit point, with {n} file(s) to change"
-    return f"{cmd} was stopped before its commit point (no file was changed yet)"
+        return f"{cmd} was stopped after its commit point, with {n} file(s) to change", plan
+    return f"{cmd} was stopped before its commit point (no file was changed yet)", plan
 
 
 def refuse_if_pending(pp: Path | str, what: str) -> None:
-    desc = describe_pending(pp)
-    if desc is None:
+    pending = describe_pending(pp)
+    if pending is None:
         return
-    plan = _read_plan(Path(pp) / TXN)
+    desc, plan = pending
     cmd = plan.get("command") if plan else None
     raise RefusedError(f"an interrupted transaction is pending in {Path(pp) / TXN}: {desc}",
                        f"run {cmd + ' ' if cmd else 'tools/apply.py on this tree '}again to finish it, then "
