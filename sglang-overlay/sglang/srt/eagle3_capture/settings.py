@@ -35,8 +35,8 @@ def upstream_capture_indices(layer_ids: Sequence[int]) -> List[int]:
 
 
 def hf_index(layer_id: int) -> int:
-    """EAGLE-3 id k -> index into Hugging Face ``output_hidden_states``."""
-    return layer_id + 1
+    """EAGLE-3 id k -> index into Hugging Face ``output_hidden_states`` (the capture index)."""
+    return capture_index(layer_id)
 
 
 def default_layer_ids(num_layers: int) -> List[int]:
