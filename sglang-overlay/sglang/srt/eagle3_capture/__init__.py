@@ -66,11 +66,17 @@ class CaptureState:
     def __init__(self):
         self.eagle: Optional[List[int]] = None
         self.eagle_configured = False
-        self.dump: Optional[List[int]] = None
-        self.writer = None
+        self.writer = None  # the dump's DumpWriter, None without a dump
         self.last = None  # the residual stream entering the final norm, this forward
         self.last_hook = None
         self.raw_ids = None  # a multimodal wrapper's prefill ids before it clamps them
+
+    @property
+    def dump(self) -> Optional[List[int]]:
+        """The capture indices the dump writes (those of the writer's ids), None without one."""
+        if self.writer is None:
+            return None
+        return [capture_index(k) for k in self.writer.layer_ids]
 
     def order(self) -> List[int]:
         return sorted(set(self.eagle or ()) | set(self.dump or ()))
@@ -213,7 +219,7 @@ def configure_runner(runner) -> None:
 
     target = capture_target(runner.model)
     state = _state(target)
-    state.dump, state.writer = start_dump(runner, target, settings)
+    state.writer = start_dump(runner, target, settings)
     if target is not runner.model:
         _keep_raw_ids(runner.model, state)
     _sync(target, state)
@@ -243,7 +249,7 @@ def after_model(model, output, forward_batch):
                 raise RuntimeError("eagle3_capture: the final norm ran without its capture hook")
             last = final
         captured[num_layers] = last
-    if state.dump is not None:
+    if state.writer is not None:
         raw_ids, state.raw_ids = state.raw_ids, None
         state.writer.submit(forward_batch, captured, final, input_ids=raw_ids)
     if not model.capture_aux_hidden_states:

@@ -358,7 +358,7 @@ def _chunked(server_args) -> bool:
 
 
 def start_dump(runner, target, settings: DumpSettings):
-    """Check the server settings, then start the writer; returns (capture indices, writer)."""
+    """Check the server settings, then start the writer."""
     from sglang.srt.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
@@ -414,4 +414,4 @@ def start_dump(runner, target, settings: DumpSettings):
         "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, layer_ids,
         settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
     )
-    return [capture_index(k) for k in layer_ids], writer
+    return writer
