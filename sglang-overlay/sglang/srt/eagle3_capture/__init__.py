@@ -231,7 +231,7 @@ def configure_runner(runner) -> None:
     target = capture_target(runner.model)
     state = _state(target)
     state.writer = start_dump(runner, target, settings)
-    if target is not runner.model:
+    if target is not runner.model and state.writer.enabled:  # only the writing rank reads the ids
         _keep_raw_ids(runner.model, state)
     _sync(target, state)
 
