@@ -305,6 +305,62 @@ def test_only_the_last_layer_and_reconfiguration_removes_the_hook():
     assert m.model.layers_to_capture == [1] and not m.model.norm._forward_hooks
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("eagle", [[-1, 1], [1], [], [3], [-1, 1, 3]])  # 4 layers: 3 = the last
+@pytest.mark.parametrize("dump", [None, [-1], [0], [3]])
+@pytest.mark.parametrize("form", ["list", "packed"])
+@pytest.mark.parametrize("capture", [True, False])
+def test_after_model_returns_the_same_structure_on_every_route(tmp_path, eagle, dump, form, capture):
+    """after_model skips the routing when nothing needs it (no dump, no final-norm capture, the
+    draft takes exactly the loop's captures); every configuration, on that path or the full
+    one, hands back the final state itself and the draft's states in the release's form: the
+    upstream aux object where it holds exactly the draft's layers, else the subset in index
+    order (the captured tensors themselves in a list, or packed into one tensor)."""
+    m = _Model(4)
+    pkg.set_eagle3_layers(m, eagle)
+    state = m._eagle3_capture_state
+    if dump is not None:
+        state.writer = dump_mod.DumpWriter(str(tmp_path), dump, True, 1 << 20, {}, enabled=False)
+        pkg._sync(m, state)
+    m.capture_aux_hidden_states = capture
+    wanted = sorted({settings.capture_index(k) for k in eagle + (dump or [])})
+    in_loop = [i for i in wanted if i < 4]
+    assert m.model.layers_to_capture == in_loop
+    assert state.passthrough == (dump is None and 3 not in eagle)
+    states = {i: torch.randn(3, 8) for i in range(5)}
+    final = torch.randn(3, 8)
+    if not in_loop:
+        output = final  # the loop captured nothing: the model returns the bare final state
+    elif form == "list":
+        output = (final, [states[i] for i in in_loop])
+    else:
+        output = (final, torch.cat([states[i] for i in in_loop], dim=-1))
+    if 4 in wanted:
+        state.last = states[4]  # what the final-norm hook keeps
+    draft = sorted(settings.capture_index(k) for k in eagle)
+    if capture and form == "packed" and in_loop and not draft:
+        with pytest.raises((RuntimeError, ValueError)):  # no draft layers to pack: torch.cat([])
+            pkg.after_model(m, output, None)
+        return
+    out = pkg.after_model(m, output, None)
+    assert state.last is None
+    if not capture:
+        assert out is final
+        return
+    got_final, got_aux = out
+    assert got_final is final
+    if isinstance(output, tuple) and draft == in_loop:
+        assert got_aux is output[1]
+    elif form == "packed" and in_loop:
+        assert torch.equal(got_aux, torch.cat([states[i] for i in draft], dim=-1))
+    else:
+        assert isinstance(got_aux, list) and len(got_aux) == len(draft)
+        if form == "list" or not in_loop:
+            assert all(a is states[i] for a, i in zip(got_aux, draft))
+        else:
+            assert all(torch.equal(a, states[i]) for a, i in zip(got_aux, draft))
+
+
 # ---- chunked prefill: a request's rows gathered across forwards ------------------------------------
 
 class _Prefill:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -45,6 +46,34 @@ def guarded(name: str):
         return run
 
     return wrap
+
+
+DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB")
+
+
+class Dumping:
+    """During ``with``: the dump variables for what starts inside the block. Every EAGLE3_DUMP_*
+    variable is unset on entry and restored on exit; with a directory (created), the given ones
+    are set (None leaves that variable unset)."""
+
+    def __init__(self, directory, layers=None, final=None, max_pending_mb=None):
+        values = (directory, ",".join(str(k) for k in layers) if layers is not None else None, final, max_pending_mb)
+        self.directory = directory
+        self.values = {k: str(v) for k, v in zip(DUMP_VARS, values) if v is not None}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.pop(k, None) for k in DUMP_VARS}
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            os.environ.update(self.values)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        return False
 
 
 def maxdiff(a, b) -> float:

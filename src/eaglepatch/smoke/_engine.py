@@ -29,7 +29,7 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, RowCheck, guarded, log, result
+from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, Dumping, RowCheck, guarded, log, result
 
 LAYERS = [-1, 1, 3]  # 3: the last layer's output before the final norm
 TOL = 1e-4
@@ -42,30 +42,10 @@ def dump_key(ids) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
-class Dumping:
-    """Set the dump variables for the Engine started inside the block."""
-
-    def __init__(self, directory: Path | None):
-        self.directory = directory
-
-    def __enter__(self):
-        keys = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB")
-        self.saved = {k: os.environ.pop(k, None) for k in keys}
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            os.environ["EAGLE3_DUMP_DIR"] = str(self.directory)
-            os.environ["EAGLE3_DUMP_LAYERS"] = ",".join(str(k) for k in LAYERS)
-            os.environ["EAGLE3_DUMP_FINAL"] = "1"
-            # small cap: several requests in one forward exceed it, so backpressure is exercised
-            os.environ["EAGLE3_DUMP_MAX_PENDING_MB"] = "1"
-        return self
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-        return False
+def dumping(directory: Path):
+    """The dump variables of an Engine started inside the block; a small pending cap: several
+    requests in one forward exceed it, so backpressure is exercised."""
+    return Dumping(directory, layers=LAYERS, final=1, max_pending_mb=1)
 
 
 def start_engine(ckpt: Path, **extra):
@@ -190,7 +170,7 @@ def check_e_engine(ckpt: Path, work: Path) -> None:
     engine, code = None, None
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
-    with Dumping(directory):
+    with dumping(directory):
         try:
             engine = __import__("sglang").Engine(**_kwargs_radix_on(ckpt))
         except SystemExit as exc:
@@ -232,7 +212,7 @@ def check_e_launch_server(ckpt: Path, work: Path) -> None:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + _cli(_kwargs_radix_on(ckpt))
     t0 = time.monotonic()
-    with Dumping(directory):
+    with dumping(directory):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     wall = time.monotonic() - t0
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -277,7 +257,7 @@ def main() -> int:
             directory = work / subdir
             sent = order(prompts) if order else prompts
             sent_refs = [refs[prompts.index(p)] for p in sent]
-            with Dumping(directory):
+            with dumping(directory):
                 engine = start_engine(ckpt, **engine_kw)
             try:
                 generate(engine, sent, 1)

@@ -44,7 +44,7 @@ def server_args(ckpt, **over):
     return sa
 
 
-def _prepare_process(sa, port_args) -> None:
+def _prepare_process(sa) -> None:
     """Process-wide set-up that each release's benchmark does once before loading a model."""
     global _PREPARED
     b = bench()
@@ -66,14 +66,12 @@ def _prepare_process(sa, port_args) -> None:
         initialize_moe_config(sa)
 
 
-def make_runner(sa, mutate=None):
-    """ServerArgs -> a ready ModelRunner; ``mutate(sa)`` runs after validation, before loading."""
+def make_runner(sa):
+    """ServerArgs -> a ready ModelRunner."""
     from sglang.srt.server_args import PortArgs
 
     port_args = PortArgs.init_new(sa)
-    _prepare_process(sa, port_args)
-    if mutate is not None:
-        mutate(sa)
+    _prepare_process(sa)
     runner, _ = bench().load_model(sa, port_args, 0, 0)
     for name in ("torch_runner", "model_runner"):  # later releases wrap it for the benchmark
         runner = getattr(runner, name, runner)

@@ -20,7 +20,6 @@ The runner is built and driven through the release's own one-batch benchmark mod
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import _hf
 import _rt
 import tinyconfig
-from _common import A_NAME, D_NAME, E_RUNNER_NAME, G_NAME, RowCheck, guarded, log, maxdiff, result
+from _common import A_NAME, D_NAME, E_RUNNER_NAME, G_NAME, Dumping, RowCheck, guarded, log, maxdiff, result
 
 EAGLE_IDS = [-1, 1, 3]
 TOL = 1e-4
@@ -146,10 +145,7 @@ def check_e(ckpt: Path, work: Path) -> None:
     from sglang.srt.eagle3_capture.settings import resolved
 
     dump = work / "dump-refused"
-    dump.mkdir(parents=True, exist_ok=True)
-    os.environ["EAGLE3_DUMP_DIR"] = str(dump)
-    os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,3"
-    try:
+    with Dumping(dump, layers=[-1, 1, 3]):
         probe = _rt.server_args(ckpt, load_format="dummy")
         eagle3_capture.check_launch(probe)  # the control: these CPU settings pass
         for label, settings, needle, *effect in REFUSALS:
@@ -179,9 +175,6 @@ def check_e(ckpt: Path, work: Path) -> None:
             else:
                 result(name, False, "passed", "check_launch accepted %s (%s)" % (settings, how))
         guarded(E_RUNNER_NAME)(_runner_refusal)(ckpt)
-    finally:
-        os.environ.pop("EAGLE3_DUMP_DIR", None)
-        os.environ.pop("EAGLE3_DUMP_LAYERS", None)
     left = sorted(p.name for p in dump.iterdir())
     if left:
         result("e. refusals leave the dump dir empty", False, "%d files" % len(left), ", ".join(left[:5]))
@@ -208,23 +201,19 @@ def check_d(ckpt: Path, work: Path) -> None:
     """Dump on (and really writing) vs dump off: same greedy tokens, bit-identical logits."""
     prompts = tinyconfig.prompts()[:4]
     dump = work / "dump-d"
-    dump.mkdir(parents=True, exist_ok=True)
     out = {}
     for mode in ("on", "off"):
-        if mode == "on":
-            os.environ["EAGLE3_DUMP_DIR"] = str(dump)
-            os.environ["EAGLE3_DUMP_LAYERS"] = "-1,1,3"  # 3: the final-norm hook must not change outputs
-        runner = _rt.make_runner(_rt.server_args(ckpt))
-        try:
-            out[mode] = _rt.greedy(runner, prompts, D_STEPS)
-            if mode == "on":
-                from sglang.srt.eagle3_capture import capture_target
+        # 3: the final-norm hook must not change outputs
+        with Dumping(dump if mode == "on" else None, layers=[-1, 1, 3]):
+            runner = _rt.make_runner(_rt.server_args(ckpt))
+            try:
+                out[mode] = _rt.greedy(runner, prompts, D_STEPS)
+                if mode == "on":
+                    from sglang.srt.eagle3_capture import capture_target
 
-                capture_target(runner.model)._eagle3_capture_state.writer.flush()
-        finally:
-            os.environ.pop("EAGLE3_DUMP_DIR", None)
-            os.environ.pop("EAGLE3_DUMP_LAYERS", None)
-            _rt.release(runner)
+                    capture_target(runner.model)._eagle3_capture_state.writer.flush()
+            finally:
+                _rt.release(runner)
     files = sorted(dump.glob("*.safetensors"))
     (ton, lon), (toff, loff) = out["on"], out["off"]
     d = maxdiff(lon, loff)
@@ -279,14 +268,8 @@ def check_g(kimi_ckpt: Path, work: Path, ref) -> None:
     from sglang.srt.eagle3_capture.dump import dump_key
 
     dump = work / "dump-image"
-    dump.mkdir(parents=True, exist_ok=True)
-    os.environ["EAGLE3_DUMP_DIR"] = str(dump)
-    os.environ["EAGLE3_DUMP_LAYERS"] = ",".join(map(str, G_LAYERS))
-    try:
+    with Dumping(dump, layers=G_LAYERS):
         runner = _rt.make_runner(_rt.server_args(kimi_ckpt, enable_multimodal=True))
-    finally:
-        os.environ.pop("EAGLE3_DUMP_DIR", None)
-        os.environ.pop("EAGLE3_DUMP_LAYERS", None)
     try:
         H = tinyconfig.DEEPSEEK_V3["hidden_size"]
         ids, padded, mm, image = _image_request(runner.model, H)

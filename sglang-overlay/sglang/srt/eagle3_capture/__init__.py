@@ -66,11 +66,23 @@ class CaptureState:
     def __init__(self):
         self.eagle: Optional[List[int]] = None
         self.eagle_configured = False
-        self.dump: Optional[List[int]] = None
-        self.writer = None
+        self.writer = None  # the dump's DumpWriter, None without a dump
         self.last = None  # the residual stream entering the final norm, this forward
         self.last_hook = None
         self.raw_ids = None  # a multimodal wrapper's prefill ids before it clamps them
+        # the routing after_model follows, set by _sync whenever eagle or the writer change:
+        self.in_loop: List[int] = []  # indices the layer loop captures, in order
+        self.last_index: Optional[int] = None  # num_hidden_layers when the final-norm hook is on
+        self.eagle_order: Optional[List[int]] = None  # sorted(set(eagle)); None before any ids
+        self.aux_is_eagle = False  # the loop's captures are exactly the draft's
+        self.passthrough = False  # no dump, no hook, aux_is_eagle: the captures need no routing
+
+    @property
+    def dump(self) -> Optional[List[int]]:
+        """The capture indices the dump writes (those of the writer's ids), None without one."""
+        if self.writer is None:
+            return None
+        return [capture_index(k) for k in self.writer.layer_ids]
 
     def order(self) -> List[int]:
         return sorted(set(self.eagle or ()) | set(self.dump or ()))
@@ -105,8 +117,13 @@ def _keep_last(state: CaptureState):
 def _sync(model, state: CaptureState) -> None:
     num_layers = model.config.num_hidden_layers
     order = state.order()
-    model.model.layers_to_capture = [i for i in order if i < num_layers]
+    state.in_loop = [i for i in order if i < num_layers]
+    model.model.layers_to_capture = list(state.in_loop)
     wants_last = num_layers in order
+    state.last_index = num_layers if wants_last else None
+    state.eagle_order = sorted(set(state.eagle)) if state.eagle is not None else None
+    state.aux_is_eagle = state.eagle_order == state.in_loop
+    state.passthrough = state.writer is None and not wants_last and state.aux_is_eagle
     if wants_last and state.last_hook is None:
         state.last_hook = model.model.norm.register_forward_hook(_keep_last(state), with_kwargs=True)
     elif not wants_last and state.last_hook is not None:
@@ -213,8 +230,8 @@ def configure_runner(runner) -> None:
 
     target = capture_target(runner.model)
     state = _state(target)
-    state.dump, state.writer = start_dump(runner, target, settings)
-    if target is not runner.model:
+    state.writer = start_dump(runner, target, settings)
+    if target is not runner.model and state.writer.enabled:  # only the writing rank reads the ids
         _keep_raw_ids(runner.model, state)
     _sync(target, state)
 
@@ -231,25 +248,28 @@ def after_model(model, output, forward_batch):
     state = getattr(model, "_eagle3_capture_state", None)
     if state is None:
         return output
-    num_layers = model.config.num_hidden_layers
-    order = state.order()
-    in_loop = [i for i in order if i < num_layers]
+    in_loop = state.in_loop
     final, aux = output if isinstance(output, tuple) else (output, None)
+    if state.passthrough and (aux is not None or not in_loop):
+        # nothing to dump, no final-norm capture, the draft takes what the loop captured
+        if not model.capture_aux_hidden_states:
+            return final
+        return final, (aux if aux is not None else [])
     captured = dict(zip(in_loop, _split(aux, len(in_loop)) if in_loop else ()))
-    if num_layers in order:
+    if state.last_index is not None:
         last, state.last = state.last, None
         if last is None:  # the final norm did not run: an idle batch has no rows
             if final.shape[0]:
                 raise RuntimeError("eagle3_capture: the final norm ran without its capture hook")
             last = final
-        captured[num_layers] = last
-    if state.dump is not None:
+        captured[state.last_index] = last
+    if state.writer is not None:
         raw_ids, state.raw_ids = state.raw_ids, None
         state.writer.submit(forward_batch, captured, final, input_ids=raw_ids)
     if not model.capture_aux_hidden_states:
         return final
-    eagle = sorted(set(state.eagle))
-    if aux is not None and eagle == in_loop:
+    eagle = state.eagle_order  # None only before any ids: iterating it fails as before
+    if aux is not None and state.aux_is_eagle:
         return final, aux  # exactly what upstream captured
     subset = [captured[i] for i in eagle]
     if aux is None or isinstance(aux, (list, tuple)):

@@ -102,6 +102,8 @@ class DumpWriter:
                  chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0):
         self.directory = directory
         self.layer_ids = layer_ids
+        # (file tensor name, capture index) per layer, in file order
+        self._layers = [(f"layer.{k}", capture_index(k)) for k in layer_ids]
         self.final = final
         self.metadata = metadata
         self.enabled = enabled
@@ -158,8 +160,8 @@ class DumpWriter:
             return
         ids = forward_batch.input_ids if input_ids is None else input_ids
         sources = {"input_ids": ids}
-        for layer_id in self.layer_ids:
-            sources[f"layer.{layer_id}"] = captured[capture_index(layer_id)]
+        for name, index in self._layers:
+            sources[name] = captured[index]
         if self.final:
             sources["final"] = final
         lookup_src = {}
@@ -356,7 +358,7 @@ def _chunked(server_args) -> bool:
 
 
 def start_dump(runner, target, settings: DumpSettings):
-    """Check the server settings, then start the writer; returns (capture indices, writer)."""
+    """Check the server settings, then start the writer."""
     from sglang.srt.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
@@ -412,4 +414,4 @@ def start_dump(runner, target, settings: DumpSettings):
         "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, layer_ids,
         settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
     )
-    return [capture_index(k) for k in layer_ids], writer
+    return writer

@@ -35,8 +35,8 @@ def upstream_capture_indices(layer_ids: Sequence[int]) -> List[int]:
 
 
 def hf_index(layer_id: int) -> int:
-    """EAGLE-3 id k -> index into Hugging Face ``output_hidden_states``."""
-    return layer_id + 1
+    """EAGLE-3 id k -> index into Hugging Face ``output_hidden_states`` (the capture index)."""
+    return capture_index(layer_id)
 
 
 def default_layer_ids(num_layers: int) -> List[int]:
@@ -262,12 +262,12 @@ def check_model(architectures: Sequence[str], num_layers: int, settings: "DumpSe
 
 
 def _model_config(server_args):
-    for module, name in (("sglang.srt.arg_groups.model_override_base", "model_config_of"),):
-        try:
-            return getattr(__import__(module, fromlist=[name]), name)(server_args)
-        except (ImportError, AttributeError):
-            pass
-    return server_args.get_model_config()
+    try:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        return model_config_of(server_args)
+    except (ImportError, AttributeError):
+        return server_args.get_model_config()
 
 
 def check_launch(server_args) -> None:
