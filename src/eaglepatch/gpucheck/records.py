@@ -84,13 +84,9 @@ def _columns(hidden: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [hidden[:, i * w:(i + 1) * w] for i in range(count)]
 
 
-def _prompt_index(prompts) -> dict:
-    return {tuple(p): i for i, p in enumerate(prompts)}
-
-
 def extend_requests(rec, prompts) -> list[tuple[int | None, int, int]]:
-    """(request index or None, start, length) for each request of a target EXTEND record."""
-    index = _prompt_index(prompts)
+    """(request index or None, start, length) for each request of an EXTEND record (target or probe)."""
+    index = {tuple(p): i for i, p in enumerate(prompts)}
     ids = rec["input_ids"].tolist()
     return [(index.get(tuple(ids[s:s + n])), s, n) for s, n in _segments(rec)]
 
@@ -144,15 +140,12 @@ def check_draft(name: str, records, prompts, outputs, ref_fn: Callable, ids, tol
     verify_graph = verify_eager = 0
     last_target: dict = {}
     draft_stats = {"prefill": 0, "decode": 0, "graph": 0, "rows": 0, "rows_not_from_target": 0}
-    index = _prompt_index(prompts)
     for rec in records:
         pid = rec["pid"]
         if rec["kind"] == "target":
             last_target[pid] = rec
             if rec["mode"] == "EXTEND":
-                ids_ = rec["input_ids"].tolist()
-                for (s, n), rpi in zip(_segments(rec), rec["req_pool_indices"].tolist()):
-                    r = index.get(tuple(ids_[s:s + n]))
+                for (r, _, _), rpi in zip(extend_requests(rec, prompts), rec["req_pool_indices"].tolist()):
                     pool_to_req[rpi] = r
                 continue
             if rec["mode"] != "TARGET_VERIFY":
@@ -320,15 +313,12 @@ def check_probe(name: str, records, prompts, refs, tol: float = TOL) -> tuple[Ve
     """The layer-input probe: (without the fix: must FAIL where the previous layer deferred its
     all-reduce; with the fix: must pass everywhere)."""
     raw, fixed, flagged_layers = [], [], set()
-    index = _prompt_index(prompts)
     for rec in records:
         if rec["kind"] != "probe":
             continue
         i = rec["layer_index"]
         k = i - 1  # the input of layer i is the output of layer i-1 (EAGLE id i-1)
-        ids_ = rec["input_ids"].tolist()
-        for s, n in _segments(rec):
-            r = index.get(tuple(ids_[s:s + n]))
+        for r, s, n in extend_requests(rec, prompts):
             if r is None:
                 continue
             if rec["flagged"]:
