@@ -16,14 +16,13 @@ Pure torch: runs on the GPU machine after the engines stopped, and in the CPU te
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..extract.dumps import dump_key
+from ..extract.dumps import BadDump, dump_key, load_dump
 from .criterion import TOL, compare, merge
 
 
@@ -210,11 +209,12 @@ def check_draft(name: str, records, prompts, outputs, ref_fn: Callable, ids, tol
                    dict(draft_stats, verify_graph=verify_graph, verify_eager=verify_eager))
 
 
-def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, tol: float = TOL,
-               final: bool = True) -> Verdict:
-    """One file per request, nothing else in the directory, every state vs the reference."""
-    from safetensors import safe_open
+def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, tol: float = TOL) -> Verdict:
+    """One file per request, nothing else in the directory, every state vs the reference.
 
+    Each file is read and checked by ``extract.dumps.load_dump`` (format, key, input_ids, token
+    count, HF indices, tensor set with ``final``, shapes, dtypes); on top: the stored ids are
+    ``ids``, the metadata matches ``expect_meta`` and names the sglang and series versions."""
     directory = Path(directory)
     keys = [dump_key(p) for p in prompts]
     names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
@@ -227,35 +227,27 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
     if extra:
         problems.append("unexpected files: %s" % extra[:4])
     comps = []
-    tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | ({"final"} if final else set())
+    tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | {"final"}
+    hidden = expect_meta.get("hidden_size")
     for i, (ids_, key) in enumerate(zip(prompts, keys)):
         path = directory / (key + ".safetensors")
         if not path.is_file():
             continue
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if set(tensors) != tensor_names:
-            problems.append("request %d: tensors %s, want %s" % (i, sorted(tensors), sorted(tensor_names)))
+        try:
+            d = load_dump(path, ids_, hidden_size=int(hidden) if hidden is not None else None, need_final=True)
+        except BadDump as exc:
+            problems.append("request %d: %s" % (i, exc))
             continue
-        got_ids = tensors["input_ids"]
-        if got_ids.dtype != torch.int64 or got_ids.tolist() != list(ids_):
-            problems.append("request %d: input_ids differ from the prompt" % i)
-        want_meta = dict(expect_meta, key=key, num_tokens=str(len(ids_)),
-                         eagle3_layer_ids=json.dumps(list(ids)),
-                         hf_hidden_state_indices=json.dumps([k + 1 for k in ids]))
-        for mk, mv in want_meta.items():
-            got = meta.get(mk)
-            if mk in ("eagle3_layer_ids", "hf_hidden_state_indices") and got is not None:
-                try:
-                    got, mv = json.loads(got), json.loads(mv)
-                except ValueError:
-                    pass
-            if got != mv:
-                problems.append("request %d: metadata %s=%r, want %r" % (i, mk, got, mv))
+        if d.layer_ids != list(ids):
+            problems.append("request %d: metadata eagle3_layer_ids=%s, want %s" % (i, d.layer_ids, list(ids)))
+            continue
+        for mk, mv in expect_meta.items():
+            if d.meta.get(mk) != mv:
+                problems.append("request %d: metadata %s=%r, want %r" % (i, mk, d.meta.get(mk), mv))
         for mk in ("sglang_version", "series_version"):
-            if not meta.get(mk):
+            if not d.meta.get(mk):
                 problems.append("request %d: metadata %s missing" % (i, mk))
+        tensors = dict(d.layers, final=d.final)
         for tn in sorted(tensor_names - {"input_ids"}):
             comps.append(compare("request %d (%d tokens) %s" % (i, len(ids_), tn), tensors[tn], refs[i][tn], tol))
     m = merge(name, comps)
