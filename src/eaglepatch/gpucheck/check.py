@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import RefusedError, UsageError
+from ..outputs import write_atomic
 from . import models
 
 HERE = Path(__file__).resolve().parent
@@ -308,9 +309,7 @@ def write_results(state: State) -> None:
     r = state.results
     r["passed"] = bool(r.get("results")) and all(x["passed"] for x in r["results"])
     r["elapsed_s"] = round(time.monotonic() - state.t0, 1)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(r, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(r, indent=1, sort_keys=True) + "\n", "--out")
 
 
 A_NAME = "a. EAGLE-3 capture [-1,1,2] == reference per request, forwards below and above 2048 tokens"
