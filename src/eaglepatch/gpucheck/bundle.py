@@ -395,13 +395,6 @@ def _check_site(site: Path, pins: list[Pin]) -> None:
         raise RefusedError("the site directory holds no sglang package", "pin sglang in the pin list")
 
 
-def read_manifest(out_dir: Path) -> dict:
-    p = Path(out_dir) / "manifest.json"
-    if not p.is_file():
-        raise UsageError(f"{p} does not exist", "build the bundle with tools/gpu_bundle.py")
-    return json.loads(p.read_text())
-
-
 __all__ = ["Pin", "read_pins", "select_wheels", "kernel_trim_plan", "piece_names", "build_bundle",
-           "supported_tags", "wheel_info", "download_command", "install_command", "read_manifest",
+           "supported_tags", "wheel_info", "download_command", "install_command",
            "KERNEL_KEEP", "PINS_FILE", "PIECE_BYTES"]
