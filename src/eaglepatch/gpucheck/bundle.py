@@ -106,10 +106,8 @@ def wheel_info(filename: str):
     return canonical(name), str(version), wtags
 
 
-def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
-    """Pin -> the one wheel among ``files`` that matches it and runs on the GPU machine.
-
-    Raises UsageError naming every pin without such a wheel or with two of them."""
+def wheel_candidates(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
+    """Pin -> the wheels among ``files`` that match it and run on the GPU machine (one pass)."""
     from packaging.version import Version
 
     ok_tags = supported_tags()
@@ -118,10 +116,16 @@ def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
         info = wheel_info(Path(f).name)
         if info is not None:
             by_name.setdefault(info[0], []).append((Path(f), info))
+    return {pin: [p for p, (_, ver, wtags) in by_name.get(pin.name, [])
+                  if Version(ver) == Version(pin.version) and wtags & ok_tags] for pin in pins}
+
+
+def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
+    """Pin -> the one wheel among ``files`` that matches it and runs on the GPU machine.
+
+    Raises UsageError naming every pin without such a wheel or with two of them."""
     chosen, missing, doubled = {}, [], []
-    for pin in pins:
-        cands = [p for p, (_, ver, wtags) in by_name.get(pin.name, [])
-                 if Version(ver) == Version(pin.version) and wtags & ok_tags]
+    for pin, cands in wheel_candidates(pins, files).items():
         if not cands:
             missing.append(pin.spec())
         elif len(cands) > 1:
@@ -302,8 +306,8 @@ def build_bundle(out_dir: Path, pins_file: Path = PINS_FILE, max_mib: float = DE
         work = Path(tempfile.mkdtemp(prefix="." + out_dir.name + ".tmp-", dir=out_dir.parent))
         try:
             log = work / "pip.log"
-            have = list(cache.glob("*.whl"))
-            todo = [p for p in pins if not _has_wheel(p, have)]
+            have = wheel_candidates(pins, cache.glob("*.whl"))
+            todo = [p for p in pins if len(have[p]) != 1]
             step("%d pins; %d wheels cached in %s, %d to download" % (len(pins), len(pins) - len(todo), cache, len(todo)))
             if todo:
                 dl = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
@@ -369,14 +373,6 @@ def build_bundle(out_dir: Path, pins_file: Path = PINS_FILE, max_mib: float = DE
             return manifest
         finally:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def _has_wheel(pin: Pin, files: list[Path]) -> bool:
-    try:
-        select_wheels([pin], files)
-        return True
-    except UsageError:
-        return False
 
 
 def _check_site(site: Path, pins: list[Pin]) -> None:
