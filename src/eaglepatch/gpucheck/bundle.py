@@ -194,14 +194,14 @@ def _sha256(path: Path) -> str:
 
 
 def _run(cmd: list[str], what: str, log: Path) -> None:
-    with open(log, "a") as fh:
-        fh.write("$ " + " ".join(cmd) + "\n")
-        fh.flush()
-        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
+    """``cmd`` with its output appended to ``log`` (cpuenv's runner); a failure is a one-line refusal
+    quoting the log's last line."""
+    try:
+        cpuenv._run_logged(cmd, log, what)
+    except RuntimeError:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-        raise RefusedError("%s failed (exit %d): %s" % (what, r.returncode, tail[0][:300] if tail else "no output"),
-                           "read %s, fix the pin or the network and rerun" % log)
+        raise RefusedError("%s failed: %s" % (what, tail[0][:300] if tail else "no output"),
+                           "read %s, fix the pin or the network and rerun" % log) from None
 
 
 UNPACK_SH = """#!/bin/sh
