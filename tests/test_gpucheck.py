@@ -23,6 +23,8 @@ from eaglepatch.gpucheck.check import SPY, Options, _engine_kwargs
 from eaglepatch.gpucheck.static import check_tree
 
 TOL = criterion.TOL
+N = models.CHECK_MODEL["num_hidden_layers"]
+DUMP_IDS = models.dump_ids(N)  # check c's dump: [-1, 1, 2, N-1]
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +109,8 @@ def _patched_059(tmp: Path) -> Path:
 @pytest.fixture(scope="session")
 def cpu_capture(tmp_path_factory, check_ckpt):
     """The real patched sglang 0.5.9 on CPU: one extend of the small batch in a target ModelRunner
-    configured for EAGLE-3 [-1, 1, 2], with the spy (and its layer-input probe) and the dump on."""
+    configured for EAGLE-3 [-1, 1, 2], with the spy (and its layer-input probe) and the dump of
+    check c on (layers [-1, 1, 2, N-1] and final)."""
     from eaglepatch.smoke import worker_env
 
     w = tmp_path_factory.mktemp("gpucheck-cpu")
@@ -119,7 +122,7 @@ def cpu_capture(tmp_path_factory, check_ckpt):
     env = worker_env(pp)
     env["PYTHONPATH"] = str(SPY) + os.pathsep + env["PYTHONPATH"]
     env.update(EAGLEPATCH_SPY_DIR=str(w / "spy"), EAGLEPATCH_SPY_PROBE="0,1,2,3", EAGLE3_DUMP_DIR=str(w / "dump"),
-               EAGLE3_DUMP_LAYERS="-1,1,2", EAGLE3_DUMP_FINAL="1")
+               EAGLE3_DUMP_LAYERS=",".join(map(str, DUMP_IDS)), EAGLE3_DUMP_FINAL="1")
     script = REPO / "src" / "eaglepatch" / "gpucheck" / "cpu_capture.py"
     r = subprocess.run([str(cpuenv.ensure_env()), str(script), str(check_ckpt), str(draft), str(w / "prompts.json")],
                        env=env, capture_output=True, text=True, timeout=900)
@@ -150,14 +153,15 @@ def test_dump_verdict_and_its_failures(cpu_capture, small, check_ckpt):
     ps, refs = small
     meta = {"format": "eagle3-dump/1", "final": "post_norm", "architecture": "DeepseekV3ForCausalLM",
             "dtype": "float32", "tp_size": "1", "model_path": str(check_ckpt)}
-    ids = [-1, 1, 2]
+    ids = DUMP_IDS
     v = R.check_dump("c", cpu_capture / "dump", ps, refs, ids, meta)
     assert v.passed, v.detail
-    n = models.CHECK_MODEL["num_hidden_layers"]
-    skipped_norm = [dict(r, final=r["layer.%d" % (n - 1)]) for r in refs]
+    skipped_norm = [dict(r, final=r["layer.%d" % (N - 1)]) for r in refs]
     assert not R.check_dump("c", cpu_capture / "dump", ps, skipped_norm, ids, meta).passed
-    shifted = [dict(r, **{"layer.%d" % k: r["layer.%d" % (k + 1)] for k in ids}) for r in refs]
-    assert not R.check_dump("c", cpu_capture / "dump", ps, shifted, ids, meta).passed
+    for d in (1, -1):  # every id read one layer off (N-1 one down, -1 one up where there is no neighbour)
+        shifted = [dict(r, **{"layer.%d" % k: r[_off("layer.%d" % k, d)] for k in ids}) for r in refs]
+        assert not R.check_dump("c", cpu_capture / "dump", ps, shifted, ids, meta).passed
+    assert "eagle3_layer_ids" in R.check_dump("c", cpu_capture / "dump", ps, refs, [-1, 1, 2], meta).detail
     assert "tp_size" in R.check_dump("c", cpu_capture / "dump", ps, refs, ids, dict(meta, tp_size="2")).detail
     extra = cpu_capture / "dump" / "stray.safetensors"
     shutil.copy(next((cpu_capture / "dump").glob("*.safetensors")), extra)
@@ -173,14 +177,16 @@ def test_probe_without_the_fix_fails_on_a_partial_sum(cpu_capture, ref, small):
     unfixed, fixed = R.check_probe("d", recs, ps, refs)
     assert fixed.passed, fixed.detail  # TP=1: the layer input is complete
     assert not unfixed.passed and "[]" in unfixed.detail  # nothing deferred at TP=1: nothing to catch
-    # the same probes judged against the layer one off (the input of layer i read as layer i or i-2) fail
+    # the same probes judged against the layer one off (the input of layer i read as the output of
+    # layer i or i-2, the k = i-1 mapping off by one) fail in every probe whose layer has that neighbour
     n = ref.num_layers
     for d in (1, -1):
         off = [dict(r, **{"layer.%d" % k: r["layer.%d" % (k + d)] for k in range(-1, n) if -1 <= k + d < n})
                for r in refs]
         _, wrong = R.check_probe("d", recs, ps, off)
-        assert not wrong.passed and wrong.comparisons
-        assert max(c.max_err for c in wrong.comparisons) > 5 * TOL
+        moved = [c for c in wrong.comparisons if d > 0 or not c.name.endswith("layer -1")]
+        assert not wrong.passed and len(moved) == len(ps) * (n - (d < 0))
+        assert all(not c.passed for c in moved) and min(c.max_err for c in moved) > 5 * TOL
     # What rank 0 of a TP=2 run holds at the layer input when the previous layer deferred its
     # all-reduce, as the probe would record it (two short requests): the check without the fix
     # must fail there, with the all-reduce completed it must pass.
@@ -246,23 +252,29 @@ def test_draft_verdict_on_synthetic_records(ref):
     assert not shifted.passed and min(c.max_err for c in shifted.comparisons) > 5 * TOL, shifted.detail
 
 
+def _off(name: str, d: int) -> str:
+    """``layer.k`` one layer off: k + d, or k - d where k + d is no layer (below -1 or past N-1)."""
+    k = int(name.split(".")[1])
+    return "layer.%d" % (k + d if -1 <= k + d < N else k - d)
+
+
 def test_run_comparison_fails_on_shifted_ids_and_a_skipped_norm(cpu_capture, small):
     """check d's "TP=2 == TP=1" comparisons (dump files, draft prefill inputs) on the real CPU run: the
     run against the float32 reference of the same names passes; the reference read one layer off, or
     with the final norm skipped (or applied to the last layer's output), fails."""
     ps, refs = small
-    n = models.CHECK_MODEL["num_hidden_layers"]
+    n = N
     dumps = R.dump_states(cpu_capture / "dump", ps)
     drafts = R.draft_prefill_inputs(R.load_records(cpu_capture / "spy"), ps, models.EAGLE_IDS)
-    assert all(set(d) == {"input_ids", "layer.-1", "layer.1", "layer.2", "final"} for d in dumps)
+    assert all(set(d) == {"input_ids", "layer.-1", "layer.1", "layer.2", "layer.3", "final"} for d in dumps)
     assert all(set(d) == {"layer.-1", "layer.1", "layer.2"} for d in drafts)
 
     def like(run, pick):
         return [{k: pick(r, k) for k in got if k != "input_ids"} for got, r in zip(run, refs)]
 
     same = lambda r, k: r[k]  # noqa: E731
-    up = lambda r, k: r[k] if k == "final" else r["layer.%d" % (int(k.split(".")[1]) + 1)]  # noqa: E731
-    down = lambda r, k: r[k] if k == "final" or k == "layer.-1" else r["layer.%d" % (int(k.split(".")[1]) - 1)]  # noqa: E731
+    up = lambda r, k: r[k] if k == "final" else r[_off(k, 1)]  # noqa: E731
+    down = lambda r, k: r[k] if k == "final" else r[_off(k, -1)]  # noqa: E731
     pre = lambda r, k: r["layer.%d" % (n - 1)] if k == "final" else r[k]  # noqa: E731
     for run in (dumps, drafts):
         assert R.compare_runs("d", run, like(run, same)).passed
@@ -274,6 +286,78 @@ def test_run_comparison_fails_on_shifted_ids_and_a_skipped_norm(cpu_capture, sma
     post = [dict(r, **{"layer.2": r["final"]}) for r in like(dumps, same)]  # a normed state read as layer 2
     assert not R.compare_runs("d", dumps, post).passed
     assert not R.compare_runs("d", dumps, [{} for _ in dumps]).passed  # nothing to compare is no pass
+
+
+def test_run_comparison_between_real_runs(cpu_capture, small):
+    """check d's run-vs-run comparison on two real records of one CPU forward (the dump files and
+    the spy's capture): equal runs pass; the run with every layer holding its neighbour's rows, or
+    with N-1 and final swapped (a skipped norm), fails in every compared row."""
+    ps, _ = small
+    dumps = R.dump_states(cpu_capture / "dump", ps)
+    drafts = R.draft_prefill_inputs(R.load_records(cpu_capture / "spy"), ps, models.EAGLE_IDS)
+    v = R.compare_runs("d", drafts, dumps)  # what the target handed the draft == what it dumped
+    assert v.passed and len(v.comparisons) == len(ps) * len(models.EAGLE_IDS), v.detail
+    assert R.compare_runs("d", dumps, dumps).passed
+    inner = [k for k in DUMP_IDS if k + 1 in DUMP_IDS]  # ids whose next layer is in the dump: 1, 2
+    assert inner == [1, 2]
+    for d in (1, -1):  # layer k holding layer k+1's rows, then layer k+1 holding layer k's
+        moved = [{"layer.%d" % (k + (d < 0)): r["layer.%d" % (k + (d > 0))] for k in inner} for r in dumps]
+        v = R.compare_runs("d", moved, dumps)
+        assert not v.passed and min(c.max_err for c in v.comparisons) > 5 * TOL, v.detail
+    last = "layer.%d" % (N - 1)
+    for bad in ({last: "final", "final": last}, {"final": last}, {last: "final"}):  # swapped, norm skipped, added
+        run = [dict(r, **{k: r[src] for k, src in bad.items()}) for r in dumps]
+        v = R.compare_runs("d", run, dumps)
+        wrong = [c for c in v.comparisons if not c.passed]
+        assert not v.passed and {c.name.split()[-1] for c in wrong} == set(bad), v.detail
+        assert min(c.max_err for c in wrong) > 5 * TOL
+
+
+def test_draft_verdict_on_real_rows_fails_on_shifted_ids(cpu_capture, small):
+    """check b's verify comparison on rows the real CPU target captured: the last 4 prompt tokens of
+    each request replayed as its verify block (same tokens, same positions, so the reference of the
+    committed sequence is the prompt's) pass; the same records judged against a reference one layer
+    off (ids + 1, ids - 1), or read as ids + 1, fail in every row of the shifted layers."""
+    ps, refs = small
+    recs = R.load_records(cpu_capture / "spy")
+    ext = next(r for r in recs if r["kind"] == "target" and r["mode"] == "EXTEND")
+    ids = models.EAGLE_IDS
+    segs = [(seg, pool) for seg, pool in zip(R.extend_requests(ext, ps), ext["req_pool_indices"].tolist())
+            if seg[2] >= 8]
+    assert len(segs) >= 4
+    rows, toks, pos, rpi = [], [], [], []
+    for (r, s, n), pool in segs:
+        rows.append(ext["hidden"][s + n - 4:s + n])
+        toks += ps[r][n - 4:]
+        pos += range(n - 4, n)
+        rpi.append(pool)
+    ver = {"kind": "target", "pid": ext["pid"], "seq": ext["seq"] + 2, "mode": "TARGET_VERIFY", "graph": True,
+           "input_ids": torch.tensor(toks), "positions": torch.tensor(pos), "req_pool_indices": torch.tensor(rpi),
+           "extend_seq_lens": None, "hidden": torch.cat(rows)}
+    d_pre = {"kind": "draft", "pid": ext["pid"], "seq": ext["seq"] + 1, "mode": "EXTEND", "graph": None,
+             "hidden": ext["hidden"].clone(), "req_pool_indices": ext["req_pool_indices"]}
+    d_dec = {"kind": "draft", "pid": ext["pid"], "seq": ext["seq"] + 3, "mode": "DRAFT_EXTEND_V2", "graph": True,
+             "hidden": ver["hidden"][::4].clone(), "req_pool_indices": torch.tensor(rpi)}
+    real = [ext, d_pre, ver, d_dec]
+    outs = [[] for _ in ps]  # the verify blocks lie inside the prompts: the committed sequence is the prompt
+    by_tokens = {tuple(p): r for p, r in zip(ps, refs)}
+
+    def ref_fn(shift):
+        def fn(tokens):
+            r = by_tokens[tuple(tokens)]
+            return dict(r, **{"layer.%d" % k: r[_off("layer.%d" % k, shift)] for k in range(-1, N)}) if shift else r
+        return fn
+
+    v = R.check_draft("b", real, ps, outs, ref_fn(0), ids)
+    assert v.passed and len(v.comparisons) == len(segs) * len(ids), v.detail
+    assert max(c.max_err for c in v.comparisons) < 1e-4  # float32 on CPU
+    for shift in (1, -1):
+        v = R.check_draft("b", real, ps, outs, ref_fn(shift), ids)
+        assert not v.passed and "verify rows off the reference" in v.detail
+        assert all(not c.passed for c in v.comparisons)
+        assert min(c.max_err for c in v.comparisons) > 5 * TOL, v.detail
+    v = R.check_draft("b", real, ps, outs, ref_fn(0), [k + 1 for k in ids])  # the same rows read as ids + 1
+    assert not v.passed and min(c.max_err for c in v.comparisons) > 5 * TOL, v.detail
 
 
 def test_gpucheck_hooks_and_engine_arguments_exist_in_sglang_0517():

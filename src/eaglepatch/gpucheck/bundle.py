@@ -106,10 +106,8 @@ def wheel_info(filename: str):
     return canonical(name), str(version), wtags
 
 
-def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
-    """Pin -> the one wheel among ``files`` that matches it and runs on the GPU machine.
-
-    Raises UsageError naming every pin without such a wheel or with two of them."""
+def wheel_candidates(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
+    """Pin -> the wheels among ``files`` that match it and run on the GPU machine (one pass)."""
     from packaging.version import Version
 
     ok_tags = supported_tags()
@@ -118,10 +116,16 @@ def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
         info = wheel_info(Path(f).name)
         if info is not None:
             by_name.setdefault(info[0], []).append((Path(f), info))
+    return {pin: [p for p, (_, ver, wtags) in by_name.get(pin.name, [])
+                  if Version(ver) == Version(pin.version) and wtags & ok_tags] for pin in pins}
+
+
+def select_wheels(pins: Iterable[Pin], files: Iterable[Path]) -> dict:
+    """Pin -> the one wheel among ``files`` that matches it and runs on the GPU machine.
+
+    Raises UsageError naming every pin without such a wheel or with two of them."""
     chosen, missing, doubled = {}, [], []
-    for pin in pins:
-        cands = [p for p, (_, ver, wtags) in by_name.get(pin.name, [])
-                 if Version(ver) == Version(pin.version) and wtags & ok_tags]
+    for pin, cands in wheel_candidates(pins, files).items():
         if not cands:
             missing.append(pin.spec())
         elif len(cands) > 1:
@@ -190,14 +194,14 @@ def _sha256(path: Path) -> str:
 
 
 def _run(cmd: list[str], what: str, log: Path) -> None:
-    with open(log, "a") as fh:
-        fh.write("$ " + " ".join(cmd) + "\n")
-        fh.flush()
-        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
+    """``cmd`` with its output appended to ``log`` (cpuenv's runner); a failure is a one-line refusal
+    quoting the log's last line."""
+    try:
+        cpuenv._run_logged(cmd, log, what)
+    except RuntimeError:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
-        raise RefusedError("%s failed (exit %d): %s" % (what, r.returncode, tail[0][:300] if tail else "no output"),
-                           "read %s, fix the pin or the network and rerun" % log)
+        raise RefusedError("%s failed: %s" % (what, tail[0][:300] if tail else "no output"),
+                           "read %s, fix the pin or the network and rerun" % log) from None
 
 
 UNPACK_SH = """#!/bin/sh
@@ -302,8 +306,8 @@ def build_bundle(out_dir: Path, pins_file: Path = PINS_FILE, max_mib: float = DE
         work = Path(tempfile.mkdtemp(prefix="." + out_dir.name + ".tmp-", dir=out_dir.parent))
         try:
             log = work / "pip.log"
-            have = list(cache.glob("*.whl"))
-            todo = [p for p in pins if not _has_wheel(p, have)]
+            have = wheel_candidates(pins, cache.glob("*.whl"))
+            todo = [p for p in pins if len(have[p]) != 1]
             step("%d pins; %d wheels cached in %s, %d to download" % (len(pins), len(pins) - len(todo), cache, len(todo)))
             if todo:
                 dl = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
@@ -371,14 +375,6 @@ def build_bundle(out_dir: Path, pins_file: Path = PINS_FILE, max_mib: float = DE
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _has_wheel(pin: Pin, files: list[Path]) -> bool:
-    try:
-        select_wheels([pin], files)
-        return True
-    except UsageError:
-        return False
-
-
 def _check_site(site: Path, pins: list[Pin]) -> None:
     """Every pinned distribution is installed at its version (dist-info), and sglang is there."""
     found = {}
@@ -395,13 +391,6 @@ def _check_site(site: Path, pins: list[Pin]) -> None:
         raise RefusedError("the site directory holds no sglang package", "pin sglang in the pin list")
 
 
-def read_manifest(out_dir: Path) -> dict:
-    p = Path(out_dir) / "manifest.json"
-    if not p.is_file():
-        raise UsageError(f"{p} does not exist", "build the bundle with tools/gpu_bundle.py")
-    return json.loads(p.read_text())
-
-
 __all__ = ["Pin", "read_pins", "select_wheels", "kernel_trim_plan", "piece_names", "build_bundle",
-           "supported_tags", "wheel_info", "download_command", "install_command", "read_manifest",
+           "supported_tags", "wheel_info", "download_command", "install_command",
            "KERNEL_KEEP", "PINS_FILE", "PIECE_BYTES"]

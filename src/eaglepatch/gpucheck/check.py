@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import RefusedError, UsageError
+from ..outputs import write_atomic
 from . import models
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +91,6 @@ class State:
     opts: Options
     t0: float
     results: dict = field(default_factory=dict)
-    refs: dict = field(default_factory=dict)
     ref_model: object = None
     ref_cache: dict = field(default_factory=dict)
 
@@ -283,7 +283,7 @@ def _engine_kwargs(opts: Options, ckpt: Path, draft: Path | None, tp: int = 1, e
     return kw
 
 
-def _runs(opts: Options, batches: dict, new_tokens: int) -> list:
+def _runs(batches: dict, new_tokens: int) -> list:
     return [{"name": b, "prompts": p, "max_new_tokens": new_tokens} for b, p in batches.items()]
 
 
@@ -308,9 +308,7 @@ def write_results(state: State) -> None:
     r = state.results
     r["passed"] = bool(r.get("results")) and all(x["passed"] for x in r["results"])
     r["elapsed_s"] = round(time.monotonic() - state.t0, 1)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(r, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(r, indent=1, sort_keys=True) + "\n", "--out")
 
 
 A_NAME = "a. EAGLE-3 capture [-1,1,2] == reference per request, forwards below and above 2048 tokens"
@@ -326,7 +324,7 @@ def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", chec
     spy_dir = Path(opts.work) / "spy" / name
     shutil.rmtree(spy_dir, ignore_errors=True)
     spy_dir.mkdir(parents=True)
-    spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(opts, prompts, opts.new_tokens)}
+    spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(prompts, opts.new_tokens)}
     res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
     if not res.get("ok"):
         _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in checks], res)
@@ -365,7 +363,7 @@ def check_abc(state, ck, draft, sglang_pp, prompts, refs) -> None:
         if ab:
             stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, "S", ab)
         return
-    res, recs, dump_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, "D")
+    res, recs, dump_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, prompts, "D")
     if not res.get("ok"):
         _failed_stage(state, [C_NAME], res)
         refused = "EAGLE3_DUMP" in str(res.get("error")) + "\n".join(res.get("log_tail", []))
@@ -379,7 +377,7 @@ def check_abc(state, ck, draft, sglang_pp, prompts, refs) -> None:
         evaluate_ab(state, ck, recs, res, prompts, refs, ab)
 
 
-def stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, name, tp=1, emulate=False, probe=False):
+def stage_dump_engine(state, ck, draft, sglang_pp, prompts, name, tp=1, emulate=False, probe=False):
     """An engine with the dump and EAGLE-3 on (and the spy); returns (result, records, dump dir)."""
     from . import records as R
 
@@ -399,7 +397,7 @@ def stage_dump_engine(state, ck, draft, sglang_pp, prompts, refs, name, tp=1, em
             "EAGLE3_DUMP_FINAL": "1"}
     n_req = sum(len(p) for p in prompts.values())
     spec = {"engine": _engine_kwargs(opts, ck, draft, tp=tp, emulate=emulate),
-            "runs": _runs(opts, prompts, opts.new_tokens),
+            "runs": _runs(prompts, opts.new_tokens),
             "wait_files": {"dir": str(dump_dir), "count": n_req, "timeout_s": 120}}
     res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy=spy, dump=dump, cpu=opts.cpu))
     recs = R.load_records(spy_dir) if res.get("ok") else []
@@ -430,7 +428,7 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
 
     small = {"small": prompts["small"]}
     ps, rs = prompts["small"], refs["small"]
-    base, base_recs, base_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, small, refs, "T1", tp=1)
+    base, base_recs, base_dir, ids = stage_dump_engine(state, ck, draft, sglang_pp, small, "T1", tp=1)
     if not base.get("ok"):
         _failed_stage(state, ["d. TP=1 baseline for TP=2"], base)
         return
@@ -438,7 +436,7 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
     base_draft = R.draft_prefill_inputs(base_recs, ps, models.EAGLE_IDS)
     for name, emulate in (("T2", False), ("T2e", True)):
         tag = "TP=2, fusion off" if not emulate else "TP=2, deferred MLP all-reduce (the fusion's data flow)"
-        res, recs, dump_dir, _ = stage_dump_engine(state, ck, draft, sglang_pp, small, refs, name, tp=2,
+        res, recs, dump_dir, _ = stage_dump_engine(state, ck, draft, sglang_pp, small, name, tp=2,
                                                    emulate=emulate, probe=emulate)
         names = ["d. %s: %s" % (tag, x) for x in ("dump == reference", "dump == TP=1", "draft inputs == reference",
                                                    "draft prefill inputs == TP=1")]
@@ -454,7 +452,7 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
         _add(state, v)
         _add(state, R.compare_runs(names[3], R.draft_prefill_inputs(recs, ps, models.EAGLE_IDS), base_draft))
         if emulate:
-            hooks = R.hook_notes(Path(opts_work(state)) / "spy" / name)
+            hooks = R.hook_notes(Path(state.opts.work) / "spy" / name)
             deferral = any("deferral emulated" in ln for lines in hooks.values() for ln in lines)
             unfixed, fixed = R.check_probe("d. %s: probe at the layer input (0.5.9's capture point)" % tag, recs, ps, rs)
             if not deferral:
@@ -462,10 +460,6 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
                 unfixed.detail = "the deferral hook was not installed: %s | %s" % (hooks, unfixed.detail)
             _add(state, unfixed)
             _add(state, fixed)
-
-
-def opts_work(state) -> Path:
-    return Path(state.opts.work)
 
 
 def check_e(state, sglang_pp):
@@ -553,17 +547,16 @@ def run_check(opts: Options) -> dict:
     opts.checks = "".join(c for c in CHECKS if c in opts.checks)
     host = preflight(opts)
     Path(opts.work).mkdir(parents=True, exist_ok=True)
+    from .criterion import TOL
+
     state = State(opts, t0)
     state.results.update({"format": 1, "tool": "gpucheck", "host": host, "checks": opts.checks,
                           "series": str(opts.series) if opts.series else None,
                           "patched_files": _patched_files_info(opts.patched_files),
                           "package_parent": str(opts.package_parent) if opts.package_parent else None,
-                          "criterion": {"tol": None, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
+                          "criterion": {"tol": TOL, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
                           "model": models.CHECK_MODEL, "shaping": models.SHAPING, "eagle_ids": models.EAGLE_IDS,
                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    from .criterion import TOL
-
-    state.results["criterion"]["tol"] = TOL
     write_results(state)
     sglang_pp = patched_parent(opts)
     state.results["patched_parent"] = str(sglang_pp)

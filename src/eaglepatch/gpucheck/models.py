@@ -125,18 +125,14 @@ def prompts(batch: str, seed: int = SEED, vocab: int = CHECK_MODEL["vocab_size"]
     return [[rng.randrange(2, vocab - 1) for _ in range(n)] for n in BATCHES[batch]]
 
 
-def dump_ids(num_layers: int, with_last: bool = True) -> list[int]:
+def dump_ids(num_layers: int) -> list[int]:
     """The dump ids the check asks for: the EAGLE-3 ids and, where the series accepts it, N-1
     (the pre-norm output of the last layer)."""
     ids = list(EAGLE_IDS)
-    if with_last and num_layers - 1 not in ids:
+    if num_layers - 1 not in ids:
         ids.append(num_layers - 1)
     return ids
 
 
-def state_names(layer_ids, final: bool = True) -> list[str]:
-    return ["layer.%d" % k for k in layer_ids] + (["final"] if final else [])
-
-
 __all__ = ["EAGLE_IDS", "CHECK_MODEL", "THROUGHPUT_MODEL", "SHAPING", "BATCHES", "prompts", "draft_config",
-           "checkpoint_key", "dump_ids", "state_names", "FUSE_ALLREDUCE_MAX_TOKENS"]
+           "checkpoint_key", "dump_ids", "FUSE_ALLREDUCE_MAX_TOKENS"]

@@ -10,7 +10,6 @@ upstream file it replaces is byte for byte the one the patched files were made f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -19,10 +18,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..outputs import swap_in
-
-
-def _sha(p: Path) -> str | None:
-    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+from ..tree import file_sha256 as _sha
 
 
 def series_files(series_dir: Path) -> list[str]:

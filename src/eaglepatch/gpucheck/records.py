@@ -16,14 +16,13 @@ Pure torch: runs on the GPU machine after the engines stopped, and in the CPU te
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..extract.dumps import dump_key
+from ..extract.dumps import BadDump, dump_key, load_dump
 from .criterion import TOL, compare, merge
 
 
@@ -84,13 +83,9 @@ def _columns(hidden: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [hidden[:, i * w:(i + 1) * w] for i in range(count)]
 
 
-def _prompt_index(prompts) -> dict:
-    return {tuple(p): i for i, p in enumerate(prompts)}
-
-
 def extend_requests(rec, prompts) -> list[tuple[int | None, int, int]]:
-    """(request index or None, start, length) for each request of a target EXTEND record."""
-    index = _prompt_index(prompts)
+    """(request index or None, start, length) for each request of an EXTEND record (target or probe)."""
+    index = {tuple(p): i for i, p in enumerate(prompts)}
     ids = rec["input_ids"].tolist()
     return [(index.get(tuple(ids[s:s + n])), s, n) for s, n in _segments(rec)]
 
@@ -144,15 +139,12 @@ def check_draft(name: str, records, prompts, outputs, ref_fn: Callable, ids, tol
     verify_graph = verify_eager = 0
     last_target: dict = {}
     draft_stats = {"prefill": 0, "decode": 0, "graph": 0, "rows": 0, "rows_not_from_target": 0}
-    index = _prompt_index(prompts)
     for rec in records:
         pid = rec["pid"]
         if rec["kind"] == "target":
             last_target[pid] = rec
             if rec["mode"] == "EXTEND":
-                ids_ = rec["input_ids"].tolist()
-                for (s, n), rpi in zip(_segments(rec), rec["req_pool_indices"].tolist()):
-                    r = index.get(tuple(ids_[s:s + n]))
+                for (r, _, _), rpi in zip(extend_requests(rec, prompts), rec["req_pool_indices"].tolist()):
                     pool_to_req[rpi] = r
                 continue
             if rec["mode"] != "TARGET_VERIFY":
@@ -217,11 +209,12 @@ def check_draft(name: str, records, prompts, outputs, ref_fn: Callable, ids, tol
                    dict(draft_stats, verify_graph=verify_graph, verify_eager=verify_eager))
 
 
-def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, tol: float = TOL,
-               final: bool = True) -> Verdict:
-    """One file per request, nothing else in the directory, every state vs the reference."""
-    from safetensors import safe_open
+def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, tol: float = TOL) -> Verdict:
+    """One file per request, nothing else in the directory, every state vs the reference.
 
+    Each file is read and checked by ``extract.dumps.load_dump`` (format, key, input_ids, token
+    count, HF indices, tensor set with ``final``, shapes, dtypes); on top: the stored ids are
+    ``ids``, the metadata matches ``expect_meta`` and names the sglang and series versions."""
     directory = Path(directory)
     keys = [dump_key(p) for p in prompts]
     names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
@@ -234,35 +227,27 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
     if extra:
         problems.append("unexpected files: %s" % extra[:4])
     comps = []
-    tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | ({"final"} if final else set())
+    tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | {"final"}
+    hidden = expect_meta.get("hidden_size")
     for i, (ids_, key) in enumerate(zip(prompts, keys)):
         path = directory / (key + ".safetensors")
         if not path.is_file():
             continue
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if set(tensors) != tensor_names:
-            problems.append("request %d: tensors %s, want %s" % (i, sorted(tensors), sorted(tensor_names)))
+        try:
+            d = load_dump(path, ids_, hidden_size=int(hidden) if hidden is not None else None, need_final=True)
+        except BadDump as exc:
+            problems.append("request %d: %s" % (i, exc))
             continue
-        got_ids = tensors["input_ids"]
-        if got_ids.dtype != torch.int64 or got_ids.tolist() != list(ids_):
-            problems.append("request %d: input_ids differ from the prompt" % i)
-        want_meta = dict(expect_meta, key=key, num_tokens=str(len(ids_)),
-                         eagle3_layer_ids=json.dumps(list(ids)),
-                         hf_hidden_state_indices=json.dumps([k + 1 for k in ids]))
-        for mk, mv in want_meta.items():
-            got = meta.get(mk)
-            if mk in ("eagle3_layer_ids", "hf_hidden_state_indices") and got is not None:
-                try:
-                    got, mv = json.loads(got), json.loads(mv)
-                except ValueError:
-                    pass
-            if got != mv:
-                problems.append("request %d: metadata %s=%r, want %r" % (i, mk, got, mv))
+        if d.layer_ids != list(ids):
+            problems.append("request %d: metadata eagle3_layer_ids=%s, want %s" % (i, d.layer_ids, list(ids)))
+            continue
+        for mk, mv in expect_meta.items():
+            if d.meta.get(mk) != mv:
+                problems.append("request %d: metadata %s=%r, want %r" % (i, mk, d.meta.get(mk), mv))
         for mk in ("sglang_version", "series_version"):
-            if not meta.get(mk):
+            if not d.meta.get(mk):
                 problems.append("request %d: metadata %s missing" % (i, mk))
+        tensors = dict(d.layers, final=d.final)
         for tn in sorted(tensor_names - {"input_ids"}):
             comps.append(compare("request %d (%d tokens) %s" % (i, len(ids_), tn), tensors[tn], refs[i][tn], tol))
     m = merge(name, comps)
@@ -320,15 +305,12 @@ def check_probe(name: str, records, prompts, refs, tol: float = TOL) -> tuple[Ve
     """The layer-input probe: (without the fix: must FAIL where the previous layer deferred its
     all-reduce; with the fix: must pass everywhere)."""
     raw, fixed, flagged_layers = [], [], set()
-    index = _prompt_index(prompts)
     for rec in records:
         if rec["kind"] != "probe":
             continue
         i = rec["layer_index"]
         k = i - 1  # the input of layer i is the output of layer i-1 (EAGLE id i-1)
-        ids_ = rec["input_ids"].tolist()
-        for s, n in _segments(rec):
-            r = index.get(tuple(ids_[s:s + n]))
+        for r, s, n in extend_requests(rec, prompts):
             if r is None:
                 continue
             if rec["flagged"]:
