@@ -42,8 +42,7 @@ from .client import RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
 from .record import Fatal
 from .tokenize import MaskError
-from .writers import (Layout, LayoutError, publish_speculators, resolve_layout, sample_rel, stale_temporaries,
-                      write_sample)
+from .writers import Layout, publish_speculators, resolve_layout, sample_rel, stale_temporaries, write_sample
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
@@ -281,11 +280,8 @@ class Extractor:
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
         want = self.layout.aux if self.layout else self.o.aux_layers
-        try:
-            lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
-                                 list(want) if want is not None else None)
-        except LayoutError as exc:
-            raise Fatal(exc.problem, exc.fix) from None
+        lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
+                             list(want) if want is not None else None)  # LayoutError: a usage error, exit 2
         if self.layout is not None and lay != self.layout:
             raise Fatal(f"the server's dump gives layout {lay.to_json()} but {self.o.out} holds {self.layout.to_json()}",
                         "restart the server with the dataset's EAGLE3_DUMP_LAYERS, or pass a new --out")
