@@ -146,6 +146,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
     lay = settings.data.get("layout") or {}
     meta = settings.data.get("dump_meta") or {}
     aux = lay.get("aux")
+    hf_aux = [k + 1 for k in aux] if aux is not None else None
     n = cfg["num_hidden_layers"]
     m = {
         "format": MANIFEST_FORMAT,
@@ -160,7 +161,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "failed_ids": [r["id"] for r in failed],
         "skipped": skipped,
         "eagle3_layer_ids": aux,
-        "hf_hidden_state_indices": [k + 1 for k in aux] if aux is not None else None,
+        "hf_hidden_state_indices": hf_aux,
         "dump_layer_ids": meta.get("eagle3_layer_ids"),
         "final": "post_norm" if o.format == "specforge" else None,
         "model": {"path": str(o.model), "served_path": meta.get("model_path"),
@@ -181,7 +182,6 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
     else:
         m["layout"] = ("datasets save_to_disk table (input_ids, loss_mask, seq_len) + hidden_states/hs_<row>.safetensors: "
                        "token_ids [T], hidden_states [T,L+1,H] (aux layers ascending, then layer N-1 before the final norm)")
-        hf_aux = [k + 1 for k in aux] if aux is not None else None
         # speculators' own fields, in its (and vLLM's) HF-index convention: 0 = embedding, N = last layer pre-norm
         m["speculators"] = {"eagle_aux_hidden_state_layer_ids": hf_aux, "target_layer_ids": hf_aux,
                             "hidden_states_layer_ids": hf_aux + [n] if hf_aux is not None else None,

@@ -334,14 +334,6 @@ class Extractor:
         if removed:
             self.log(f"removed {removed} sample file(s) of conversations no longer in {o.data} "
                      f"(removed from it, or edited and not extracted again)")
-        rows = [inp.done[c.id]["file"] for c in inp.all_convs
-                if c.id in inp.done and not inp.done[c.id].get("skipped")]
-        if o.format == "speculators" and inp.settings.saved:
-            try:
-                publish_speculators(out, rows)
-            except OSError as exc:
-                raise Fatal(f"cannot write the speculators table into {out} ({exc.strerror or exc})",
-                            "free space or fix permissions on --out and rerun (done samples are kept)") from None
         ok = [x for x in outcomes if x.status == "ok"]
         failed = [x for x in outcomes if x.status == "failed"]
         skipped = [x for x in outcomes if x.status == "skipped"]
@@ -351,7 +343,13 @@ class Extractor:
                     "servers": [{"url": u, "answered": n, "put_aside": a}
                                 for u, n, a in zip(client.urls, client.answered, client.put_aside)]}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
-        if inp.settings.saved:
+        if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
+            if o.format == "speculators":
+                try:
+                    publish_speculators(out, man["files"])
+                except OSError as exc:
+                    raise Fatal(f"cannot write the speculators table into {out} ({exc.strerror or exc})",
+                                "free space or fix permissions on --out and rerun (done samples are kept)") from None
             rec_mod.atomic_json(out / rec_mod.MANIFEST_FILE, man)
         toks = sum(x.tokens for x in ok)
         self.log(
