@@ -335,16 +335,15 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     if not path.is_file():
         raise UsageError(f"{path} does not exist", "pass the dataset directory written by tools/extract.py (or a dump file)")
     if path.suffix == ".safetensors":
+        from .extract.dumps import read_metadata
+
         try:
-            from safetensors import safe_open
+            m = read_metadata(path)
+            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
+            n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
         except ImportError:
             raise UsageError("reading a dump file needs the Python package 'safetensors'",
                              "pip install -e '.[extract]' (or pass the dataset directory)") from None
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                m = dict(f.metadata() or {})
-            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
-            n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
         except UsageError:
             raise
         except Exception as exc:

@@ -45,9 +45,10 @@ def wait_for(path: Path, timeout: float) -> bool:
 
 
 def read_metadata(path: Path) -> dict:
+    """The file's safetensors metadata (read without torch: framework numpy loads no tensor here)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="numpy") as f:
         return dict(f.metadata() or {})
 
 
