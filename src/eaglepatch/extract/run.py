@@ -194,7 +194,7 @@ class Extractor:
                 if last:
                     continue
                 try:
-                    dump = self.validate(path, ids, inp.cfg)
+                    dump = self.validate(path, ids, out.key, inp.cfg)
                 except dumps_mod.BadDump as exc:
                     last = f"bad dump {exc}"
                     with self.lock:
@@ -254,10 +254,10 @@ class Extractor:
             return f"no dump file {path.name} appeared within {o.dump_timeout:g} s", True
         return "", False
 
-    def validate(self, path: Path, ids, cfg: dict):
+    def validate(self, path: Path, ids, key: str, cfg: dict):
         """Stage 4. The dump, checked against the sent ids, the model and the dataset's layout;
         BadDump for a file to retry, Fatal for a server that does not match the dataset."""
-        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False)
+        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, key=key)
         m = dump.meta
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
