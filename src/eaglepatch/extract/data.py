@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import UsageError
@@ -35,7 +36,7 @@ class Conversation:
     line: int  # 1-based line number
     messages: list  # [{"role": ..., "content": ...}]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """sha256 of the normalized messages: a done sample whose conversation changed is redone."""
         blob = json.dumps(self.messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

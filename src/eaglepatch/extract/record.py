@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import UsageError
@@ -25,6 +27,7 @@ MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
 SETTINGS_FILE = ".extract-settings.json"
 PROGRESS_FILE = "progress.jsonl"
 MANIFEST_FILE = "manifest.json"
+_NO_FILE = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # what Path.is_file() reads as "no file"
 COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
 
 
@@ -99,8 +102,17 @@ def load_done(out: Path, convs) -> dict:
         if rec.get("skipped"):
             done[cid] = rec
             continue
-        f = Path(out) / str(rec.get("file") or "")
-        if rec.get("file") and f.is_file() and f.stat().st_size == rec.get("bytes"):
+        if not rec.get("file"):
+            continue
+        try:
+            st = (Path(out) / str(rec["file"])).stat()
+        except ValueError:  # a path Path.is_file() would call no file (a NUL in it)
+            continue
+        except OSError as exc:  # no file there: extracted again; other errors propagate, as from is_file()
+            if exc.errno in _NO_FILE:
+                continue
+            raise
+        if stat.S_ISREG(st.st_mode) and st.st_size == rec.get("bytes"):
             done[cid] = rec
     return done
 

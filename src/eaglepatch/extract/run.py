@@ -308,8 +308,9 @@ class Extractor:
         if x.status == "failed":
             return
         st = inp.settings
-        if self.layout is not None and st.data.get("layout") != self.layout.to_json():
-            st.data.update(layout=self.layout.to_json(), dump_meta=self.dump_meta)
+        layout = self.layout.to_json() if self.layout is not None else None
+        if layout is not None and st.data.get("layout") != layout:
+            st.data.update(layout=layout, dump_meta=self.dump_meta)
             st.save()
         elif not st.saved:
             st.save()

@@ -141,9 +141,9 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
                     "last_slot": "pre_norm"}
             save_file({"token_ids": ids, "hidden_states": stacked, "loss_mask": mask}, str(tmp), metadata=meta)
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path.stat().st_size
 
 
