@@ -60,7 +60,8 @@ def _content_text(content, where: str) -> str:
     raise UsageError(f"{where}: message content is {type(content).__name__}, not text", "use a string")
 
 
-def _normalize(rec: dict, where: str) -> list:
+def normalize_messages(rec: dict, where: str) -> list:
+    """One record's messages (OpenAI or ShareGPT form) as [{"role", "content"}]; ``where`` prefixes errors."""
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list):
@@ -129,7 +130,7 @@ def load_conversations(path: Path | str) -> list[Conversation]:
             raise UsageError(f"{where}: duplicate conversation id {sid!r} (first at line {seen[sid]})",
                              "give every conversation a unique 'id' (resume is keyed by it)")
         seen[sid] = n
-        msgs = _normalize(rec, where)
+        msgs = normalize_messages(rec, where)
         convs.append(Conversation(id=sid, index=len(convs), line=n, messages=msgs))
     if not convs:
         raise UsageError(f"data file {path} holds no conversations", "pass a non-empty JSONL file")
