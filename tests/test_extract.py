@@ -7,8 +7,11 @@ built, the one-line errors, and the guard on the result.
 
 The consumers read what was extracted with their own code: speculators 0.9.0 (ArrowDataset,
 CollateFn + shift_batch, a forward and loss of its Eagle3 draft, targets built from the last slot
-that reproduce the HF logits) and SpecForge 0.2.0 (its offline dataset and TargetHead). A
-speculators sample whose last slot is the post-norm state is shown failing those checks.
+that reproduce the HF logits, aux slots equal to HF at the draft's target_layer_ids) and SpecForge
+0.2.0 (its offline dataset and TargetHead, aux state equal to HF). Every reference check (the
+dataset's, the consumers', the edited sample's) is shown failing on wrong data: aux slots of ids
+shifted by one, and the last slot on the wrong side of the final norm (pre-norm where post-norm
+belongs, and the reverse).
 
 These tests need torch/transformers/sglang's dependencies: they run inside the CPU environment
 (``eaglepatch.cpuenv``). Under another interpreter, ``test_extract_suite_in_cpu_env`` reruns this
