@@ -591,8 +591,8 @@ def test_consumer_checks_fail_on_shifted_aux_ids(assets, server, reference, inde
     bad = rewritten_copy(src, tmp_path / "specforge", "specforge", reference, aux_streams=SHIFTED)
     figures["specforge: aux slots of ids + 1"] = specforge_check(bad, indexed_ckpt, reference)
     figures["specforge: read as ids + 1"] = specforge_check(src, indexed_ckpt, reference, aux_hf=SHIFTED)
-    for name, fig in figures.items():
-        assert fig["aux_max_abs_diff_vs_hf"] > 100 * TOL, (name, fig)
+    passed = {name: fig for name, fig in figures.items() if not fig["aux_max_abs_diff_vs_hf"] > 100 * TOL}
+    assert not passed, passed  # every wrong dataset and every wrong reading fails
     FIGURES["consumer_checks_on_shifted_aux_ids"] = {k: {"aux_max_abs_diff_vs_hf": round(v["aux_max_abs_diff_vs_hf"], 3),
                                                          "top1_agreement": v["top1_agreement"]}
                                                      for k, v in figures.items()}
