@@ -37,14 +37,14 @@ CONFIGS = ["1 server", "2 via router", "2 direct"]
 def conversations(tinychat, n: int, join: int) -> list:
     """``n`` conversations, each ``join`` of tinychat's joined into one (OpenAI form): longer prompts
     make the servers' forwards, not the client, the larger part of the work."""
-    speaker = {"system": "system", "human": "user", "gpt": "assistant"}
+    from eaglepatch.extract.data import normalize_messages
+
     recs = tinychat.conversations(n * join, seed=11)
     out = []
     for i in range(n):
         msgs = []
         for r in recs[i * join:(i + 1) * join]:
-            msgs += r.get("messages") or [{"role": speaker[m["from"]], "content": m["value"]}
-                                          for m in r["conversations"]]
+            msgs += normalize_messages(r, "tinychat conversation %s" % r.get("id"))
         out.append({"id": f"bench-{i:04d}", "messages": msgs})
     return out
 
@@ -85,17 +85,15 @@ def main() -> int:
     import tinychat
 
     w = Path(tempfile.mkdtemp(prefix="eaglepatch-replicas-"))
-    procs = []
+    servers = []
     try:
         _hf.build_deepseek(w / "ckpt")
         tinychat.build_tokenizer(w / "tok")
         tinychat.write_jsonl(w / "conv.jsonl", conversations(tinychat, n, a.join))
         (w / "dumps").mkdir()
-        servers = []
         for name in ("a", "b"):
             s = cpuserver.start_server(tree, w / "ckpt", w / "tok", w / "dumps", LAYERS, w / f"{name}.log",
                                        threads=a.server_threads)
-            procs.append(s.proc)
             servers.append(s)
             _bench.log("server %s up at %s (%.0f s)" % (name, s.url, s.start_s))
         with cpuserver.Router([s.url for s in servers], w / "router.log") as router:
@@ -121,8 +119,8 @@ def main() -> int:
                     ratios[name].append(this[name] / this["1 server"])
             served = [cpuserver.answered_after_start(s.log) for s in servers]
     finally:
-        for p in procs:
-            cpuserver.stop(p)
+        for s in servers:
+            cpuserver.stop(s.proc)
         shutil.rmtree(w, ignore_errors=True)
 
     cores = os.cpu_count() or 0

@@ -7,8 +7,11 @@ built, the one-line errors, and the guard on the result.
 
 The consumers read what was extracted with their own code: speculators 0.9.0 (ArrowDataset,
 CollateFn + shift_batch, a forward and loss of its Eagle3 draft, targets built from the last slot
-that reproduce the HF logits) and SpecForge 0.2.0 (its offline dataset and TargetHead). A
-speculators sample whose last slot is the post-norm state is shown failing those checks.
+that reproduce the HF logits, aux slots equal to HF at the draft's target_layer_ids) and SpecForge
+0.2.0 (its offline dataset and TargetHead, aux state equal to HF). Every reference check (the
+dataset's, the consumers', the edited sample's) is shown failing on wrong data: aux slots of ids
+shifted by one, and the last slot on the wrong side of the final norm (pre-norm where post-norm
+belongs, and the reverse).
 
 These tests need torch/transformers/sglang's dependencies: they run inside the CPU environment
 (``eaglepatch.cpuenv``). Under another interpreter, ``test_extract_suite_in_cpu_env`` reruns this
@@ -159,14 +162,19 @@ def records(out: Path) -> list:
 HF_AUX = (0, 2, 3)  # the HF hidden-state indices of AUX (output of layer k = index k + 1; embedding = 0)
 
 
-def sample_error(s: dict, ref, fmt: str, aux_streams=HF_AUX, last: str | None = None) -> float:
-    """Largest |sample - HF| of one read sample: its aux slots against the HF hidden states
-    ``aux_streams``, its last slot against ``last`` ("final": post-norm, "pre": the last layer's
-    output before the norm; default what ``fmt`` stores: SpecForge the final state, speculators
-    the pre-norm one)."""
-    aux_ref = torch.cat([ref.stream[i] for i in aux_streams], dim=-1)
+def reference_slots(ref, fmt: str, aux_streams=HF_AUX, last: str | None = None) -> tuple:
+    """(aux [T, L*H], last [T, H]) of the HF reference ``ref``: the aux slots are the HF hidden states
+    ``aux_streams``, the last slot ``last`` ("final": post-norm, "pre": the last layer's output before
+    the norm, a digit: that HF hidden state; default what ``fmt`` stores: SpecForge the final state,
+    speculators the pre-norm one)."""
     last = last or ("final" if fmt == "specforge" else "pre")
     last_ref = ref.final if last == "final" else ref.stream[4] if last == "pre" else ref.stream[int(last)]
+    return torch.cat([ref.stream[i] for i in aux_streams], dim=-1), last_ref
+
+
+def sample_error(s: dict, ref, fmt: str, aux_streams=HF_AUX, last: str | None = None) -> float:
+    """Largest |sample - HF| of one read sample against ``reference_slots``."""
+    aux_ref, last_ref = reference_slots(ref, fmt, aux_streams, last)
     assert s["aux"].shape == aux_ref.shape and s["last"].shape == last_ref.shape
     return max(float((s["aux"].float() - aux_ref).abs().max()), float((s["last"].float() - last_ref).abs().max()))
 
@@ -200,10 +208,46 @@ def dataset_error(out: Path, fmt: str, reference, expected, **wrong) -> float:
 
 def check_dataset(out: Path, fmt: str, reference, expected) -> float:
     """Every sample equals the HF reference on the same weights; returns the largest difference
-    (shown failing on ids shifted by one and a skipped norm: test_dataset_check_fails_on_wrong_layers)."""
+    (shown failing on ids shifted by one and a skipped norm: test_dataset_check_fails_on_wrong_layers
+    reads the datasets against the wrong states, test_dataset_check_fails_on_wrong_datasets feeds it
+    datasets holding them)."""
     worst = dataset_error(out, fmt, reference, expected)
     assert worst <= TOL, f"max |dataset - HF| = {worst:.3g} > {TOL}"
     return worst
+
+
+def rewritten_copy(src: Path, dst: Path, fmt: str, reference, **wrong) -> Path:
+    """A copy of the extracted dataset ``src`` at ``dst`` whose every sample is rewritten from the HF
+    reference as ``reference_slots(**wrong)`` gives it (speculators: the table's hidden_states files
+    too), ids, masks, names and file sizes as they were: a dataset only a comparison of its tensors
+    with HF can tell from the right one."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst, copy_function=shutil.copy)  # own copies: the originals stay untouched
+    for row, rel in enumerate(json.loads((dst / "manifest.json").read_text())["files"]):
+        path = dst / rel
+        size = path.stat().st_size
+        if fmt == "specforge":
+            t = torch.load(str(path), weights_only=True)
+            aux, last = reference_slots(reference.run(t["input_ids"].tolist()), fmt, **wrong)
+            dt = t["hidden_state"].dtype
+            t["aux_hidden_state"] = aux.to(dt).unsqueeze(0).contiguous()
+            t["hidden_state"] = last.to(dt).unsqueeze(0).contiguous()
+            with open(path, "wb") as fh:  # as the writer saves it
+                torch.save(t, fh)
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+            aux, last = reference_slots(reference.run(t["token_ids"].tolist()), fmt, **wrong)
+            hs = t["hidden_states"]
+            t["hidden_states"] = torch.cat([aux.reshape(hs.shape[0], -1, hs.shape[2]), last[:, None]], dim=1).to(hs.dtype)
+            save_file(t, str(path), metadata=meta)
+            shutil.copy(path, dst / "hidden_states" / f"hs_{row}.safetensors")
+        assert path.stat().st_size == size, f"{rel}: rewritten {path.stat().st_size} bytes, extracted {size}"
+    return dst
 
 
 # ---- tokenization (no server) ------------------------------------------------------------------
@@ -347,11 +391,12 @@ def top1(pred, ref) -> tuple[int, int]:
     return int((pred.argmax(-1) == ref.argmax(-1)).sum()), int(ref.shape[0])
 
 
-def speculators_check(out: Path, assets, reference, expected=None) -> dict:
-    """speculators 0.9.0 on the dataset at ``out``: ArrowDataset loads every row, its targets
-    verifier_lm_head(verifier_norm(last slot)) are compared with the HF logits (top-1 agreement),
-    CollateFn + shift_batch pack a batch whose alignment is checked, and its Eagle3 draft runs a
-    forward with loss and a backward on it."""
+def speculators_check(out: Path, assets, reference, expected=None, aux_hf=None) -> dict:
+    """speculators 0.9.0 on the dataset at ``out``: ArrowDataset loads every row, its aux slots are
+    compared with the HF hidden states of the draft's target_layer_ids (the manifest's; ``aux_hf``:
+    others), its targets verifier_lm_head(verifier_norm(last slot)) with the HF logits (top-1
+    agreement), CollateFn + shift_batch pack a batch whose alignment is checked, and its Eagle3 draft
+    runs a forward with loss and a backward on it."""
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -360,6 +405,7 @@ def speculators_check(out: Path, assets, reference, expected=None) -> dict:
     from transformers import LlamaConfig
 
     man = json.loads((out / "manifest.json").read_text())
+    aux_hf = list(aux_hf if aux_hf is not None else man["speculators"]["target_layer_ids"])
     vc = reference.model.config
     ds = ArrowDataset(max_len=2048, datapath=str(out), on_missing="raise", hidden_states_dtype=torch.float32)
     assert len(ds) == man["samples"]
@@ -369,18 +415,23 @@ def speculators_check(out: Path, assets, reference, expected=None) -> dict:
     # speculators' own check of the ids (distinct HF indices 0..N) runs here
     draft = Eagle3DraftModel.from_training_args(
         verifier_config=draft_cfg, verifier_name_or_path=str(assets.ckpt),
-        target_layer_ids=man["speculators"]["target_layer_ids"], draft_vocab_size=vc.vocab_size,
+        target_layer_ids=aux_hf, draft_vocab_size=vc.vocab_size,
         norm_before_residual=True, ttt_steps=2, draft_attn_impl="eager").float()
     agree = total = 0
+    aux_err = 0.0
     items = [ds[i] for i in range(len(ds))]
     for item in items:
         ids = item["input_ids"].tolist()
         if expected is not None:
             enc = expected[tuple(ids)]
             assert item["loss_mask"].tolist() == enc.loss_mask  # the mask comes from the table
+        ref = reference.run(ids)
+        aux_ref, _ = reference_slots(ref, "speculators", aux_hf)
+        assert item["hidden_states"].shape == aux_ref.shape
+        aux_err = max(aux_err, float((item["hidden_states"].float() - aux_ref).abs().max()))
         with torch.no_grad():
             targets = draft.verifier_lm_head(draft.verifier_norm(item["verifier_last_hidden_states"].float()))
-        a, t = top1(targets, reference.run(ids).logits)
+        a, t = top1(targets, ref.logits)
         agree, total = agree + a, total + t
     batch = CollateFn(max_len=1024, hidden_size=vc.hidden_size, num_target_layers=len(AUX), dtype=torch.float32,
                       preprocess=shift_batch)(items[:4])
@@ -398,7 +449,8 @@ def speculators_check(out: Path, assets, reference, expected=None) -> dict:
     assert sum(freq.values()) == man["loss_tokens"]
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=64, target_vocab_size=vc.vocab_size)
     assert d2t.shape == (64,) and int(t2d.sum()) == 64
-    return {"top1_agreement": agree / total, "tokens": total, "loss": round(float(loss.detach()), 4)}
+    return {"aux_max_abs_diff_vs_hf": aux_err, "top1_agreement": agree / total, "tokens": total,
+            "loss": round(float(loss.detach()), 4)}
 
 
 @pytest.fixture(scope="module")
@@ -411,7 +463,7 @@ def test_speculators_reads_the_export(assets, server, reference, by_ids):
     out = assets.root / "out-speculators"
     assert (out / "state.json").is_file(), "test_killed_run_resumes must run first"
     fig = speculators_check(out, assets, reference, by_ids)
-    assert fig["top1_agreement"] == 1.0, fig
+    assert fig["top1_agreement"] == 1.0 and fig["aux_max_abs_diff_vs_hf"] <= TOL, fig
     FIGURES["speculators_consumer"] = fig
 
 
@@ -469,17 +521,21 @@ def indexed_ckpt(assets):
     return d
 
 
-def specforge_check(out: Path, indexed_ckpt, reference, by_ids=None) -> dict:
-    """SpecForge 0.2.0 on the dataset at ``out``: its offline dataset reads every sample and its
+def specforge_check(out: Path, indexed_ckpt, reference, by_ids=None, aux_hf=None) -> dict:
+    """SpecForge 0.2.0 on the dataset at ``out``: its offline dataset reads every sample, its aux
+    state is compared with the HF hidden states the manifest records (``aux_hf``: others) and its
     TargetHead turns the stored final state into logits, compared with HF (top-1 agreement)."""
     from specforge.data.preprocessing import build_offline_eagle3_dataset
     from specforge.modeling.target.target_head import TargetHead
 
+    if aux_hf is None:
+        aux_hf = json.loads((out / "manifest.json").read_text())["hf_hidden_state_indices"]
     ds = build_offline_eagle3_dataset(str(out), max_len=2048)
     head = TargetHead(str(indexed_ckpt))
     head.load_weights(str(indexed_ckpt))
     head.freeze_weights()
     agree = total = 0
+    aux_err = 0.0
     for i in range(len(ds)):
         d = ds[i]
         ids = d["input_ids"][0].tolist()
@@ -487,10 +543,14 @@ def specforge_check(out: Path, indexed_ckpt, reference, by_ids=None) -> dict:
             enc = by_ids[tuple(ids)]
             assert d["loss_mask"][0, :-1].tolist() == enc.loss_mask[:-1]  # SpecForge zeroes the last position
             assert d["hidden_state"].shape == (1, len(ids), len(AUX) * reference.model.config.hidden_size)
+        ref = reference.run(ids)
+        aux_ref, _ = reference_slots(ref, "specforge", aux_hf)
+        assert d["hidden_state"][0].shape == aux_ref.shape  # SpecForge calls the aux state "hidden_state"
+        aux_err = max(aux_err, float((d["hidden_state"][0].float() - aux_ref).abs().max()))
         with torch.no_grad():
-            a, t = top1(head(d["target"][0].float()), reference.run(ids).logits)
+            a, t = top1(head(d["target"][0].float()), ref.logits)
         agree, total = agree + a, total + t
-    return {"samples": len(ds), "top1_agreement": agree / total, "tokens": total}
+    return {"samples": len(ds), "aux_max_abs_diff_vs_hf": aux_err, "top1_agreement": agree / total, "tokens": total}
 
 
 @in_env
@@ -498,7 +558,7 @@ def test_specforge_reads_the_export(assets, server, reference, indexed_ckpt, by_
     out = assets.root / "out-specforge"
     assert (out / "manifest.json").is_file(), "test_specforge_matches_hf must run first"
     fig = specforge_check(out, indexed_ckpt, reference, by_ids)
-    assert fig["samples"] == N_CONV and fig["top1_agreement"] == 1.0, fig
+    assert fig["samples"] == N_CONV and fig["top1_agreement"] == 1.0 and fig["aux_max_abs_diff_vs_hf"] <= TOL, fig
     FIGURES["specforge_consumer"] = fig
     # shown failing: a SpecForge sample holding the pre-norm state where the final one belongs
     from safetensors.torch import load_file
@@ -510,9 +570,32 @@ def test_specforge_reads_the_export(assets, server, reference, indexed_ckpt, by_
         hs = t["hidden_states"]
         torch.save({"input_ids": t["token_ids"], "loss_mask": t["loss_mask"], "hidden_state": hs[:, -1][None],
                     "aux_hidden_state": hs[:, :-1].reshape(hs.shape[0], -1)[None]}, str(wrong / f"{f.stem}.ckpt"))
-    bad = specforge_check(wrong.parent, indexed_ckpt, reference)
+    bad = specforge_check(wrong.parent, indexed_ckpt, reference, aux_hf=HF_AUX)
     assert bad["samples"] == 6 and bad["top1_agreement"] < 0.95, bad
     FIGURES["specforge_pre_norm_final"] = bad
+
+
+@in_env
+def test_consumer_checks_fail_on_shifted_aux_ids(assets, server, reference, indexed_ckpt, tmp_path):
+    """speculators_check and specforge_check compare the aux slots their readers load with HF: a
+    dataset whose aux slots hold the states of ids shifted by one fails them (their top-1 checks
+    read only the last slot and pass it), and so does the right dataset read with shifted ids."""
+    figures = {}
+    src = assets.root / "out-speculators"
+    assert (src / "state.json").is_file(), "test_killed_run_resumes must run first"
+    bad = rewritten_copy(src, tmp_path / "speculators", "speculators", reference, aux_streams=SHIFTED)
+    figures["speculators: aux slots of ids + 1"] = speculators_check(bad, assets, reference)
+    figures["speculators: read as ids + 1"] = speculators_check(src, assets, reference, aux_hf=SHIFTED)
+    src = assets.root / "out-specforge"
+    assert (src / "manifest.json").is_file(), "test_specforge_matches_hf must run first"
+    bad = rewritten_copy(src, tmp_path / "specforge", "specforge", reference, aux_streams=SHIFTED)
+    figures["specforge: aux slots of ids + 1"] = specforge_check(bad, indexed_ckpt, reference)
+    figures["specforge: read as ids + 1"] = specforge_check(src, indexed_ckpt, reference, aux_hf=SHIFTED)
+    passed = {name: fig for name, fig in figures.items() if not fig["aux_max_abs_diff_vs_hf"] > 100 * TOL}
+    assert not passed, passed  # every wrong dataset and every wrong reading fails
+    FIGURES["consumer_checks_on_shifted_aux_ids"] = {k: {"aux_max_abs_diff_vs_hf": round(v["aux_max_abs_diff_vs_hf"], 3),
+                                                         "top1_agreement": v["top1_agreement"]}
+                                                     for k, v in figures.items()}
 
 
 @in_env
@@ -536,6 +619,32 @@ def test_dataset_check_fails_on_wrong_layers(assets, server, reference, expected
             assert err > 100 * TOL, (fmt, name, err)
             figures[f"{fmt}: {name}"] = round(err, 3)
     FIGURES["dataset_check_on_wrong_layers_max_abs_diff"] = figures
+
+
+SHIFTED = tuple(i + 1 for i in HF_AUX)  # the aux layers of EAGLE-3 ids shifted by one
+
+
+@in_env
+def test_dataset_check_fails_on_wrong_datasets(assets, server, reference, expected, tmp_path):
+    """check_dataset itself, fed copies of the extracted datasets rewritten from the HF reference
+    (ids, masks, names and sizes intact): with the aux slots of ids shifted by one, and with the
+    last slot on the wrong side of the final norm (SpecForge: the pre-norm state where the post-norm
+    one belongs; speculators: the post-norm state where the pre-norm one belongs), it fails."""
+    figures = {}
+    for fmt in ("specforge", "speculators"):
+        src = assets.root / f"out-{fmt}"
+        assert (src / "manifest.json").is_file(), "the format tests must run first"
+        for name, wrong in (("aux ids + 1", {"aux_streams": SHIFTED}),
+                            ("norm skipped", {"last": "pre"}) if fmt == "specforge" else
+                            ("norm applied", {"last": "final"})):
+            bad = rewritten_copy(src, tmp_path / f"{fmt}-{len(figures)}", fmt, reference, **wrong)
+            assert dataset_error(bad, fmt, reference, expected, **wrong) <= TOL  # it holds what it claims to
+            with pytest.raises(AssertionError, match=r"max \|dataset - HF\|"):
+                check_dataset(bad, fmt, reference, expected)
+            err = dataset_error(bad, fmt, reference, expected)
+            assert err > 100 * TOL, (fmt, name, err)
+            figures[f"{fmt}: {name}"] = round(err, 3)
+    FIGURES["check_dataset_on_wrong_datasets_max_abs_diff"] = figures
 
 
 @in_env
@@ -571,7 +680,13 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     enc = tok.encode(edited["messages"], 2048)
     s = read_sample("specforge", out / sample_rel("specforge", "conv-002"))
     assert s["input_ids"].tolist() == enc.input_ids and s["loss_mask"].tolist() == enc.loss_mask
-    assert sample_error(s, reference.run(enc.input_ids), "specforge") <= TOL
+    ref = reference.run(enc.input_ids)
+    assert sample_error(s, ref, "specforge") <= TOL
+    # the same comparison on the wrong states fails: aux ids shifted by one, the final norm skipped
+    wrong = {"aux ids + 1": sample_error(s, ref, "specforge", aux_streams=SHIFTED),
+             "norm skipped": sample_error(s, ref, "specforge", last="pre")}
+    assert min(wrong.values()) > 100 * TOL, wrong
+    FIGURES["edited_sample_on_wrong_layers_max_abs_diff"] = {k: round(v, 3) for k, v in wrong.items()}
     man = json.loads((out / "manifest.json").read_text())
     assert man["samples"] == N_CONV and sample_rel("specforge", "conv-004") not in man["files"]
     assert not (out / sample_rel("specforge", "conv-004")).exists()

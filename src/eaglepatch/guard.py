@@ -315,11 +315,14 @@ def read_draft(path: Path | str) -> Draft:
 class DatasetLayers:
     path: str
     layer_ids: list  # EAGLE-3 ids of the draft's aux layers (a dump: every dumped layer)
-    hf: list
     num_layers: int
-    final: str | None = "post_norm"
     kind: str = "dataset"  # dataset | dump
     dataset_format: str | None = None
+
+    @property
+    def hf(self) -> list:
+        """The HF hidden_states indices of ``layer_ids`` (output of layer k = index k + 1)."""
+        return [k + 1 for k in self.layer_ids]
 
 
 def _positive_int(v, where: str) -> int:
@@ -335,22 +338,21 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     if not path.is_file():
         raise UsageError(f"{path} does not exist", "pass the dataset directory written by tools/extract.py (or a dump file)")
     if path.suffix == ".safetensors":
+        from .extract.dumps import read_metadata
+
         try:
-            from safetensors import safe_open
+            m = read_metadata(path)
+            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
+            n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
         except ImportError:
             raise UsageError("reading a dump file needs the Python package 'safetensors'",
                              "pip install -e '.[extract]' (or pass the dataset directory)") from None
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                m = dict(f.metadata() or {})
-            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
-            n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
         except UsageError:
             raise
         except Exception as exc:
             raise UsageError(f"{path} is not a readable eagle3 dump ({type(exc).__name__})",
                              "pass a dataset directory or a dump file") from None
-        return DatasetLayers(str(path), ids, [k + 1 for k in ids], n, m.get("final", "post_norm"), "dump")
+        return DatasetLayers(str(path), ids, n, "dump")
     m = _read_json(path, "dataset manifest", "pass the dataset directory written by tools/extract.py")
     if not isinstance(m, dict):
         raise UsageError(f"{path} is a JSON {type(m).__name__}, not a manifest", "pass the dataset directory written by "
@@ -364,7 +366,7 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     ids = _int_list(ids, f"{path}: eagle3_layer_ids")
     n = _positive_int(n, f"{path}: num_hidden_layers")
     fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
-    return DatasetLayers(str(path), ids, [k + 1 for k in ids], n, m.get("final"), "dataset", fmt)
+    return DatasetLayers(str(path), ids, n, "dataset", fmt)
 
 
 # ---- the check ------------------------------------------------------------------------------
@@ -373,8 +375,12 @@ def read_dataset(path: Path | str) -> DatasetLayers:
 class Verdict:
     ok: bool
     lines: list = field(default_factory=list)
-    served_hf: list | None = None
-    servers: dict = field(default_factory=dict)  # server -> {"ok", "served_hf"}
+    servers: dict = field(default_factory=dict)  # server -> {"ok", "served_hf", "fix"}, the first reader first
+
+    @property
+    def served_hf(self) -> list | None:
+        """What the first reader of the draft (SGLang, or vLLM for speculators drafts) serves it."""
+        return next(iter(self.servers.values()), {}).get("served_hf")
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -395,13 +401,13 @@ def _compare(served: list, data: DatasetLayers) -> str | None:
         missing = [h for h in served if h not in data.hf]
         return (f"the dump holds no HF hidden_states indices {missing} that the draft would be served"
                 if missing else None)
-    if served != list(data.hf):
+    if served != data.hf:
         return "the draft would be served other hidden states than it was trained on"
     return None
 
 
-def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list]:
-    """SGLang's reading: (problems, description lines, served HF)."""
+def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list, str | None]:
+    """SGLang's reading: (problems, description lines, served HF, the fix line or None)."""
     n = data.num_layers
     if draft.family == EAGLE_CONFIG and draft.layer_ids is not None:
         capture = sem.capture(draft.layer_ids)
@@ -429,21 +435,22 @@ def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, li
     why = _compare(served, data)
     if why:
         problems.insert(0, why)
+    fix = None
     if problems:
-        fix_ids = sem.ids_for(list(data.hf)) if data.kind == "dataset" else None
+        fix_ids = sem.ids_for(data.hf) if data.kind == "dataset" else None
         where = "eagle_config.eagle_aux_hidden_state_layer_ids"
         if fix_ids is not None:
-            desc.append(f"fix: set {where.split('.')[-1] if draft.family == EAGLE_CONFIG else where} to {fix_ids} in "
-                        f"the draft config (under this release's convention), or re-extract with "
-                        f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+            fix = (f"fix: set {where.split('.')[-1] if draft.family == EAGLE_CONFIG else where} to {fix_ids} in "
+                   f"the draft config (under this release's convention), or re-extract with "
+                   f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
         else:
-            desc.append("fix: no draft config can request these layers under this release; re-extract with "
-                        f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
-    return problems, desc, served
+            fix = ("fix: no draft config can request these layers under this release; re-extract with "
+                   f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+    return problems, desc, served, fix
 
 
-def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list]:
-    """vLLM's reading of top-level ids (HF indices, the speculators convention)."""
+def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list, str | None]:
+    """vLLM's reading of top-level ids (HF indices, the speculators convention): as ``_sglang``."""
     n = data.num_layers
     hf = draft.layer_ids if draft.layer_ids is not None else _default_hf(n)
     how = "" if draft.layer_ids is not None else f" (none configured: the default [2, {n}//2, {n}-3])"
@@ -457,10 +464,11 @@ def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list]:
     why = _compare(served, data)
     if why:
         problems.insert(0, why)
+    fix = None
     if problems:
-        desc.append(f"fix: set eagle_aux_hidden_state_layer_ids to {list(data.hf)} (HF indices, as speculators and "
-                    f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
-    return problems, desc, served
+        fix = (f"fix: set eagle_aux_hidden_state_layer_ids to {data.hf} (HF indices, as speculators and "
+               f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+    return problems, desc, served, fix
 
 
 def _training_warnings(draft: Draft, data: DatasetLayers) -> list:
@@ -491,20 +499,18 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
         return Verdict(False, head + [
             "MISMATCH: the draft sets use_aux_hidden_state=false, so SGLang feeds it only the final hidden "
             "state, but the dataset's training inputs are aux layers", ds,
-            "fix: set eagle_config.use_aux_hidden_state=true in the draft config"], None, {"sglang": {"ok": False}})
+            "fix: set eagle_config.use_aux_hidden_state=true in the draft config"], {"sglang": {"ok": False}})
     readers = {SPECULATORS: ["vllm"], TOP_LEVEL: ["sglang", "vllm"]}.get(draft.family, ["sglang"])
     lines, servers, ok = list(head), {}, True
     for server in readers:
-        problems, desc, served = _sglang(draft, data, sem) if server == "sglang" else _vllm(draft, data)
+        problems, desc, served, fix = _sglang(draft, data, sem) if server == "sglang" else _vllm(draft, data)
         name = "SGLang" if server == "sglang" else "vLLM"
         verdict = [f"MISMATCH ({name}): {p}" for p in problems] or [
             f"OK ({name}): the draft is served the hidden states {'the dump holds' if data.kind == 'dump' else 'it was trained on'}"]
-        fix = [d for d in desc if d.startswith("fix:")]
-        lines += verdict + [d for d in desc if not d.startswith("fix:")]
-        servers[server] = {"ok": not problems, "served_hf": served, "fix": fix[0] if fix else None}
+        lines += verdict + desc
+        servers[server] = {"ok": not problems, "served_hf": served, "fix": fix}
         ok = ok and not problems
     lines.append(ds)
     lines += _training_warnings(draft, data)
     lines += [s["fix"] for s in servers.values() if s["fix"]]
-    first = servers[readers[0]]["served_hf"]
-    return Verdict(ok, lines, first, servers)
+    return Verdict(ok, lines, servers)

@@ -72,6 +72,10 @@ class SGLangClient:
             sessions[i] = requests.Session()
         return sessions[i]
 
+    def _get_model_info(self, i: int, timeout: float):
+        """Server ``i``'s answer to ``GET /get_model_info`` (raises what requests raises)."""
+        return self._session(i).get(self.urls[i] + "/get_model_info", timeout=timeout)
+
     def check_reachable(self) -> None:
         """Every server answers ``/get_model_info`` with JSON, in order; a usage error names the first
         that does not."""
@@ -80,7 +84,7 @@ class SGLangClient:
             if len(self.urls) > 1:
                 fix = "start it or leave it out of --server"
             try:
-                r = self._session(i).get(url + "/get_model_info", timeout=min(self.timeout, 30))
+                r = self._get_model_info(i, min(self.timeout, 30))
             except (requests.RequestException, ValueError) as exc:  # ValueError: a URL urllib3 cannot parse
                 raise UsageError(f"cannot reach the SGLang server at {url} ({type(exc).__name__})", fix) from None
             if r.status_code != 200:
@@ -94,9 +98,9 @@ class SGLangClient:
 
     def alive(self) -> bool:
         """Whether any server answers ``/get_model_info``."""
-        for i, url in enumerate(self.urls):
+        for i in range(len(self.urls)):
             try:
-                if self._session(i).get(url + "/get_model_info", timeout=30).status_code == 200:
+                if self._get_model_info(i, 30).status_code == 200:
                     return True
             except requests.RequestException:
                 continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import UsageError
@@ -35,7 +36,7 @@ class Conversation:
     line: int  # 1-based line number
     messages: list  # [{"role": ..., "content": ...}]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """sha256 of the normalized messages: a done sample whose conversation changed is redone."""
         blob = json.dumps(self.messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -59,7 +60,8 @@ def _content_text(content, where: str) -> str:
     raise UsageError(f"{where}: message content is {type(content).__name__}, not text", "use a string")
 
 
-def _normalize(rec: dict, where: str) -> list:
+def normalize_messages(rec: dict, where: str) -> list:
+    """One record's messages (OpenAI or ShareGPT form) as [{"role", "content"}]; ``where`` prefixes errors."""
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list):
@@ -128,7 +130,7 @@ def load_conversations(path: Path | str) -> list[Conversation]:
             raise UsageError(f"{where}: duplicate conversation id {sid!r} (first at line {seen[sid]})",
                              "give every conversation a unique 'id' (resume is keyed by it)")
         seen[sid] = n
-        msgs = _normalize(rec, where)
+        msgs = normalize_messages(rec, where)
         convs.append(Conversation(id=sid, index=len(convs), line=n, messages=msgs))
     if not convs:
         raise UsageError(f"data file {path} holds no conversations", "pass a non-empty JSONL file")

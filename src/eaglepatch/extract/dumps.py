@@ -45,9 +45,10 @@ def wait_for(path: Path, timeout: float) -> bool:
 
 
 def read_metadata(path: Path) -> dict:
+    """The file's safetensors metadata (read without torch: framework numpy loads no tensor here)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="numpy") as f:
         return dict(f.metadata() or {})
 
 
@@ -67,22 +68,10 @@ def any_server_dumps(directory: Path) -> list[Path]:
 class Dump:
     path: Path
     meta: dict
-    layer_ids: list  # EAGLE-3 ids, in the order stored
-    hf_indices: list
+    layer_ids: list  # EAGLE-3 ids, in the order stored (the metadata's HF indices are checked to be these plus one)
     layers: dict  # "layer.<k>" -> tensor [T, H]
     final: object  # tensor [T, H] or None
     input_ids: object  # int64 [T]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in self.layers.values())
-        if self.final is not None:
-            n += self.final.numel() * self.final.element_size()
-        return n
 
 
 def _json_list(meta: dict, name: str, path: Path) -> list:
@@ -95,8 +84,10 @@ def _json_list(meta: dict, name: str, path: Path) -> list:
     return v
 
 
-def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: bool = True) -> Dump:
-    """Read ``path`` and check it against what was sent; raises BadDump naming the file."""
+def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: bool = True,
+              key: str | None = None) -> Dump:
+    """Read ``path`` and check it against what was sent (``key``: ``dump_key(sent_ids)`` when the
+    caller has it already); raises BadDump naming the file."""
     import torch
     from safetensors import safe_open
 
@@ -117,8 +108,7 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     if meta["format"] != FORMAT:
         raise BadDump(f"{path.name}: format {meta['format']!r}, expected {FORMAT!r}")
     sent = [int(t) for t in sent_ids]
-    key = dump_key(sent)
-    if meta["key"] != key:
+    if meta["key"] != (key or dump_key(sent)):
         raise BadDump(f"{path.name}: metadata key {meta['key'][:16]}... is not the key of the sent ids")
     ids = tensors.get("input_ids")
     if ids is None:
@@ -164,7 +154,7 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
             final = t
         else:
             layers[name] = t
-    return Dump(path, meta, layer_ids, hf, {f"layer.{k}": layers[f"layer.{k}"] for k in layer_ids}, final, ids)
+    return Dump(path, meta, layer_ids, {f"layer.{k}": layers[f"layer.{k}"] for k in layer_ids}, final, ids)
 
 
 def remove_quietly(path: Path) -> None:

@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import UsageError
@@ -25,6 +27,7 @@ MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
 SETTINGS_FILE = ".extract-settings.json"
 PROGRESS_FILE = "progress.jsonl"
 MANIFEST_FILE = "manifest.json"
+_NO_FILE = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # what Path.is_file() reads as "no file"
 COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
 
 
@@ -99,8 +102,17 @@ def load_done(out: Path, convs) -> dict:
         if rec.get("skipped"):
             done[cid] = rec
             continue
-        f = Path(out) / str(rec.get("file") or "")
-        if rec.get("file") and f.is_file() and f.stat().st_size == rec.get("bytes"):
+        if not rec.get("file"):
+            continue
+        try:
+            st = (Path(out) / str(rec["file"])).stat()
+        except ValueError:  # a path Path.is_file() would call no file (a NUL in it)
+            continue
+        except OSError as exc:  # no file there: extracted again; other errors propagate, as from is_file()
+            if exc.errno in _NO_FILE:
+                continue
+            raise
+        if stat.S_ISREG(st.st_mode) and st.st_size == rec.get("bytes"):
             done[cid] = rec
     return done
 
@@ -146,6 +158,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
     lay = settings.data.get("layout") or {}
     meta = settings.data.get("dump_meta") or {}
     aux = lay.get("aux")
+    hf_aux = [k + 1 for k in aux] if aux is not None else None
     n = cfg["num_hidden_layers"]
     m = {
         "format": MANIFEST_FORMAT,
@@ -160,7 +173,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "failed_ids": [r["id"] for r in failed],
         "skipped": skipped,
         "eagle3_layer_ids": aux,
-        "hf_hidden_state_indices": [k + 1 for k in aux] if aux is not None else None,
+        "hf_hidden_state_indices": hf_aux,
         "dump_layer_ids": meta.get("eagle3_layer_ids"),
         "final": "post_norm" if o.format == "specforge" else None,
         "model": {"path": str(o.model), "served_path": meta.get("model_path"),
@@ -181,7 +194,6 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
     else:
         m["layout"] = ("datasets save_to_disk table (input_ids, loss_mask, seq_len) + hidden_states/hs_<row>.safetensors: "
                        "token_ids [T], hidden_states [T,L+1,H] (aux layers ascending, then layer N-1 before the final norm)")
-        hf_aux = [k + 1 for k in aux] if aux is not None else None
         # speculators' own fields, in its (and vLLM's) HF-index convention: 0 = embedding, N = last layer pre-norm
         m["speculators"] = {"eagle_aux_hidden_state_layer_ids": hf_aux, "target_layer_ids": hf_aux,
                             "hidden_states_layer_ids": hf_aux + [n] if hf_aux is not None else None,

@@ -42,8 +42,7 @@ from .client import RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
 from .record import Fatal
 from .tokenize import MaskError
-from .writers import (Layout, LayoutError, publish_speculators, resolve_layout, sample_rel, stale_temporaries,
-                      write_sample)
+from .writers import Layout, publish_speculators, resolve_layout, sample_rel, stale_temporaries, write_sample
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
@@ -195,7 +194,7 @@ class Extractor:
                 if last:
                     continue
                 try:
-                    dump = self.validate(path, ids, inp.cfg)
+                    dump = self.validate(path, ids, out.key, inp.cfg)
                 except dumps_mod.BadDump as exc:
                     last = f"bad dump {exc}"
                     with self.lock:
@@ -255,10 +254,10 @@ class Extractor:
             return f"no dump file {path.name} appeared within {o.dump_timeout:g} s", True
         return "", False
 
-    def validate(self, path: Path, ids, cfg: dict):
+    def validate(self, path: Path, ids, key: str, cfg: dict):
         """Stage 4. The dump, checked against the sent ids, the model and the dataset's layout;
         BadDump for a file to retry, Fatal for a server that does not match the dataset."""
-        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False)
+        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, key=key)
         m = dump.meta
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
@@ -281,11 +280,8 @@ class Extractor:
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
         want = self.layout.aux if self.layout else self.o.aux_layers
-        try:
-            lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
-                                 list(want) if want is not None else None)
-        except LayoutError as exc:
-            raise Fatal(exc.problem, exc.fix) from None
+        lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
+                             list(want) if want is not None else None)  # LayoutError: a usage error, exit 2
         if self.layout is not None and lay != self.layout:
             raise Fatal(f"the server's dump gives layout {lay.to_json()} but {self.o.out} holds {self.layout.to_json()}",
                         "restart the server with the dataset's EAGLE3_DUMP_LAYERS, or pass a new --out")
@@ -312,8 +308,9 @@ class Extractor:
         if x.status == "failed":
             return
         st = inp.settings
-        if self.layout is not None and st.data.get("layout") != self.layout.to_json():
-            st.data.update(layout=self.layout.to_json(), dump_meta=self.dump_meta)
+        layout = self.layout.to_json() if self.layout is not None else None
+        if layout is not None and st.data.get("layout") != layout:
+            st.data.update(layout=layout, dump_meta=self.dump_meta)
             st.save()
         elif not st.saved:
             st.save()
@@ -338,14 +335,6 @@ class Extractor:
         if removed:
             self.log(f"removed {removed} sample file(s) of conversations no longer in {o.data} "
                      f"(removed from it, or edited and not extracted again)")
-        rows = [inp.done[c.id]["file"] for c in inp.all_convs
-                if c.id in inp.done and not inp.done[c.id].get("skipped")]
-        if o.format == "speculators" and inp.settings.saved:
-            try:
-                publish_speculators(out, rows)
-            except OSError as exc:
-                raise Fatal(f"cannot write the speculators table into {out} ({exc.strerror or exc})",
-                            "free space or fix permissions on --out and rerun (done samples are kept)") from None
         ok = [x for x in outcomes if x.status == "ok"]
         failed = [x for x in outcomes if x.status == "failed"]
         skipped = [x for x in outcomes if x.status == "skipped"]
@@ -355,7 +344,13 @@ class Extractor:
                     "servers": [{"url": u, "answered": n, "put_aside": a}
                                 for u, n, a in zip(client.urls, client.answered, client.put_aside)]}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
-        if inp.settings.saved:
+        if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
+            if o.format == "speculators":
+                try:
+                    publish_speculators(out, man["files"])
+                except OSError as exc:
+                    raise Fatal(f"cannot write the speculators table into {out} ({exc.strerror or exc})",
+                                "free space or fix permissions on --out and rerun (done samples are kept)") from None
             rec_mod.atomic_json(out / rec_mod.MANIFEST_FILE, man)
         toks = sum(x.tokens for x in ok)
         self.log(

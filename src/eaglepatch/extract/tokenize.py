@@ -84,8 +84,8 @@ class ChatTokenizer:
         with _RENDER_LOCK:
             return self.tok.apply_chat_template(messages, **kw)
 
-    def _render(self, messages, add_generation_prompt: bool = False) -> str:
-        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _render(self, messages) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=False)
 
     # ---- generation blocks -----------------------------------------------------------------
     def _encode_generation(self, messages):

@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UsageError
+
 FORMATS = ("specforge", "speculators")
 SAMPLES_DIR = "samples"
 SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors"}  # sample file suffix per format
@@ -40,12 +42,8 @@ TOKEN_FREQ_FILE = "token_freq.pt"
 _STAGING = ".publish"
 
 
-class LayoutError(Exception):
-    """The dump cannot give what the format needs; ``fix`` says what to change."""
-
-    def __init__(self, problem: str, fix: str):
-        super().__init__(problem)
-        self.problem, self.fix = problem, fix
+class LayoutError(UsageError):
+    """The dump cannot give what the format needs; ``fix`` says what to change (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +141,9 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
                     "last_slot": "pre_norm"}
             save_file({"token_ids": ids, "hidden_states": stacked, "loss_mask": mask}, str(tmp), metadata=meta)
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path.stat().st_size
 
 
