@@ -1,6 +1,6 @@
 """A loopback stand-in for the patched SGLang server, computing its dumps with Hugging Face.
 
-``HFDumpServer(reference, dump_dir, layers)`` (``reference``: the smoke tests' HF ``Reference``) answers ``/get_model_info``, ``/get_server_info``
+``HFDumpServer(reference, dump_dir, layers)`` (``reference``: the smoke tests' HF ``Reference``) answers ``/get_model_info``
 and ``/generate`` like SGLang and writes, for every ``/generate``, the dump file the patched
 server writes (format ``eagle3-dump/1``, key = sha256 of the ids): ``layer.<k>`` = HF
 ``hidden_states[k + 1]`` for k < N-1, ``layer.<N-1>`` = the last decoder layer's output before
