@@ -34,17 +34,23 @@ dump_mod = __import__("e3c_under_test.dump", fromlist=["DumpWriter"])
 # ---- settings and conventions ------------------------------------------------------------------
 
 def test_layer_ids_from_minus_one_to_last_layer():
-    settings.check_layer_ids([-1, 0, 30, 60], 61, "x")  # 60 = the last layer, before the final norm
-    for bad in ([61], [-2], [-1, 2, 61]):
-        with pytest.raises(settings.DumpConfigError, match=r"use -1 \(embedding output\) \.\. 60"):
-            settings.check_layer_ids(bad, 61, "x")
+    # the pinned release (0.5.9) reads every list k -> k + 1: -1 = embedding, 60 = the last layer
+    # before the final norm (capture index 61 = N)
+    assert settings.reading() == "plus_one"
+    assert settings.capture_indices([-1, 0, 30, 60], 61, "x") == [0, 1, 31, 61]
+    assert settings.capture_indices([30, -1], 61, "x") == [31, 0]  # the order given; capture is in layer order
+    for bad, needle in (([61], r"ids \[61\] are out of range"), ([-2], r"ids \[-2\] are out of range"),
+                        ([-1, 2, 61], r"ids \[61\] are out of range"), ([1, 1], "a layer twice"),
+                        ([], "is empty")):
+        with pytest.raises(settings.DumpConfigError, match=needle):
+            settings.capture_indices(bad, 61, "x")
 
 
 def test_conventions_agree():
-    # EAGLE-3 id k = output of decoder layer k; HF index (0 = embedding, N = last layer pre-norm)
-    assert [settings.capture_index(k) for k in (-1, 0, 60)] == [0, 1, 61]
-    assert [settings.hf_index(k) for k in (-1, 0, 60)] == [0, 1, 61]
-    assert settings.default_layer_ids(61) == [1, 29, 57]
+    # capture index i = HF output_hidden_states index i; the dump names it layer.<i - 1>
+    assert [settings.layer_output_id(i) for i in (0, 1, 61)] == [-1, 0, 60]
+    assert settings.default_capture_indices(61) == [2, 30, 58]  # upstream's [2, N//2, N-3]
+    assert settings.default_capture_indices(4) == [1, 2]  # small models repeat a default index
 
 
 def test_settings_from_env():
@@ -52,9 +58,10 @@ def test_settings_from_env():
                                         "EAGLE3_DUMP_FINAL": "off", "EAGLE3_DUMP_MAX_PENDING_MB": "1.5"})
     assert (s.directory, s.layer_ids, s.final, s.max_pending_bytes) == ("/d", [-1, 2, 60], False, 1572864)
     assert settings.DumpSettings.from_env({}) is None
-    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d"}).resolved_layer_ids(4) == [0, 1]
+    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d"}).capture_indices(4) == [1, 2]
+    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "3,-1"}).capture_indices(4) == [0, 4]
     for env, needle in [({"EAGLE3_DUMP_LAYERS": "1,x"}, "comma-separated"),
-                        ({"EAGLE3_DUMP_LAYERS": "1,1"}, "each layer once"),
+                        ({"EAGLE3_DUMP_LAYERS": ","}, "names no layer"),
                         ({"EAGLE3_DUMP_FINAL": "maybe"}, "not a boolean"),
                         ({"EAGLE3_DUMP_MAX_PENDING_MB": "0"}, "positive number")]:
         with pytest.raises(settings.DumpConfigError, match=needle):
@@ -185,11 +192,16 @@ class _Batch:
                                           [a + b for a, b in zip(pre, seq_lens)], dtype=torch.int32)
 
 
+def _idx(layer_ids):
+    """The pinned release's capture indices of layer-output ids (k -> k + 1): DumpWriter's input."""
+    return [k + 1 for k in layer_ids]
+
+
 def _states(lens, layer_ids, hidden=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     total = sum(lens)
     ids = torch.randint(2, 1000, (total,), generator=g)
-    captured = {settings.capture_index(k): torch.randn(total, hidden, generator=g) for k in layer_ids}
+    captured = {k + 1: torch.randn(total, hidden, generator=g) for k in layer_ids}
     return ids, captured, torch.randn(total, hidden, generator=g)
 
 
@@ -197,7 +209,7 @@ def test_writer_splits_requests_and_skips_what_it_cannot_write(tmp_path):
     from safetensors import safe_open
 
     layers = [-1, 1, 3]
-    w = dump_mod.DumpWriter(str(tmp_path), layers, True, 1 << 20, {"format": "eagle3-dump/1"})
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 20, {"format": "eagle3-dump/1"})
     lens = [3, 5, 4]
     ids, cap, fin = _states(lens, layers)
     w.submit(_Batch(ids, lens, [0, 2, 0]), cap, fin)  # the middle one has a cached prefix
@@ -306,7 +318,7 @@ def test_only_the_last_layer_and_reconfiguration_removes_the_hook():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("eagle", [[-1, 1], [1], [], [3], [-1, 1, 3]])  # 4 layers: 3 = the last
+@pytest.mark.parametrize("eagle", [[-1, 1], [1], [3], [-1, 1, 3]])  # 4 layers: 3 = the last
 @pytest.mark.parametrize("dump", [None, [-1], [0], [3]])
 @pytest.mark.parametrize("form", ["list", "packed"])
 @pytest.mark.parametrize("capture", [True, False])
@@ -320,10 +332,10 @@ def test_after_model_returns_the_same_structure_on_every_route(tmp_path, eagle, 
     pkg.set_eagle3_layers(m, eagle)
     state = m._eagle3_capture_state
     if dump is not None:
-        state.writer = dump_mod.DumpWriter(str(tmp_path), dump, True, 1 << 20, {}, enabled=False)
+        state.writer = dump_mod.DumpWriter(str(tmp_path), _idx(dump), True, 1 << 20, {}, enabled=False)
         pkg._sync(m, state)
     m.capture_aux_hidden_states = capture
-    wanted = sorted({settings.capture_index(k) for k in eagle + (dump or [])})
+    wanted = sorted({k + 1 for k in eagle + (dump or [])})
     in_loop = [i for i in wanted if i < 4]
     assert m.model.layers_to_capture == in_loop
     assert state.passthrough == (dump is None and 3 not in eagle)
@@ -337,7 +349,7 @@ def test_after_model_returns_the_same_structure_on_every_route(tmp_path, eagle, 
         output = (final, torch.cat([states[i] for i in in_loop], dim=-1))
     if 4 in wanted:
         state.last = states[4]  # what the final-norm hook keeps
-    draft = sorted(settings.capture_index(k) for k in eagle)
+    draft = sorted(k + 1 for k in eagle)
     if capture and form == "packed" and in_loop and not draft:
         with pytest.raises((RuntimeError, ValueError)):  # no draft layers to pack: torch.cat([])
             pkg.after_model(m, output, None)
@@ -386,7 +398,7 @@ class _Prefill:
                 lay[k].append(req["layers"][k][a:a + n])
         batch = _Batch(torch.cat(ids), [n for *_, n in parts], [a for _, _, a, _ in parts],
                        slots=[s for _, s, _, _ in parts], totals=[len(self.reqs[r]["ids"]) for r, *_ in parts])
-        captured = {settings.capture_index(k): torch.cat(v) for k, v in lay.items()}
+        captured = {k + 1: torch.cat(v) for k, v in lay.items()}
         writer.submit(batch, captured, torch.cat(fin))
 
     def check(self, directory, r):
@@ -406,7 +418,7 @@ class _Prefill:
 def test_chunked_requests_are_gathered_and_written_once(tmp_path):
     layers = [-1, 2]
     pf = _Prefill([150, 30, 64, 10], layers)
-    w = dump_mod.DumpWriter(str(tmp_path), layers, True, 1 << 20, {}, chunked=True)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 20, {}, chunked=True)
     # the forwards sglang made with --chunked-prefill-size 64 (see dump.py): request 0 over
     # three forwards, request 2 over two, requests 1 and 3 whole, several in one forward
     pf.forward(w, [(0, 0, 0, 64)])
@@ -425,7 +437,7 @@ def test_chunked_requests_are_gathered_and_written_once(tmp_path):
 def test_an_abandoned_chunked_request_writes_nothing_and_is_counted(tmp_path, caplog):
     layers = [1]
     pf = _Prefill([100, 100, 20], layers)
-    w = dump_mod.DumpWriter(str(tmp_path), layers, False, 1 << 20, {}, chunked=True)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), False, 1 << 20, {}, chunked=True)
     pf.forward(w, [(0, 5, 0, 40)])
     pf.forward(w, [(2, 6, 0, 20)])  # request 0 is not continued: aborted between chunks
     pf.forward(w, [(1, 5, 0, 40)])  # its slot is reused by a new request
@@ -446,7 +458,7 @@ def test_chunked_rows_over_the_cap_never_make_the_forward_wait(tmp_path):
     layers = [1]
     pf = _Prefill([2000, 10, 900], layers, hidden=64)
     cap = 300_000  # request 0: 2000 rows x 64 x 4 bytes x 2 tensors = 1 MB
-    w = dump_mod.DumpWriter(str(tmp_path), layers, True, cap, {}, chunked=True)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, cap, {}, chunked=True)
     done = threading.Event()
 
     def run():
@@ -474,7 +486,7 @@ def test_image_pad_values_are_stored_as_the_placeholder_id(tmp_path):
     from safetensors import safe_open
 
     ph, vocab = 1000, 1024
-    w = dump_mod.DumpWriter(str(tmp_path), [1], False, 1 << 20, {}, placeholder_id=ph, vocab_size=vocab)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {}, placeholder_id=ph, vocab_size=vocab)
     text = torch.tensor([5, 6, 7, 8, 9])
     raw = torch.tensor([5, 6, 7, 1_069_556_834, 1_069_556_834, 8, 9])
     processor_ids = [5, 6, 7, ph, ph, 8, 9]

@@ -37,16 +37,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import conventions
+from .conventions import IDENTITY, PLUS_ONE, PLUS_ONE_IF_FIRST_IS_ONE, PLUS_ONE_IF_FIRST_IS_ONE_OR_MINUS_ONE, RULES
 from .errors import UsageError
 
-PLUS_ONE = "plus_one"
-PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
-IDENTITY = "identity"
-RULES = {
-    PLUS_ONE: "EAGLE-3 id k -> capture index k+1",
-    PLUS_ONE_IF_FIRST_IS_ONE: "EAGLE-3 id k -> capture index k+1 only when the first id is 1, else k",
-    IDENTITY: "EAGLE-3 id k -> capture index k",
-}
+__all__ = ["IDENTITY", "PLUS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE_OR_MINUS_ONE", "RULES"]
+
 KNOWN_RELEASES = {"0.5.9": PLUS_ONE}
 
 
@@ -66,39 +62,38 @@ class Semantics:
     series: bool = False  # the tree carries this project's eagle3_capture package
     embed_ok: bool | None = True  # capture index 0 (embedding output) works; None = unknown
 
+    @property
+    def last_ok(self) -> bool:
+        """Capture index N (the last layer's output before the final norm): only the series has it."""
+        return self.series
+
     def capture(self, ids: list) -> list:
-        if self.rule == PLUS_ONE:
-            return [k + 1 for k in ids]
-        if self.rule == PLUS_ONE_IF_FIRST_IS_ONE:
-            return [k + 1 for k in ids] if ids and ids[0] == 1 else list(ids)
-        return list(ids)
+        return conventions.capture(self.rule, ids)
 
     def ids_for(self, hf: list) -> list | None:
         """Draft ids that this release serves as ``hf`` (HF indices), or None if none can."""
-        if self.rule == PLUS_ONE:
-            cand = [h - 1 for h in hf]
-        elif self.rule == PLUS_ONE_IF_FIRST_IS_ONE:
-            cand = [h - 1 for h in hf] if hf and hf[0] == 2 else list(hf)
-        else:
-            cand = list(hf)
-        return cand if sorted(set(self.capture(cand))) == list(hf) else None
+        return conventions.ids_for(self.rule, hf)
 
 
 # ---- semantics from a release or a tree -------------------------------------------------------
 
-def release_semantics(release: str, patches_root: Path | None = None) -> Semantics:
-    root = patches_root or Path(__file__).resolve().parents[2] / "patches"
-    man = root / f"sglang-{release}" / "manifest.json"
-    if man.is_file():
-        m = _read_json(man, "series manifest", "restore the series files (git checkout patches/)")
-        cs = (m.get("capture_semantics") if isinstance(m, dict) else None) or {}
-        rule = cs.get("eagle_id_to_capture_index")
-        if rule in RULES and cs.get("capture_index_to_hf_index", "identity") == "identity":
-            return Semantics(rule, f"series manifest {man}", series=True, embed_ok=True)
-    if release in KNOWN_RELEASES:
-        return Semantics(KNOWN_RELEASES[release], f"sglang {release} (built-in table)", series=True, embed_ok=True)
-    raise UsageError(f"no capture semantics known for sglang {release}",
-                     "pass --sglang ROOT to read them from the tree you serve with")
+def release_semantics(release: str, patches_root: Path | None = None, unpatched: bool = False) -> Semantics:
+    """How sglang ``release`` with the series (or, ``unpatched``, without it) reads draft ids, from
+    the release's series manifest (``conventions.release_rule``)."""
+    if unpatched:
+        rule = conventions.release_rule(release, unpatched=True, patches_root=patches_root)
+        # where upstream captures in DeepseekV2Model.forward's loop (0.5.9: no capture_site recorded,
+        # 'model_loop'), index 0 fails (the residual is None at layer 0); in the decoder layers it works
+        site = conventions.capture_semantics(release, patches_root).get("capture_site", "model_loop")
+        return Semantics(rule, f"unpatched sglang {release} (series manifest)", series=False,
+                         embed_ok=site == "decoder_layer")
+    try:
+        rule = conventions.release_rule(release, patches_root=patches_root)
+    except UsageError:
+        if release not in KNOWN_RELEASES:
+            raise
+        rule = KNOWN_RELEASES[release]
+    return Semantics(rule, f"sglang {release} with the series (series manifest)", series=True, embed_ok=True)
 
 
 def _package_parent(root: Path) -> Path:
@@ -185,22 +180,20 @@ def _delegates_to_series(fn: ast.AST) -> bool:
 
 
 def _series_rule(pp: Path) -> str:
-    settings = pp / "sglang" / "srt" / "eagle3_capture" / "settings.py"
-    if not settings.is_file():
+    """The series' rule in a patched tree: from the upstream convention its ``release.py`` declares."""
+    release = pp / "sglang" / "srt" / "eagle3_capture" / "release.py"
+    if not release.is_file():
         raise UsageError(f"{pp}/sglang/srt/models/deepseek_v2.py calls eagle3_capture.set_eagle3_layers but "
-                         f"{settings} is missing", "apply the whole series (tools/apply.py) or use a clean tree")
-    tree = _parse(settings)
+                         f"{release} is missing", "apply the whole series (tools/apply.py) or use a clean tree")
+    tree = _parse(release)
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "capture_index":
-            rets = [n for n in ast.walk(node) if isinstance(n, ast.Return) and n.value is not None]
-            if len(rets) == 1:
-                v = rets[0].value
-                if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add) and _is_const(v.right, 1):
-                    return PLUS_ONE
-                if isinstance(v, ast.Name):
-                    return IDENTITY
-    raise UsageError(f"cannot read the capture rule from capture_index() in {settings}",
-                     "pass --release instead, or update eaglepatch.guard for this series")
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "UPSTREAM_EAGLE_ID_MAPPING" and isinstance(node.value, ast.Constant)):
+            rule = conventions.SERIES_RULE.get(node.value.value)
+            if rule:
+                return rule
+    raise UsageError(f"cannot read the upstream id convention (UPSTREAM_EAGLE_ID_MAPPING) from {release}",
+                     "pass --release instead, or update eaglepatch for this series")
 
 
 def _embed_ok(tree: ast.AST, src: str) -> bool | None:
@@ -418,14 +411,16 @@ def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, li
                f"[2, {n}//2, {n}-3])" if draft.family != EAGLE_CONFIG else
                f"(none configured: the default capture indices [2, {n}//2, {n}-3])")
     problems = []
-    bad = [i for i in capture if not 0 <= i <= n - 1]
+    top = n if sem.last_ok else n - 1
+    bad = [i for i in capture if not 0 <= i <= top]
     if bad:
         problems.append(f"capture indices {bad} match no layer of a {n}-layer model: SGLang captures fewer states "
-                        f"than the draft expects (only indices 0..{n - 1} exist)")
+                        f"than the draft expects (only indices 0..{top} exist"
+                        f"{'' if sem.last_ok else f'; index {n}, the last layer before the norm, needs the series'})")
     if 0 in capture and sem.embed_ok is False:
         problems.append("capture index 0 (the embedding output) fails in this tree: DeepSeek's residual is None "
                         "at layer 0 (TypeError at serving time); serve with the patched tree (this series)")
-    served = sorted({i for i in capture if 0 <= i <= n - 1})
+    served = sorted({i for i in capture if 0 <= i <= top})
     if len(served) != len(capture) and not bad:
         problems.append(f"capture indices {capture} repeat a layer: SGLang captures it once")
     ids = draft.layer_ids if draft.family == EAGLE_CONFIG and draft.layer_ids is not None else _ids_of(capture)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 
+from ..conventions import SERIES_RULE
 from .result import PortResult
 
 DEEPSEEK = "sglang/srt/models/deepseek_v2.py"
@@ -83,8 +84,8 @@ def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None) 
     count the residual stream entering layer i, index 0 = embedding output)."""
     old = dict(old_semantics or {})
     mapping = patched.get("eagle_id_to_capture_index")
-    if mapping == "eagle3_capture":  # the package keeps the series' convention
-        mapping = old.get("eagle_id_to_capture_index", "plus_one")
+    if mapping == "eagle3_capture":  # the package reads ids as upstream does, plus -1 and index N
+        mapping = SERIES_RULE.get(upstream.get("eagle_id_to_capture_index"), "unknown")
     return {"eagle_id_to_capture_index": mapping or "unknown",
             "capture_index_to_hf_index": old.get("capture_index_to_hf_index", "identity"),
             "upstream_eagle_id_to_capture_index": upstream.get("eagle_id_to_capture_index", "unknown"),

@@ -7,10 +7,11 @@ for every sglang release the series covers (release differences are detected at 
 - ``residual_stream``: the residual stream entering a decoder layer, as an owned tensor,
   also at the first layer where the residual is still ``None`` (EAGLE-3 layer id -1). Used by
   releases that capture in ``DeepseekV2Model.forward``'s layer loop.
-- ``set_eagle3_layers``: draft-config id k is the output of decoder layer k and -1 the
-  embedding output, for every id list, and a call without ids keeps an explicitly configured
-  set, so CUDA-graph capture and warm-up runs do not reset the layers to the defaults. Where
-  unpatched sglang would read the ids differently, a warning names both readings.
+- ``set_eagle3_layers``: reads draft-config ids exactly as unpatched sglang of this release
+  does wherever it serves the list (``settings.capture_indices``), and adds -1 (the embedding
+  output) and the last layer's output before the final norm; a call without ids keeps an
+  explicitly configured set, so CUDA-graph capture and warm-up runs do not reset the layers to
+  the defaults.
 - ``check_launch``: the launching process refuses, in one line and before any weight loads,
   dump settings under which rows would be incomplete or wrong.
 - ``configure_runner``: configures capture before device graphs are captured (releases that
@@ -22,7 +23,9 @@ for every sglang release the series covers (release differences are detected at 
   wrapper that holds the text model as ``language_model``.
 
 Capture index i is the residual stream entering decoder layer i (0 = embedding output), the
-same as the index into Hugging Face ``output_hidden_states``; EAGLE-3 id k -> index k + 1.
+same as the index into Hugging Face ``output_hidden_states``; index N (num_hidden_layers) is the
+last layer's output before the final norm. How draft ids map to indices is the release's
+(``settings.capture_indices``).
 """
 
 from __future__ import annotations
@@ -35,10 +38,8 @@ from .settings import (
     check_launch,
     DumpConfigError,
     DumpSettings,
-    capture_index,
-    check_layer_ids,
-    default_layer_ids,
-    upstream_capture_indices,
+    capture_indices,
+    default_capture_indices,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class CaptureState:
         """The capture indices the dump writes (those of the writer's ids), None without one."""
         if self.writer is None:
             return None
-        return [capture_index(k) for k in self.writer.layer_ids]
+        return list(self.writer.indices)
 
     def order(self) -> List[int]:
         return sorted(set(self.eagle or ()) | set(self.dump or ()))
@@ -155,21 +156,12 @@ def set_eagle3_layers(model, layer_ids: Optional[List[int]] = None) -> None:
     state = _state(model)
     num_layers = model.config.num_hidden_layers
     if layer_ids is not None:
-        layer_ids = list(layer_ids)
-        check_layer_ids(layer_ids, num_layers, "eagle_aux_hidden_state_layer_ids")
-        state.eagle = [capture_index(k) for k in layer_ids]
+        state.eagle = capture_indices(layer_ids, num_layers, "eagle_aux_hidden_state_layer_ids")
         state.eagle_configured = True
-        upstream = upstream_capture_indices(layer_ids)
-        if sorted(upstream) != sorted(state.eagle):
-            logger.warning(
-                "EAGLE-3 draft layer ids %s are read as outputs of decoder layers %s "
-                "(capture indices %s, the eaglepatch convention, as in sglang 0.5.9); unpatched "
-                "sglang of this release would capture indices %s. Train and serve drafts with "
-                "one convention.",
-                layer_ids, layer_ids, state.eagle, upstream,
-            )
+        logger.info("EAGLE-3 draft layer ids %s -> capture indices %s (HF output_hidden_states indices)",
+                    list(layer_ids), state.eagle)
     elif not state.eagle_configured:
-        state.eagle = [capture_index(k) for k in default_layer_ids(num_layers)]
+        state.eagle = default_capture_indices(num_layers)
     model.capture_aux_hidden_states = True
     _sync(model, state)
 
@@ -195,12 +187,14 @@ def capture_target(model):
     return model
 
 
-def _draft_ids_to_configure(runner) -> Optional[List[int]]:
-    """The draft's ids where the runner sets them only after device graphs (sglang <= 0.5.10
-    keeps them on the runner itself; later releases configure them before graphs)."""
+def _draft_ids_to_configure(runner):
+    """(configure, ids): whether the runner sets the draft's ids only after device graphs (sglang
+    <= 0.5.10 keeps them on the runner itself; later releases configure them before graphs), and
+    the ids (None: the draft's config names none, so SGLang's defaults)."""
     if getattr(runner, "eagle_use_aux_hidden_state", False):
-        return list(runner.eagle_aux_hidden_state_layer_ids)
-    return None
+        ids = runner.eagle_aux_hidden_state_layer_ids
+        return True, (list(ids) if ids is not None else None)
+    return False, None
 
 
 def _keep_raw_ids(wrapper, state: CaptureState) -> None:
@@ -220,8 +214,8 @@ def _keep_raw_ids(wrapper, state: CaptureState) -> None:
 
 def configure_runner(runner) -> None:
     """Called by ModelRunner after the model is loaded, before device graphs are captured."""
-    ids = _draft_ids_to_configure(runner)
-    if ids is not None:
+    configure, ids = _draft_ids_to_configure(runner)
+    if configure:
         runner.model.set_eagle3_layers_to_capture(ids)
     settings = DumpSettings.from_env()
     if settings is None or runner.is_draft_worker:

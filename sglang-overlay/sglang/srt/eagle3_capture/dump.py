@@ -35,15 +35,16 @@ import torch
 
 from .settings import (
     ENV_DIR,
+    ENV_LAYERS,
     SERIES_RELEASE,
     SERIES_VERSION,
     DumpConfigError,
     DumpSettings,
-    capture_index,
     check_directory,
     check_model,
     check_server_args,
-    hf_index,
+    layer_output_id,
+    reading,
     resolved,
     text_config,
 )
@@ -97,13 +98,14 @@ class _Partial:
 
 
 class DumpWriter:
-    def __init__(self, directory: str, layer_ids: List[int], final: bool,
+    def __init__(self, directory: str, indices: List[int], final: bool,
                  max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True,
                  chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0):
         self.directory = directory
-        self.layer_ids = layer_ids
+        self.indices = list(indices)  # capture indices (= HF indices), ascending
+        self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
         # (file tensor name, capture index) per layer, in file order
-        self._layers = [(f"layer.{k}", capture_index(k)) for k in layer_ids]
+        self._layers = [(f"layer.{k}", i) for k, i in zip(self.layer_ids, self.indices)]
         self.final = final
         self.metadata = metadata
         self.enabled = enabled
@@ -368,7 +370,7 @@ def start_dump(runner, target, settings: DumpSettings):
     architectures = getattr(hf_config, "architectures", None) or [type(runner.model).__name__]
     config = target.config
     num_layers = config.num_hidden_layers
-    layer_ids = check_model(architectures, num_layers, settings)
+    indices = check_model(architectures, num_layers, settings)
     check_server_args(runner.server_args)
     check_directory(settings.directory)
     from sglang.version import __version__ as sglang_version
@@ -386,8 +388,11 @@ def start_dump(runner, target, settings: DumpSettings):
     dtype = str(runner.model_config.dtype).replace("torch.", "")
     metadata = {
         "format": FORMAT,
-        "eagle3_layer_ids": json.dumps(layer_ids),
-        "hf_hidden_state_indices": json.dumps([hf_index(k) for k in layer_ids]),
+        "eagle3_layer_ids": json.dumps([layer_output_id(i) for i in indices]),
+        "hf_hidden_state_indices": json.dumps(indices),
+        # EAGLE3_DUMP_LAYERS as given, read as a draft's ids are on this release (None: the default)
+        "configured_layer_ids": json.dumps(settings.layer_ids),
+        "layer_id_reading": reading(),
         "final": "post_norm" if settings.final else "none",
         "architecture": architectures[0],
         "model_path": str(runner.server_args.model_path),
@@ -400,7 +405,7 @@ def start_dump(runner, target, settings: DumpSettings):
     }
     writer = DumpWriter(
         settings.directory,
-        layer_ids,
+        indices,
         settings.final,
         settings.max_pending_bytes,
         metadata,
@@ -410,8 +415,9 @@ def start_dump(runner, target, settings: DumpSettings):
         vocab_size=text_config(hf_config).vocab_size,
     )
     logger.info(
-        "%s: dumping prefill hidden states to %s (EAGLE-3 layer ids %s, final %s, "
-        "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, layer_ids,
+        "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
+        "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, ENV_LAYERS,
+        settings.layer_ids if settings.layer_ids is not None else "default", indices,
         settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
     )
     return writer

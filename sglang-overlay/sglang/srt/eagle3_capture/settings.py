@@ -22,36 +22,73 @@ class DumpConfigError(ValueError):
     """A setting under which the dump would be wrong; the message names the fix."""
 
 
-def capture_index(layer_id: int) -> int:
-    """EAGLE-3 id k (output of layer k, -1 = embedding) -> input index of layer k + 1."""
-    return layer_id + 1
+# How a draft-config id list (eagle_aux_hidden_state_layer_ids) reads, per upstream convention
+# (release.UPSTREAM_EAGLE_ID_MAPPING, the one release difference in draft ids): where unpatched
+# sglang serves a list, the series reads it the same way; it adds only what upstream cannot serve:
+# -1 (the embedding output) and capture index N (the last layer's output before the final norm).
+#   "plus_one" (sglang 0.5.9 .. 0.5.13): id k -> capture index k + 1 for every list.
+#   "plus_one_if_first_is_one" (0.5.14+, PR #25454): k -> k + 1 when the first id is 1, otherwise
+#       the ids are capture indices. The series reads a list holding -1 as k -> k + 1 too
+#       ([-1, 1, 2] -> [0, 2, 3]); upstream captures nothing at index -1, so it serves no such list.
+# EAGLE3_DUMP_LAYERS is read by the same rule, so one id list means the same layers in the dump
+# and in a draft config on every release.
+READINGS = {
+    "plus_one": "plus_one",
+    "plus_one_if_first_is_one": "plus_one_if_first_is_one_or_minus_one",
+}
 
 
-def upstream_capture_indices(layer_ids: Sequence[int]) -> List[int]:
-    """What unpatched sglang SERIES_RELEASE would capture for these draft-config ids."""
-    if UPSTREAM_EAGLE_ID_MAPPING == "plus_one" or (layer_ids and layer_ids[0] == 1):
-        return [k + 1 for k in layer_ids]
-    return list(layer_ids)
+def reading() -> str:
+    """The series' reading of draft-config ids on this release (a key of the guard's table)."""
+    try:
+        return READINGS[UPSTREAM_EAGLE_ID_MAPPING]
+    except KeyError:
+        raise DumpConfigError(
+            f"eagle3_capture for sglang {SERIES_RELEASE} declares an unknown upstream id convention "
+            f"{UPSTREAM_EAGLE_ID_MAPPING!r}; regenerate the series with tools/export.py --overlay"
+        ) from None
 
 
-def hf_index(layer_id: int) -> int:
-    """EAGLE-3 id k -> index into Hugging Face ``output_hidden_states`` (the capture index)."""
-    return capture_index(layer_id)
-
-
-def default_layer_ids(num_layers: int) -> List[int]:
-    """The EAGLE-3 ids SGLang captures when a draft names none."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def check_layer_ids(ids: Sequence[int], num_layers: int, what: str) -> None:
-    bad = [k for k in ids if not -1 <= k <= num_layers - 1]
+def capture_indices(layer_ids: Sequence[int], num_layers: int, what: str) -> List[int]:
+    """The capture indices (= Hugging Face ``output_hidden_states`` indices: 0 = embedding output,
+    i = output of layer i - 1, ``num_layers`` = the last layer's output before the final norm) that
+    ``layer_ids`` names on this release, in the order given; refuses lists no release serves."""
+    ids = [int(k) for k in layer_ids]
+    if not ids:
+        raise DumpConfigError(f"{what} is empty; name at least one layer, e.g. {what}=[1, 29, 57]")
+    if reading() == "plus_one" or ids[0] == 1 or -1 in ids:
+        indices = [k + 1 for k in ids]
+        convention = "id k = output of decoder layer k, -1 = embedding output"
+    else:
+        indices = list(ids)
+        convention = ("ids are capture indices (the first id is not 1 and none is -1): 0 = embedding "
+                      "output, i = output of decoder layer i-1")
+    bad = [k for k, i in zip(ids, indices) if not 0 <= i <= num_layers]
     if bad:
         raise DumpConfigError(
-            f"{what} {list(ids)}: ids {bad} are out of range for a {num_layers}-layer model; "
-            f"use -1 (embedding output) .. {num_layers - 1} (the last layer's output before the "
-            f"final norm)"
+            f"{what} {ids}: ids {bad} are out of range for a {num_layers}-layer model on sglang "
+            f"{SERIES_RELEASE} ({convention}; capture index {num_layers} is the last layer's output "
+            f"before the final norm)"
         )
+    if len(set(indices)) != len(indices):
+        raise DumpConfigError(
+            f"{what} {ids} names capture indices {indices} on sglang {SERIES_RELEASE} ({convention}): "
+            f"a layer twice; name each layer once"
+        )
+    return indices
+
+
+def default_capture_indices(num_layers: int) -> List[int]:
+    """What SGLang captures when a draft names no ids (upstream's default), ascending, once each
+    (small models repeat a default index)."""
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def layer_output_id(index: int) -> int:
+    """Capture index -> the release-independent layer-output id (-1 = embedding output, k = output
+    of decoder layer k): the name of a dumped layer (``layer.<k>``) and the dump's
+    ``eagle3_layer_ids``."""
+    return index - 1
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -66,7 +103,7 @@ def _parse_bool(name: str, raw: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class DumpSettings:
     directory: str
-    layer_ids: Optional[List[int]]  # None: the model's EAGLE-3 default
+    layer_ids: Optional[List[int]]  # as given (the release's draft-id reading); None: the default
     final: bool
     max_pending_bytes: int
 
@@ -86,10 +123,9 @@ class DumpSettings:
                     f"{ENV_LAYERS}={raw_layers!r} is not a comma-separated list of "
                     f"integers; use e.g. {ENV_LAYERS}=-1,2,30"
                 ) from None
-            if len(set(layer_ids)) != len(layer_ids) or not layer_ids:
+            if not layer_ids:
                 raise DumpConfigError(
-                    f"{ENV_LAYERS}={raw_layers!r} must name each layer once; "
-                    f"use e.g. {ENV_LAYERS}=-1,2,30"
+                    f"{ENV_LAYERS}={raw_layers!r} names no layer; use e.g. {ENV_LAYERS}=-1,2,30"
                 )
         final = _parse_bool(ENV_FINAL, env.get(ENV_FINAL, "1"))
         raw_cap = env.get(ENV_MAX_PENDING_MB, str(DEFAULT_MAX_PENDING_MB)).strip()
@@ -104,12 +140,12 @@ class DumpSettings:
             )
         return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)))
 
-    def resolved_layer_ids(self, num_layers: int) -> List[int]:
-        ids = self.layer_ids
-        if ids is None:
-            ids = default_layer_ids(num_layers)
-        check_layer_ids(ids, num_layers, ENV_LAYERS)
-        return sorted(set(ids))  # small models repeat default ids
+    def capture_indices(self, num_layers: int) -> List[int]:
+        """The capture indices the dump writes, ascending: the ids read as a draft's are on this
+        release (``capture_indices``), or upstream's default."""
+        if self.layer_ids is None:
+            return default_capture_indices(num_layers)
+        return sorted(capture_indices(self.layer_ids, num_layers, ENV_LAYERS))
 
 
 def check_directory(directory: str) -> None:
@@ -251,14 +287,14 @@ SUPPORTED_ARCHITECTURES = (
 
 
 def check_model(architectures: Sequence[str], num_layers: int, settings: "DumpSettings") -> List[int]:
-    """The dump's EAGLE-3 ids for this model, or a refusal naming the fix."""
+    """The dump's capture indices for this model, or a refusal naming the fix."""
     arch = (list(architectures) or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise DumpConfigError(
             f"{ENV_DIR} is set but {arch} is not supported; the dump covers DeepSeek-V2/V3 and "
             f"Kimi-K2.5 models: unset {ENV_DIR}"
         )
-    return settings.resolved_layer_ids(num_layers)
+    return settings.capture_indices(num_layers)
 
 
 def _model_config(server_args):
