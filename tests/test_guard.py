@@ -157,8 +157,13 @@ def test_defaults_out_of_range_and_use_aux(tmp_path):
     ds = manifest(tmp_path, "ds", [1, 29, 57])
     # no ids: SGLang's default capture indices [2, N//2, N-3] = HF [2, 30, 58] for 61 layers
     assert run_guard("--draft-config", draft(tmp_path, "none", None), "--dataset", ds)[0] == 0
-    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "far", [1, 29, 60]), "--dataset", ds)
-    assert rc == 1 and "capture indices [61] match no layer" in out
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "far", [1, 29, 61]), "--dataset", ds)
+    assert rc == 1 and "capture indices [62] match no layer" in out
+    # id N-1 (index N: the last layer's output before the final norm) is the series' own: it is served
+    # other states than this dataset's, and unpatched sglang cannot capture it at all
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "last", [1, 29, 60]), "--dataset", ds, "--release", "0.5.17")
+    assert rc == 1 and "served HF hidden_states indices [2, 30, 61]" in out
+    assert "unpatched sglang 0.5.17" in out and "capture indices [61] match no layer" in out
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "noaux", [1, 29, 57], use_aux=False), "--dataset", ds)
     assert rc == 1 and "use_aux_hidden_state=false" in out
     # top-level ids without eagle_config: vLLM reads them as HF indices, SGLang ignores them (its defaults)
@@ -187,8 +192,8 @@ def test_speculators_drafts_are_read_as_hf_indices(tmp_path):
     assert rc == 0, out + err
     assert "OK (vLLM)" in out and "vLLM draft: HF indices [2, 30, 58]" in out and "SGLang" not in out.split("\n", 1)[1]
     assert "speculators (speculators_model_type)" in out and "MISMATCH" not in out
-    # the same ids read in SGLang's convention would be a mismatch: the family decides
-    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [2, 30, 58]), "--dataset", ds)
+    # the same ids read in sglang 0.5.9's convention are a mismatch: the family and the release decide
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [2, 30, 58]), "--dataset", ds, "--release", "0.5.9")
     assert rc == 1 and "MISMATCH (SGLang)" in out
     # a speculators draft one layer off is caught, and the fix is in its own convention
     rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "off", [1, 29, 57]), "--dataset", ds)
@@ -244,14 +249,15 @@ def upstream_0523():
 
 
 def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
-    """sglang 0.5.23 ships the newer rule (PR #25454); the 0.5.23 series restores id k = output of layer k."""
+    """sglang 0.5.23 ships the newer rule (PR #25454); the 0.5.23 series reads ids as upstream does and
+    a list holding -1 as k -> k + 1."""
     from eaglepatch.smoke.tree import patched_tree
 
     up = guard.tree_semantics(upstream_0523)
     assert up.rule == guard.PLUS_ONE_IF_FIRST_IS_ONE and not up.series
     pa = guard.tree_semantics(patched_tree(upstream_0523, REPO / "patches" / "sglang-0.5.23", tmp_path / "pp",
                                            smoke=False))
-    assert pa.rule == guard.PLUS_ONE and pa.series
+    assert pa.rule == guard.PLUS_ONE_IF_FIRST_IS_ONE_OR_MINUS_ONE and pa.series
     ds = manifest(tmp_path, "ds", [-1, 1, 29])
     d = draft(tmp_path, "d", [-1, 1, 29])
     assert run_guard("--draft-config", d, "--dataset", ds, "--sglang", tmp_path / "pp")[0] == 0
@@ -260,6 +266,35 @@ def test_real_0523_tree_and_its_series(tmp_path, upstream_0523):
     # a [2, 30, 58]-style draft is served HF [2, 30, 58] by upstream 0.5.23, not the dataset's [0, 2, 30]
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "c", [2, 30, 58]), "--dataset", ds, "--sglang", upstream_0523)
     assert rc == 1 and "served HF hidden_states indices [2, 30, 58]" in out
+    # ... and by the patched tree alike (the series changes no list upstream serves)
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "c", [2, 30, 58]), "--dataset", ds, "--sglang", tmp_path / "pp")
+    assert rc == 1 and "served HF hidden_states indices [2, 30, 58]" in out
+    # upstream's convention for the dataset's layers passes on both trees: [0, 2, 30] are capture indices
+    for tree in (upstream_0523, tmp_path / "pp"):
+        rc, out, err = run_guard("--draft-config", draft(tmp_path, "u", [0, 2, 30]), "--dataset", ds, "--sglang", tree)
+        assert rc == 0, out + err
+
+
+def test_release_prints_patched_and_unpatched_readings(tmp_path):
+    """--release R: what R with the series and R unpatched feed the draft; the patched reading decides
+    the exit code, --unpatched makes the unpatched one decide."""
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])  # HF [0, 2, 30]
+    emb = draft(tmp_path, "emb", [-1, 1, 29])
+    rc, out, err = run_guard("--draft-config", emb, "--dataset", ds, "--release", "0.5.17")
+    assert rc == 0, out + err
+    assert "OK (SGLang)" in out and "unpatched sglang 0.5.17" in out and "capture indices [-1] match no layer" in out
+    rc, out, _ = run_guard("--draft-config", emb, "--dataset", ds, "--release", "0.5.17", "--unpatched")
+    assert rc == 1 and "MISMATCH (SGLang)" in out
+    up = draft(tmp_path, "up", [0, 2, 30])  # upstream's convention: capture indices
+    for extra in ([], ["--unpatched"]):
+        rc, out, err = run_guard("--draft-config", up, "--dataset", ds, "--release", "0.5.17", *extra)
+        assert rc == 0, out + err
+    # on 0.5.9 the same list is read k + 1 by both trees: HF [1, 3, 31]
+    rc, out, _ = run_guard("--draft-config", up, "--dataset", ds, "--release", "0.5.9")
+    assert rc == 1 and "served HF hidden_states indices [1, 3, 31]" in out
+    rc, out, _ = run_guard("--draft-config", emb, "--dataset", ds, "--release", "0.5.9", "--json")
+    v = json.loads(out)
+    assert v["ok"] and v["unpatched"]["ok"] is False and v["unpatched"]["rule"] == "plus_one"
 
 
 def test_malformed_inputs_are_one_line_errors(tmp_path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Layer-convention guard: check that a draft config reads the hidden states its dataset holds.
 
-  python tools/guard.py --draft-config DRAFT/config.json --dataset OUT [--release 0.5.9 | --sglang ROOT]
+  python tools/guard.py --draft-config DRAFT/config.json --dataset OUT [--release R [--unpatched] | --sglang ROOT]
 
 Recognises the draft config's family and reads its layer ids in that family's convention:
 eagle_config (SGLang/SpecForge: EAGLE-3 ids, mapped through the capture semantics of the sglang
@@ -9,7 +9,8 @@ release the series targets, default the newest series, or of the tree at --sglan
 speculators (speculators_model_type: top-level HF indices, as vLLM reads them); top-level ids
 without either (vLLM reads them, SGLang ignores them); none (every server's defaults). The Hugging
 Face hidden_states indices each server would feed the draft are compared with the dataset's
-manifest (or a dump file). Warns where SpecForge or speculators cannot train the ids.
+manifest (or a dump file). With --release R both readings are printed: R with the series (it
+decides the exit code) and R unpatched (--unpatched makes that one decide). Warns where SpecForge or speculators cannot train the ids.
 Exit: 0 match, 1 mismatch (both lists printed in both conventions), 2 usage error.
 """
 import argparse
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eaglepatch.errors import run_main  # noqa: E402
+from eaglepatch.errors import UsageError, run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -30,12 +31,19 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--release", help="sglang release whose semantics to use (default: the newest series)")
     g.add_argument("--sglang", type=Path, metavar="ROOT", help="read the semantics from this sglang tree")
+    ap.add_argument("--unpatched", action="store_true",
+                    help="with --release: the release WITHOUT the series decides the exit code (default: with it; "
+                         "both readings are printed)")
     ap.add_argument("--json", action="store_true", help="print the verdict as JSON")
     a = ap.parse_args(argv)
 
     def body() -> int:
         from eaglepatch import guard
 
+        if a.unpatched and a.sglang:
+            raise UsageError("--unpatched goes with --release (a tree at --sglang is read as it is)",
+                             "drop --unpatched, or pass --release R instead of --sglang")
+        other = None
         if a.sglang:
             sem = guard.tree_semantics(a.sglang)
         else:
@@ -45,15 +53,27 @@ def main(argv=None) -> int:
 
                 have = available_series()
                 release = list(have)[-1] if have else "0.5.9"
-            sem = guard.release_semantics(release)
+            patched = guard.release_semantics(release)
+            unpatched = guard.release_semantics(release, unpatched=True)
+            sem, other = (unpatched, patched) if a.unpatched else (patched, unpatched)
         draft = guard.read_draft(a.draft_config)
-        v = guard.check(draft, guard.read_dataset(a.dataset), sem)
+        data = guard.read_dataset(a.dataset)
+        v = guard.check(draft, data, sem)
+        w = guard.check(draft, data, other) if other is not None else None
         if a.json:
-            print(json.dumps({"ok": v.ok, "rule": sem.rule, "source": sem.source, "series": sem.series,
-                              "family": draft.family, "servers": v.servers,
-                              "served_hf_indices": v.served_hf, "lines": v.lines}, indent=2))
+            doc = {"ok": v.ok, "rule": sem.rule, "source": sem.source, "series": sem.series,
+                   "family": draft.family, "servers": v.servers,
+                   "served_hf_indices": v.served_hf, "lines": v.lines}
+            if w is not None:
+                doc["patched" if a.unpatched else "unpatched"] = {
+                    "ok": w.ok, "rule": other.rule, "source": other.source, "servers": w.servers,
+                    "served_hf_indices": w.served_hf, "lines": w.lines}
+            print(json.dumps(doc, indent=2))
         else:
             print(v.text())
+            if w is not None:
+                print(f"\nalso {other.source.split(' (')[0]} (this reading does not decide the exit code):")
+                print("\n".join("  " + ln for ln in w.lines[2:]))
         return 0 if v.ok else 1
 
     return run_main(body)

@@ -399,6 +399,13 @@ def _compare(served: list, data: DatasetLayers) -> str | None:
     return None
 
 
+def _dump_layers(sem: Semantics, hf: list) -> str:
+    """EAGLE3_DUMP_LAYERS that makes the series on this release dump ``hf`` (read as draft ids are)."""
+    rule = sem.rule if sem.series else conventions.SERIES_RULE.get(sem.rule, sem.rule)
+    ids = conventions.ids_for(rule, hf)
+    return ",".join(map(str, ids if ids is not None else _ids_of(hf)))
+
+
 def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list, str | None]:
     """SGLang's reading: (problems, description lines, served HF, the fix line or None)."""
     n = data.num_layers
@@ -437,14 +444,14 @@ def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, li
         if fix_ids is not None:
             fix = (f"fix: set {where.split('.')[-1] if draft.family == EAGLE_CONFIG else where} to {fix_ids} in "
                    f"the draft config (under this release's convention), or re-extract with "
-                   f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+                   f"EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
         else:
             fix = ("fix: no draft config can request these layers under this release; re-extract with "
-                   f"EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+                   f"EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
     return problems, desc, served, fix
 
 
-def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list, str | None]:
+def _vllm(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list, str | None]:
     """vLLM's reading of top-level ids (HF indices, the speculators convention): as ``_sglang``."""
     n = data.num_layers
     hf = draft.layer_ids if draft.layer_ids is not None else _default_hf(n)
@@ -462,7 +469,7 @@ def _vllm(draft: Draft, data: DatasetLayers) -> tuple[list, list, list, str | No
     fix = None
     if problems:
         fix = (f"fix: set eagle_aux_hidden_state_layer_ids to {data.hf} (HF indices, as speculators and "
-               f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={','.join(map(str, _ids_of(served)))}")
+               f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
     return problems, desc, served, fix
 
 
@@ -498,7 +505,7 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
     readers = {SPECULATORS: ["vllm"], TOP_LEVEL: ["sglang", "vllm"]}.get(draft.family, ["sglang"])
     lines, servers, ok = list(head), {}, True
     for server in readers:
-        problems, desc, served, fix = _sglang(draft, data, sem) if server == "sglang" else _vllm(draft, data)
+        problems, desc, served, fix = _sglang(draft, data, sem) if server == "sglang" else _vllm(draft, data, sem)
         name = "SGLang" if server == "sglang" else "vLLM"
         verdict = [f"MISMATCH ({name}): {p}" for p in problems] or [
             f"OK ({name}): the draft is served the hidden states {'the dump holds' if data.kind == 'dump' else 'it was trained on'}"]
