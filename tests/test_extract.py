@@ -1124,6 +1124,15 @@ def test_guard_on_the_extracted_dataset(assets, server, tmp_path):
                                 "eagle_aux_hidden_state_layer_ids": man["speculators"]["eagle_aux_hidden_state_layer_ids"]}))
     p = guard("--draft-config", spec, "--dataset", assets.root / "out-speculators")
     assert p.returncode == 0 and "OK (vLLM)" in p.stdout, p.stdout
+    # the draft config the export wrote for the dataset's release is read as the dataset's layers, also
+    # by the release the dump came from when named, and by the newest series
+    written = json.loads((out / "manifest.json").read_text())["sglang_draft_config"]
+    assert written["sglang_release"].startswith("0.5.9") and written["layer_id_reading"] == "plus_one"
+    cfg = tmp_path / "written.json"
+    cfg.write_text(json.dumps({"eagle_config": written["eagle_config"]}))
+    for extra in ([], ["--release", "0.5.9"], ["--sglang", server.pp]):
+        p = guard("--draft-config", cfg, "--dataset", out, *extra)
+        assert p.returncode == 0, p.stdout + p.stderr
     # a dump file is accepted as the dataset side too
     d = sorted(server.dump_dir.glob("*.safetensors"))
     if d:

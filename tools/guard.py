@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset", required=True, type=Path,
                     help="dataset dir from tools/extract.py (its manifest.json), or one dump .safetensors file")
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--release", help="sglang release whose semantics to use (default: the newest series)")
+    g.add_argument("--release", help="sglang release whose reading to use (default: the release that dumped the "
+                                     "dataset, as its manifest records, else the newest series)")
     g.add_argument("--sglang", type=Path, metavar="ROOT", help="read the semantics from this sglang tree")
     ap.add_argument("--unpatched", action="store_true",
                     help="with --release: the release WITHOUT the series decides the exit code (default: with it; "
@@ -44,20 +45,20 @@ def main(argv=None) -> int:
             raise UsageError("--unpatched goes with --release (a tree at --sglang is read as it is)",
                              "drop --unpatched, or pass --release R instead of --sglang")
         other = None
+        data = guard.read_dataset(a.dataset)
         if a.sglang:
             sem = guard.tree_semantics(a.sglang)
         else:
             release = a.release
-            if release is None:
+            if release is None:  # the release that dumped the dataset, else the newest series
                 from eaglepatch.series import available_series
 
                 have = available_series()
-                release = list(have)[-1] if have else "0.5.9"
+                release = data.release if data.release in have else (list(have)[-1] if have else "0.5.9")
             patched = guard.release_semantics(release)
             unpatched = guard.release_semantics(release, unpatched=True)
             sem, other = (unpatched, patched) if a.unpatched else (patched, unpatched)
         draft = guard.read_draft(a.draft_config)
-        data = guard.read_dataset(a.dataset)
         v = guard.check(draft, data, sem)
         w = guard.check(draft, data, other) if other is not None else None
         if a.json:

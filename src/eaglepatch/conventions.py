@@ -113,3 +113,18 @@ def dump_rule(meta: dict) -> str:
         raise UsageError(f"the dump reads its layer ids by an unknown rule {rule!r}",
                          "update eaglepatch to a version that knows the series that wrote it")
     return rule
+
+
+def layer_output_ids(rule: str, ids: list) -> list:
+    """The layer-output ids (-1 = embedding output, k = output of layer k; capture index - 1) that
+    ``ids`` names under ``rule``, in the order given."""
+    return [i - 1 for i in capture(rule, list(ids))]
+
+
+def draft_eagle_config(rule: str, hf: list) -> dict | None:
+    """The ``eagle_config`` a draft trained on HF indices ``hf`` needs to be fed them by sglang
+    reading ids by ``rule`` (None: no list can name them there)."""
+    ids = ids_for(rule, hf)
+    if ids is None:
+        return None
+    return {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}

@@ -311,6 +311,7 @@ class DatasetLayers:
     num_layers: int
     kind: str = "dataset"  # dataset | dump
     dataset_format: str | None = None
+    release: str | None = None  # the sglang release that dumped it, where recorded
 
     @property
     def hf(self) -> list:
@@ -345,7 +346,7 @@ def read_dataset(path: Path | str) -> DatasetLayers:
         except Exception as exc:
             raise UsageError(f"{path} is not a readable eagle3 dump ({type(exc).__name__})",
                              "pass a dataset directory or a dump file") from None
-        return DatasetLayers(str(path), ids, n, "dump")
+        return DatasetLayers(str(path), ids, n, "dump", release=m.get("sglang_version"))
     m = _read_json(path, "dataset manifest", "pass the dataset directory written by tools/extract.py")
     if not isinstance(m, dict):
         raise UsageError(f"{path} is a JSON {type(m).__name__}, not a manifest", "pass the dataset directory written by "
@@ -359,7 +360,8 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     ids = _int_list(ids, f"{path}: eagle3_layer_ids")
     n = _positive_int(n, f"{path}: num_hidden_layers")
     fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
-    return DatasetLayers(str(path), ids, n, "dataset", fmt)
+    release = m.get("sglang_release") if isinstance(m.get("sglang_release"), str) else None
+    return DatasetLayers(str(path), ids, n, "dataset", fmt, release)
 
 
 # ---- the check ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import conventions
 from ..errors import UsageError
 from . import record as rec_mod
 from .data import load_conversations
@@ -152,9 +153,14 @@ def read_inputs(o: Options) -> Inputs:
             "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
     settings = rec_mod.Settings(Path(o.out), want)
     lay = settings.data.get("layout")
-    if lay and o.aux_layers is not None and sorted(set(o.aux_layers)) != lay.get("aux"):
-        raise UsageError(f"{o.out} holds aux layers {lay.get('aux')}, --aux-layers asks {sorted(set(o.aux_layers))}",
-                         "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
+    if lay and o.aux_layers is not None:
+        # --aux-layers reads as the dataset's server read draft ids (recorded from its first dump)
+        rule = conventions.dump_rule(settings.data.get("dump_meta") or {})
+        asked = sorted(set(conventions.layer_output_ids(rule, o.aux_layers)))
+        if asked != lay.get("aux"):
+            raise UsageError(f"{o.out} holds aux layers (output-of-layer ids) {lay.get('aux')}, --aux-layers "
+                             f"{','.join(map(str, o.aux_layers))} asks {asked} ({conventions.RULES[rule]})",
+                             "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
     done = rec_mod.load_done(Path(o.out), all_convs)
     pending = [c for c in convs if c.id not in done]
     return Inputs(cfg, all_convs, convs, tok, done, pending, settings)

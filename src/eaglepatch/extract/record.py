@@ -20,6 +20,7 @@ import os
 import stat
 from pathlib import Path
 
+from .. import conventions
 from ..errors import UsageError
 from .writers import SAMPLE_EXT, SAMPLES_DIR
 
@@ -148,6 +149,14 @@ def remove_orphans(out: Path, fmt: str, done: dict) -> int:
     return n
 
 
+def _draft_config(meta: dict, hf_aux) -> dict | None:
+    if hf_aux is None:
+        return None
+    rule = conventions.dump_rule(meta)
+    return {"eagle_config": conventions.draft_eagle_config(rule, hf_aux), "sglang_release": meta.get("sglang_version"),
+            "layer_id_reading": rule}
+
+
 def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict) -> dict:
     """The manifest of ``o.out``: what the dataset holds, in both layer conventions."""
     recs = [done[c.id] for c in convs if c.id in done and not done[c.id].get("skipped")]
@@ -175,6 +184,9 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "eagle3_layer_ids": aux,
         "hf_hidden_state_indices": hf_aux,
         "dump_layer_ids": meta.get("eagle3_layer_ids"),
+        # the eagle_config a draft trained on this dataset needs on the sglang release that dumped it
+        # (the ids read as that release reads them: eaglepatch.conventions, README "Layer ids")
+        "sglang_draft_config": _draft_config(meta, hf_aux),
         "final": "post_norm" if o.format == "specforge" else None,
         "model": {"path": str(o.model), "served_path": meta.get("model_path"),
                   "architecture": meta.get("architecture") or cfg.get("architecture"),

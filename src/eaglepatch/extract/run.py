@@ -35,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import conventions
 from ..errors import UsageError
 from . import dumps as dumps_mod
 from . import record as rec_mod
@@ -279,7 +280,9 @@ class Extractor:
 
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
-        want = self.layout.aux if self.layout else self.o.aux_layers
+        rule = conventions.dump_rule(dump.meta)  # --aux-layers reads as this server reads draft ids
+        want = self.layout.aux if self.layout else (
+            conventions.layer_output_ids(rule, self.o.aux_layers) if self.o.aux_layers is not None else None)
         lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
                              list(want) if want is not None else None)  # LayoutError: a usage error, exit 2
         if self.layout is not None and lay != self.layout:
@@ -290,6 +293,7 @@ class Extractor:
             "architecture", "model_path", "hidden_size", "num_hidden_layers", "dtype", "sglang_version",
             "series_version", "tp_size", "final", "eagle3_layer_ids")}
         self.dump_meta["eagle3_layer_ids"] = list(dump.layer_ids)
+        self.dump_meta["layer_id_reading"] = rule
 
     def write(self, conv, dump, mask, out: Outcome) -> None:
         """Stage 5."""

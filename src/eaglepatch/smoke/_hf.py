@@ -115,7 +115,8 @@ def build_kimi(dest: Path, deepseek_dir: Path) -> None:
 
 
 def build_draft(dest: Path, layer_ids) -> None:
-    """A config-only EAGLE-3 draft directory (the target runner reads its eagle_config)."""
+    """A config-only EAGLE-3 draft directory (the target runner reads its eagle_config; none when
+    ``layer_ids`` is None, as SpecForge and ModelOpt templates write it)."""
     dest.mkdir(parents=True, exist_ok=True)
     c = tinyconfig.DEEPSEEK_V3
     cfg = {
@@ -132,8 +133,9 @@ def build_draft(dest: Path, layer_ids) -> None:
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
+    if layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

@@ -89,14 +89,51 @@ def check_a(ckpt: Path, work: Path, ref) -> None:
     if after != want_idx:
         problems.append("a no-id set_eagle3_layers_to_capture() changed layers_to_capture to %r" % after)
     rc2 = compare("after no-id call")
-    problems += rc1.problems() + rc2.problems()
+    _rt.release(runner)
+    del runner
+    no_ids = _no_ids_draft(ckpt, work, prompts, refs)
+    problems += rc1.problems() + rc2.problems() + no_ids[0]
     detail = ("target ModelRunner with speculative_algorithm=EAGLE3, draft eagle_config ids %s; layers_to_capture "
-              "before %s=%s (+ final-norm hook); configured: %s; after no-id call: %s; %d prompts in one extend"
-              % (EAGLE_IDS, graph_init, snap.get("layers_to_capture"), rc1.figure(), rc2.figure(), len(prompts)))
+              "before %s=%s (+ final-norm hook); configured: %s; after no-id call: %s; %d prompts in one extend; %s"
+              % (EAGLE_IDS, graph_init, snap.get("layers_to_capture"), rc1.figure(), rc2.figure(), len(prompts),
+                 no_ids[1]))
     if problems:
         detail = "; ".join(problems) + " | " + detail
     result(A_NAME, not problems, "max abs diff %.2g" % max(rc1.right, rc2.right), detail)
-    _rt.release(runner)
+
+
+def _no_ids_draft(ckpt: Path, work: Path, prompts, refs):
+    """A draft whose config names no eagle_config ids (SpecForge/ModelOpt templates): the target
+    runner starts and captures upstream's default indices [2, N//2, N-3], equal to HF there.
+    (problems, detail)"""
+    draft = work / "draft-eagle3-no-ids"
+    _hf.build_draft(draft, None)
+    sa = _rt.server_args(ckpt, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                         speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+    try:
+        runner = _rt.make_runner(sa)
+    except Exception as exc:  # 0.5.9-2: TypeError: 'NoneType' object is not iterable
+        return ["a draft without eagle_config ids failed to start: %s: %s" % (type(exc).__name__, exc)], "no-ids draft: failed"
+    try:
+        n = tinyconfig.DEEPSEEK_V3["num_hidden_layers"]
+        H = tinyconfig.DEEPSEEK_V3["hidden_size"]
+        want = sorted({2, n // 2, n - 3})
+        got = list(runner.model.model.layers_to_capture)
+        problems = [] if got == want else ["no-ids draft: layers_to_capture %r, want upstream's default %r" % (got, want)]
+        hs = _rt.extend(runner, prompts, capture_full=True).hidden_states
+        rc, start = RowCheck(TOL), 0
+        if hs is None or tuple(hs.shape) != (sum(len(p) for p in prompts), H * len(want)):
+            problems.append("no-ids draft: hidden_states %s" % (None if hs is None else tuple(hs.shape)))
+        else:
+            for p, r in zip(prompts, refs):
+                rows = hs[start:start + len(p)]
+                for j, i in enumerate(want):
+                    rc.layer(rows[:, j * H:(j + 1) * H], r, i - 1)
+                start += len(p)
+            problems += ["no-ids draft: " + x for x in rc.problems()]
+        return problems, "no-ids draft: layers_to_capture %s, %s" % (got, rc.figure())
+    finally:
+        _rt.release(runner)
 
 
 REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, what must then be in force])
