@@ -15,6 +15,10 @@ Checks (issue 12, item 3), on CUDA with bf16 and CUDA graphs:
   all-reduce to the next layer): one file per request, rows and draft inputs equal TP=1's and the
   reference; the probe at the layer input (0.5.9's capture point) fails without the fix and passes
   with the all-reduce completed there.
+- f. drafts keep their meaning: one draft whose ids are in upstream's convention (``F_IDS``, first
+  id not 1: capture indices, the same layers as ``EAGLE_IDS``) served on the patched and on the
+  unpatched sglang: both feed it the reference's rows in prefill and graph-replayed verify, and
+  the same rows and tokens as each other.
 - e. throughput at hidden 7168 (``models.THROUGHPUT_MODEL``, dummy weights): prefill tokens/s with
   the dump on vs off, and decode tokens/s with CUDA graphs, patched vs unpatched, as ratios of
   engines run one after the other in this one run.
@@ -42,8 +46,8 @@ from . import models
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1]
 SPY = HERE / "spy"
-CHECKS = "abcde"
-TP1_CHECKS = "abce"
+CHECKS = "abcdef"
+TP1_CHECKS = "abcef"
 # Environment the lent machines set (NVLink multicast off); kept for every process the check starts.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STAGE_MAX_S = 420
@@ -135,8 +139,9 @@ def preflight(opts: Options) -> dict:
     if opts.series is not None and not (Path(opts.series) / "series").is_file():
         raise UsageError("%s is not a series directory (no 'series' file)" % opts.series,
                          "pass --series patches/sglang-<release>")
-    if "e" in opts.checks and opts.unpatched_parent is None and opts.site is None:
-        raise UsageError("check e needs the unpatched sglang", "pass --site or --unpatched-parent")
+    for c in "ef":
+        if c in opts.checks and opts.unpatched_parent is None and opts.site is None:
+            raise UsageError("check %s needs the unpatched sglang" % c, "pass --site or --unpatched-parent")
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -462,6 +467,57 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
             _add(state, fixed)
 
 
+# upstream's convention (0.5.14+: the first id is not 1, so the ids are capture indices): HF 0, 2, 3,
+# the layers of EAGLE_IDS [-1, 1, 2]; the series' earlier reading (k + 1) fed it HF 1, 3, 4
+F_IDS = [2, 0, 3]
+F_NAMES = {
+    "F-patched": "f. draft ids [2, 0, 3] (upstream's convention), patched: prefill and verify rows == reference HF [0, 2, 3]",
+    "F-unpatched": "f. draft ids [2, 0, 3] (upstream's convention), unpatched: prefill and verify rows == reference HF [0, 2, 3]",
+}
+F_SAME = "f. draft ids [2, 0, 3]: patched and unpatched feed the draft the same prefill rows and give the same tokens"
+
+
+def check_f(state, ck, sglang_pp, prompts, refs):
+    """One draft in upstream's id convention on the patched and on the unpatched tree."""
+    from . import records as R
+    from .reference import write_config_only
+
+    opts = state.opts
+    unpatched = Path(opts.unpatched_parent or opts.site).resolve()
+    draft = write_config_only(Path(opts.work) / "models" / "draft-f", models.draft_config(models.CHECK_MODEL, F_IDS))
+    small = {"small": prompts["small"]}
+    ps, rs = prompts["small"], refs["small"]
+    seen = {}
+    for name, pp in (("F-patched", sglang_pp), ("F-unpatched", unpatched)):
+        spy_dir = Path(opts.work) / "spy" / name
+        shutil.rmtree(spy_dir, ignore_errors=True)
+        spy_dir.mkdir(parents=True)
+        spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(small, opts.new_tokens)}
+        res = run_worker(state, name, spec, worker_env(pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
+        if not res.get("ok"):
+            _failed_stage(state, [F_NAMES[name]], res)
+            continue
+        recs = R.load_records(spy_dir)
+        outputs = res["runs"][0]["output_ids"]
+        cap = R.check_capture(F_NAMES[name], recs, ps, rs, models.EAGLE_IDS)
+        ver = R.check_draft(F_NAMES[name], recs, ps, outputs, lambda toks: ref_states(state, ck, toks), models.EAGLE_IDS)
+        release_reference(state)
+        v = {"name": F_NAMES[name], "passed": cap.passed and ver.passed,
+             "figure": "prefill %s; verify %s" % (cap.figure, ver.figure),
+             "detail": "prefill: %s || verify: %s" % (cap.detail, ver.detail)}
+        _add(state, v)
+        seen[name] = (R.draft_prefill_inputs(recs, ps, models.EAGLE_IDS), outputs)
+    if len(seen) == 2:
+        (pa, pa_out), (up, up_out) = seen["F-patched"], seen["F-unpatched"]
+        v = R.compare_runs(F_SAME, pa, up)
+        bitwise = all(sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a) for a, b in zip(pa, up))
+        d = v.as_dict()
+        same_tokens = pa_out == up_out
+        d["passed"] = d["passed"] and same_tokens
+        d["figure"] = "%s; rows bit for bit equal: %s; tokens equal: %s" % (d["figure"], bitwise, same_tokens)
+        _add(state, d)
+
+
 def check_e(state, sglang_pp):
     """Prefill with the dump on vs off (patched), decode with graphs patched vs unpatched."""
     from .reference import write_config_only
@@ -582,6 +638,8 @@ def run_check(opts: Options) -> dict:
             check_abc(state, ck, draft, sglang_pp, prompts, refs)
         if "d" in opts.checks:
             check_d(state, ck, draft, sglang_pp, prompts, refs)
+        if "f" in opts.checks and not opts.cpu:
+            check_f(state, ck, sglang_pp, prompts, refs)
     if "e" in opts.checks:
         check_e(state, sglang_pp)
     write_results(state)
