@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             if a.series is None:
                 raise UsageError("--make-patched-files needs --series", "pass --series patches/sglang-<release>")
             release = a.release or a.series.resolve().name.replace("sglang-", "")
-            out = a.patched_files or REPO / ".gpu-bundle" / "patched_files"
+            out = a.patched_files or REPO / ".gpu-patched"
             m = make_patched_files(a.series, release, out)
             print("patched files: %d files of %s for sglang %s in %s" % (len(m["files"]), a.series, release, out))
             return 0
