@@ -171,6 +171,8 @@ def test_without_from_the_nearest_series_is_ported_and_a_backwards_port_is_named
     assert r.returncode == 1, r.stdout + r.stderr  # 0.5.9's series conflicts there
     assert "no --from given: porting sglang-0.5.9, the nearest series (older than sglang 0.5.10" in r.stderr
     assert "review: sglang-0.5.9 (sglang 0.5.9) -> sglang-0.5.10" in r.stdout
+    r = run_tool("port", "--to", "0.5.17", "--dry-run", cwd=tmp_path)  # a release with a series of its own
+    assert r.returncode == 2 and "sglang 0.5.17 has a series of its own" in one_line_error(r)
     r = run_tool("port", "--from", "0.5.23", "--to", "0.5.17", "--dry-run", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     back = [ln for ln in r.stderr.splitlines() if "backwards port" in ln]

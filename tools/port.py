@@ -82,8 +82,8 @@ def port_body(a) -> int:
     from eaglepatch.errors import RefusedError, UsageError
     from eaglepatch.lock import tree_locks
     from eaglepatch.outputs import check_output_file
-    from eaglepatch.series import (check_release, default_patches_root, load_series, nearest_series_to, tool_command,
-                                   version_key)
+    from eaglepatch.series import (available_series, check_release, default_patches_root, load_series,
+                                   nearest_series_to, tool_command, version_key)
 
     if a.checkout is not None:
         bad = [f for f, v in (("--to-tree", a.to_tree), ("--force", a.force), ("--dry-run", a.dry_run),
@@ -106,6 +106,9 @@ def port_body(a) -> int:
         to_known = a.to_release
         if to_known is None:
             to_known = port.open_release_tree(a.to_tree, None, "to")[1]
+        if to_known in available_series():
+            raise UsageError(f"sglang {to_known} has a series of its own ({available_series()[to_known]})",
+                             "pass --from RELEASE to port another series onto it")
         near = nearest_series_to(to_known)
         if near is None:
             raise UsageError("--from is missing and there is no series to port", "pass --from RELEASE or --series DIR")
