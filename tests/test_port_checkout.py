@@ -207,3 +207,48 @@ def test_a_clean_port_through_a_checkout_exports_the_committed_series(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in committed.iterdir())
     for f in committed.iterdir():
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def _series(root, release_dir, edits):
+    """A series for sglang 0.5.9 under `root`: one patch per (subject, file, old line, new line)."""
+    import difflib
+
+    d = root / "sglang-0.5.9"
+    d.mkdir(parents=True)
+    names = []
+    for n, (subject, rel, old, new) in enumerate(edits, 1):
+        before = (release_dir / rel).read_text()
+        assert before.count(old) == 1
+        body = "".join(difflib.unified_diff(before.splitlines(True), before.replace(old, new).splitlines(True),
+                                            f"a/{rel}", f"b/{rel}", n=3))
+        name = f"{n:04d}-p{n}.patch"
+        (d / name).write_text(f"Subject: {subject}\nLast-Update: 2026-01-01\n---\ndiff --git a/{rel} b/{rel}\n{body}")
+        names.append(name)
+    (d / "series").write_text("".join(f"{x}\n" for x in names))
+    return d
+
+
+def test_a_hunk_on_a_file_the_new_release_lacks_is_left_as_a_rej(tmp_path, release_059):
+    """0.5.10 deleted bench_rmsnorm.py: no merge can mark a hunk there, so the port leaves the
+    file's diff as a .rej; --continue refuses while it is there; a patch whose resolution leaves
+    nothing is dropped and the port goes on to the next patch."""
+    gone, kept = "sglang/jit_kernel/benchmark/bench_rmsnorm.py", "sglang/srt/server_args_config_parser.py"
+    series = _series(tmp_path / "patches", release_059, [
+        ("bench: a comment", gone, "import torch\n", "import torch  # eaglepatch\n"),
+        ("parser: a comment", kept, "import argparse\n", "import argparse  # eaglepatch\n")])
+    dest = tmp_path / "co"
+    r = run_tool("port", "--series", series, "--to", "0.5.10", "--checkout", dest)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rej = dest / "python" / f"{gone}.rej"
+    assert f"{rej}: hunk 0 [<module>] the new release has no such file" in r.stdout
+    assert rej.read_text().startswith(f"diff --git a/{gone} b/{gone}\n") and "+import torch  # eaglepatch" in \
+        rej.read_text()
+    assert not (dest / "python" / gone).exists()
+    r = run_tool("port", "--continue", dest)
+    assert r.returncode == 1 and f"{rej} still there" in one_line_error(r)
+    rej.unlink()
+    r = run_tool("port", "--continue", dest)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dropped (the resolution leaves nothing of it)" in r.stdout and "committed 0002-p2.patch" in r.stdout
+    assert git(dest, "log", "--format=%s", "v0.5.10..HEAD").splitlines() == ["parser: a comment"]
+    assert "import argparse  # eaglepatch" in (dest / "python" / kept).read_text()
