@@ -4,6 +4,7 @@
 --continue (twice) commit the rest; the printed export and verify commands, run as printed from
 another directory, make a series that apply, verify and the overlay gate accept."""
 
+import json
 import os
 import re
 import subprocess
@@ -246,9 +247,30 @@ def test_a_hunk_on_a_file_the_new_release_lacks_is_left_as_a_rej(tmp_path, relea
     assert not (dest / "python" / gone).exists()
     r = run_tool("port", "--continue", dest)
     assert r.returncode == 1 and f"{rej} still there" in one_line_error(r)
+    git(dest, "checkout", "-q", "main")  # --continue only on the port's branch
+    r = run_tool("port", "--continue", dest)
+    assert r.returncode == 1 and "is on main, not on the port's branch eaglepatch/sglang-0.5.10" in one_line_error(r)
+    git(dest, "checkout", "-q", "eaglepatch/sglang-0.5.10")
     rej.unlink()
     r = run_tool("port", "--continue", dest)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "dropped (the resolution leaves nothing of it)" in r.stdout and "committed 0002-p2.patch" in r.stdout
     assert git(dest, "log", "--format=%s", "v0.5.10..HEAD").splitlines() == ["parser: a comment"]
     assert "import argparse  # eaglepatch" in (dest / "python" / kept).read_text()
+
+
+def test_continue_refuses_the_half_written_files_of_a_killed_port(tmp_path, release_059):
+    """A port killed while it wrote a patch (its record says it did not stop at a conflict) leaves
+    uncommitted files: --continue refuses to merge onto them and names the reset."""
+    kept = "sglang/srt/server_args_config_parser.py"
+    series = _series(tmp_path / "patches", release_059, [("parser: a comment", kept, "import argparse\n",
+                                                          "import argparse  # eaglepatch\n")])
+    dest = tmp_path / "co"
+    assert run_tool("port", "--series", series, "--to", "0.5.10", "--checkout", dest).returncode == 0
+    st_path = dest / ".git" / "eaglepatch-port.json"
+    st = json.loads(st_path.read_text())
+    git(dest, "reset", "-q", "--soft", "HEAD~1")  # as if killed after writing, before the commit
+    st.update(done=False, next=0)
+    st_path.write_text(json.dumps(st))
+    r = run_tool("port", "--continue", dest)
+    assert r.returncode == 1 and "did not stop at a conflict" in one_line_error(r) and "reset -q --hard" in r.stderr

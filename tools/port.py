@@ -176,6 +176,10 @@ def report_checkout(stop) -> int:
 
     st = stop.state
     n = checkout.commit_count(stop.root, st) if stop.root.is_dir() else 0
+    if stop.done and n == 0:
+        print(f"port: nothing of the series is left for sglang {st['to']} (every patch was dropped); no series is "
+              f"needed for that release ({stop.root} holds the release as it is)")
+        return 0
     if stop.done:
         print(f"port: every patch is ported: {n} commit(s) on branch {st['branch']} after tag v{st['to']} "
               f"in {stop.root}")

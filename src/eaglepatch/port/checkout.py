@@ -162,9 +162,18 @@ def resume(root: Path, say: Callable[[str], None] = print) -> Stop:
     old_read, old_pp = _old_reader(st)
     with tree_lock(root / "python"), tree_lock(old_pp):
         _check_idle(root)
+        on = _git(root, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.decode().strip()
+        if on != st["branch"]:
+            raise RefusedError(f"{root} is on {on or 'a detached HEAD'}, not on the port's branch {st['branch']}",
+                               f"switch back (git -C {shlex.quote(str(root))} checkout {st['branch']}) and run "
+                               "--continue again")
         stopped = st.get("stopped")
         if stopped:
             _finish_stopped(root, st, old, stopped, say)
+        elif _dirty(root):  # a port killed while it wrote a patch: its files are half written
+            raise RefusedError(f"uncommitted changes in {root}, and the port did not stop at a conflict there",
+                               f"discard them (git -C {shlex.quote(str(root))} reset -q --hard) and run --continue "
+                               "again")
         return _advance(root, st, old, old_read, say, shown=root)
 
 
