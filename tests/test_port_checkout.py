@@ -274,3 +274,11 @@ def test_continue_refuses_the_half_written_files_of_a_killed_port(tmp_path, rele
     st_path.write_text(json.dumps(st))
     r = run_tool("port", "--continue", dest)
     assert r.returncode == 1 and "did not stop at a conflict" in one_line_error(r) and "reset -q --hard" in r.stderr
+
+
+def test_a_release_without_a_series_is_refused_before_anything_is_downloaded(tmp_path):
+    cache = tmp_path / "cache"
+    r = run_tool("port", "--from", "0.5.8", "--to", "0.5.9", "--checkout", tmp_path / "co",
+                 env={"EAGLEPATCH_CACHE": str(cache)})
+    assert r.returncode == 2 and "there is no series for sglang 0.5.8" in one_line_error(r)
+    assert not (cache / "releases" / "0.5.8").exists() and not (tmp_path / "co").exists()

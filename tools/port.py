@@ -115,12 +115,15 @@ def port_body(a) -> int:
         a.from_release = near[0]
         print(f"port: no --from given: porting sglang-{near[0]}, the nearest series ({near[1]} than sglang "
               f"{to_known}; pass --from to pick another)", file=sys.stderr)
+    old = given
+    if old is None and a.from_tree is None and a.from_release is not None:  # before any download
+        old = port.load_old_series(check_release(a.from_release, "--from"), a.series)
     old_tree, from_rel = port.open_release_tree(a.from_tree, a.from_release, "from")
     if a.checkout is not None:
         new_tree, to_rel = None, a.to_release
     else:
         new_tree, to_rel = port.open_release_tree(a.to_tree, a.to_release, "to")
-    old = given or port.load_old_series(from_rel, a.series)
+    old = old or port.load_old_series(from_rel, a.series)
     if old.release and old.release != from_rel:
         raise UsageError(f"{old.dir} was made for sglang {old.release}, not {from_rel}",
                          f"pass --from {old.release}")

@@ -114,7 +114,7 @@ def start(old: Series, old_tree: UpstreamTree, from_rel: str, to_rel: str, dest:
     shutil.rmtree(tmp, ignore_errors=True)
     say(f"port: making a git checkout of sglang {to_rel} in {dest} (branch {branch_for(to_rel)} on tag v{to_rel})")
     try:
-        make_git_checkout(to_rel, tmp, quiet=True)
+        make_git_checkout(to_rel, tmp)  # progress on stderr (the first build of a release takes a while)
         _git(tmp, "checkout", "-q", "-b", branch_for(to_rel))
         info = Path(_out(tmp, "rev-parse", "--git-path", "info"))
         info = info if info.is_absolute() else tmp / info
