@@ -102,7 +102,7 @@ def port_body(a) -> int:
         a.from_release = given.release
     if a.to_release is not None:
         check_release(a.to_release, "--to")
-    if a.from_release is None and a.from_tree is None and (a.to_release or a.to_tree):
+    if a.from_release is None and a.from_tree is None and a.series is None and (a.to_release or a.to_tree):
         to_known = a.to_release
         if to_known is None:
             to_known = port.open_release_tree(a.to_tree, None, "to")[1]
