@@ -92,7 +92,11 @@ def test_clean_port_drops_hunks_upstream_has_moves_the_rest_and_writes_an_exact_
     assert ported.manifest["capture_semantics"]["eagle_id_to_capture_index"] == "plus_one"
     settings = next(p for p in ported.patches if p.name.startswith("0001-")).data
     assert b'+SERIES_VERSION = "0.5.9.1-1"' in settings  # the package is stamped with the new release
-    assert b"Last-Update: 2026-12-01" in ported.patches[0].data
+    runner = next(p for p in ported.patches if "model-runner" in p.name)
+    assert b"Last-Update: 2026-12-01" in runner.data
+    # the package patch keeps the overlay's own header (export --overlay --check compares it byte for byte)
+    from eaglepatch.overlay import header
+    assert ported.patches[0].header == header() and b"Last-Update: 2026-12-01" not in ported.patches[0].data
     # the hunks that remain land exactly on the new tree, 12 lines lower than before
     from eaglepatch.tree import UpstreamTree
     tree = UpstreamTree("installed", new, new, "0.5.9.1", None)

@@ -463,7 +463,7 @@ def test_messages_name_the_cause(small, fast_tmp):
 
 
 def test_verify_and_apply_agree_on_a_release_without_a_series(installed_0510, small, tmp_path):
-    port = "python3 tools/port.py --from 0.5.9 --to 0.5.10"
+    port = f"python3 {REPO}/tools/port.py --from 0.5.9 --to 0.5.10"  # a path that works from any directory
     r = run_tool("apply", installed_0510, "--check")
     assert r.returncode == 1 and "nearest older series is sglang-0.5.9" in one_line_error(r) and port in r.stderr
     r = run_tool("verify", installed_0510, "--smoke", "none", "--json", tmp_path / "v.json")

@@ -53,11 +53,16 @@ def main(argv=None) -> int:
             have = {given.release: a.series} if given else available_series()
             if not have:
                 raise UsageError("no series under patches/", "pass --series DIR")
+            dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
             if release not in have:
+                from eaglepatch.series import nearest_series_to, tool_command
+                near = nearest_series_to(release) if given is None else (given.release, "")
+                port = tool_command("port", *(["--series", a.series.absolute()] if given else []),
+                                    "--from", near[0], "--to", release, "--checkout", dest.absolute())
                 raise UsageError(f"no series for sglang {release} (series that exist: "
                                  + ", ".join(f"sglang-{r}" for r in have) + ")",
-                                 f"fetch one of those, e.g. --fetch {list(have)[-1]}")
-            dest = Path(a.fetch[1]) if len(a.fetch) > 1 else Path.cwd() / f"sglang-{release}"
+                                 f"fetch one of those, e.g. --fetch {list(have)[-1]}, or get sglang {release} with "
+                                 f"sglang-{near[0]} ported as far as it merges (conflicts marked) into DEST: {port}")
             tree = fetch_and_apply(release, dest, given or load_series(have[release]), command=command)
             print(f"patched sglang {release} is in {tree.root} (package parent {tree.package_parent})")
             return 0

@@ -45,6 +45,16 @@ class Row:
         return bool(self.verdicts) and all(v.ok for v in self.verdicts)
 
     @property
+    def own(self) -> bool:
+        """The series is the release's own (apply.py refuses a release that has none)."""
+        return self.series.release == self.release
+
+    @property
+    def gate_ok(self) -> bool:
+        """What `tools/apply.py` needs on this release: its own series, every hunk exact or offset."""
+        return self.own and self.applies
+
+    @property
     def status(self) -> str:
         if self.all_exact:
             return "all exact"
@@ -119,7 +129,9 @@ def render(rows: list[Row], loaded: dict, command: str = "python3 tools/drift.py
     for r in rows:
         n_ok = sum(1 for v in r.verdicts if v.verdict == EXACT)
         status = r.status
-        if not r.applies and r.release not in loaded:
+        if r.applies and not r.own:
+            status += " with an older series; apply.py refuses a release without its own"
+        if not r.own:
             status += f"; port: `python3 tools/port.py --from {r.series.release} --to {r.release}`"
         out.append(f"| {r.release} | {r.series.dir.name} | {n_ok}/{len(r.verdicts)} exact | {status} |")
     out.append("")
@@ -151,6 +163,39 @@ def render(rows: list[Row], loaded: dict, command: str = "python3 tools/drift.py
             for c in cols) + ".")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def summary(rows: list[Row], releases: list[str]) -> str:
+    """One line: how many releases were checked and which fail the gate, by cause."""
+    checked = {r.release for r in rows}
+    groups = [("apply with their own series", [r.release for r in rows if r.gate_ok]),
+              ("with drift", [r.release for r in rows if not r.applies]),
+              ("apply only with an older series (port them)", [r.release for r in rows if r.applies and not r.own]),
+              ("older than every series", [x for x in sorted(set(releases), key=version_key) if x not in checked])]
+    parts = [f"{len(names)} {what}" + (f" ({', '.join(names)})" if names and what != groups[0][0] else "")
+             for what, names in groups if names or what == "with drift"]
+    return f"{len(set(releases))} release(s): " + ", ".join(parts)
+
+
+def gate_failures(rows: list[Row], releases: list[str]) -> list[tuple[str, list[str]]]:
+    """(release, lines saying why) for each release `--strict` fails on: those apply.py would
+    refuse (drift, no series of their own) and those older than every series."""
+    from .series import port_command
+
+    out = []
+    checked = {r.release for r in rows}
+    for r in rows:
+        if r.gate_ok:
+            continue
+        why = [f"sglang {r.release}: {r.series.dir.name} {r.status}"
+               + ("" if r.own else f" (no series of its own); port it: {port_command(r.series.release, r.release)}")]
+        why += [f"  {v.patch} {v.file} hunk {v.hunk} [{v.anchor}]: {v.label}" + (f" - {v.detail}" if v.detail else "")
+                for v in r.verdicts if not v.ok]
+        out.append((r.release, why))
+    for x in sorted(set(releases), key=version_key):
+        if x not in checked:
+            out.append((x, [f"sglang {x}: older than every series; no series covers it"]))
+    return out
 
 
 def pinned_gate(patches_root: Path | None = None, say=print) -> int:

@@ -13,6 +13,7 @@ from .errors import RefusedError, UsageError
 from .gitcmd import open_repo
 from .interrupts import held_interrupts
 from .lock import tree_lock
+from .portstate import export_defaults
 from .series import (DIFF_ARGS, PACKAGE, SEPARATOR, dump_manifest, load_manifest, message_to_header, parse_patch,
                      read_series_list, sha256_bytes, slug)
 from .tree import locate
@@ -227,6 +228,9 @@ def export_series(repo: Path | str, base: str, out: Path | str, branch: str | No
             prev = load_manifest(out / "manifest.json")
         except UsageError:
             prev = None
+    if prev is None:  # a new series dir: what a finished `port.py --checkout` there recorded
+        m = re.match(r"^v?(\d[\w.\-+]*)$", base)
+        prev = export_defaults(repo, m.group(1) if m else None)
     try:
         _, _, pp = locate(repo)
     except UsageError:

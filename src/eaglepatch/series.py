@@ -447,8 +447,32 @@ def nearest_older_series(release: str, root: Path | None = None) -> tuple[str, P
     return (best, have[best]) if best else None
 
 
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
+
+
+def tool_command(tool: str, *args) -> str:
+    """`python3 <absolute path>/tools/<tool>.py ARGS`, quoted for a POSIX shell: a command to print
+    as a next step that works from any current directory."""
+    import shlex
+
+    script = TOOLS_DIR / f"{tool}.py"
+    if not script.is_file():  # the library without its clone: the tools' usual place
+        script = Path("tools") / f"{tool}.py"
+    return " ".join(shlex.quote(str(x)) for x in ["python3", script, *args])
+
+
+def nearest_series_to(release: str, root: Path | None = None) -> tuple[str, str] | None:
+    """(release, 'older' | 'newer') of the series to port to `release` when none is named: the
+    newest series older than `release`, else the oldest one (a backwards port); None: no series."""
+    have = [r for r in available_series(root) if r != release]
+    older = [r for r in have if version_key(r) < version_key(release)]
+    if older:
+        return older[-1], "older"
+    return (have[0], "newer") if have else None
+
+
 def port_command(from_release: str, to_release: str) -> str:
-    return f"python3 tools/port.py --from {from_release} --to {to_release}"
+    return tool_command("port", "--from", from_release, "--to", to_release)
 
 
 def port_hint(release: str, root: Path | None = None) -> str:

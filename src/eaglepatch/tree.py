@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import gitcmd
 from .errors import RefusedError, UsageError
-from .series import PACKAGE, Series, available_series, load_series, nearest_older, port_command, sha256_bytes
+from .series import (PACKAGE, Series, available_series, load_series, nearest_older, port_command, sha256_bytes,
+                     tool_command)
 
 VERSION_RE = re.compile(r"""^\s*(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -232,5 +233,5 @@ def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = Fal
                     f"no series for sglang {tree.release}; verifying the nearest older series {have[near].name} "
                     f"(port it with: {port})")
     raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
-                       f"the nearest older series is {have[near].name}: see its drift with tools/verify.py {root}, "
-                       f"then port it with {port}")
+                       f"the nearest older series is {have[near].name}: see its drift with "
+                       f"{tool_command('verify', tree.root)}, then port it with {port}")

@@ -81,5 +81,6 @@ def port_series(old: Series, old_read, new_read, from_release: str, to_release: 
     if not kept:
         raise RefusedError(f"nothing of {old.dir.name} is left for sglang {to_release} (every patch was dropped)",
                            "no series is needed for that release")
-    res.files = export_ported(kept, trees.new_upstream, to_release, series_version, res.semantics, date, res)  # 4.
+    res.files = export_ported(kept, trees.new_upstream, to_release, series_version, res.semantics, date, res,
+                              trees.created)  # 4.
     return res

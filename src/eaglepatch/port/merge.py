@@ -10,6 +10,7 @@ and which one upstream already has) and once for the whole file (the result).
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -97,6 +98,16 @@ def hunk_anchor(source: bytes, h: Hunk, pos: int | None = None) -> str:
     return anchor_at(source, hunk_anchor_line(pos, k, ins))[0]
 
 
+def file_diff(patch: Patch, path: str) -> bytes:
+    """The part of `patch`'s diff that changes `path` (what a .rej file holds)."""
+    parts = re.split(rb"(?m)^(?=diff --git )", patch.body)
+    for part in parts:
+        first = part.split(b"\n", 1)[0]
+        if first.startswith(b"diff --git ") and first.endswith(b" b/" + path.encode()):
+            return part
+    return patch.body
+
+
 def _text(lines) -> str:
     return "".join(x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x for x in lines)
 
@@ -111,6 +122,11 @@ class Trees:
         self.new_state: dict[str, bytes | None] = {}
         self.new_upstream: dict[str, bytes | None] = {}
         self.created: dict[str, bytes] | None = None  # what the new series creates (the overlay)
+        # a conflicting file as `port.py --checkout` leaves it: every hunk that merges applied, each
+        # conflicting one marked in place (diff3 markers); `rejects`: the file's diff where no merge
+        # can mark it (the new release has no such file, or changed the file to delete)
+        self.marked: dict[str, bytes] = {}
+        self.rejects: dict[str, bytes] = {}
 
     def old(self, path: str) -> bytes | None:
         if path not in self.old_state:
@@ -155,6 +171,7 @@ class FileMerge:
             for h in self.fp.hunks:
                 self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, hunk_anchor(self.base, h),
                                                CONFLICT, "the new release has no such file"))
+            self.trees.rejects[self.fp.path] = file_diff(self.patch, self.fp.path)
             return True, False
         return self._modified_file()
 
@@ -170,6 +187,7 @@ class FileMerge:
             return False, False
         self._all(CONFLICT, "the new release has a file of this name with other content", line=1,
                   sides={LABELS[0]: _text([content]), LABELS[1]: "", LABELS[2]: _text([self.theirs])})
+        self.trees.marked[self.fp.path] = merge_file(content, b"", self.theirs)[1]
         return True, False
 
     def _deleted_file(self) -> tuple[bool, bool]:
@@ -181,6 +199,7 @@ class FileMerge:
             self._all(MERGED, "file deleted")
             return False, True
         self._all(CONFLICT, "the file to delete changed upstream")
+        self.trees.rejects[self.fp.path] = file_diff(self.patch, self.fp.path)
         return True, False
 
     def _modified_file(self) -> tuple[bool, bool]:
@@ -189,7 +208,7 @@ class FileMerge:
         relocated by its neighbouring statements (``port.relocate``) and marked for review."""
         base, theirs = self.base, self.theirs
         base_lines = split_lines(base)
-        state, conflicted = theirs, False
+        state, conflicted, unmerged = theirs, False, []
         for h in self.fp.hunks:
             one, pos = apply_hunk(base_lines, h)
             anchor = hunk_anchor(base, h, pos)
@@ -207,10 +226,15 @@ class FileMerge:
                 state = moved.data
                 continue
             conflicted = True
+            unmerged.append(b"".join(one))
             line, sides = _first_sides(merged)
             self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
                                            f"{n} conflict region(s) in the 3-way merge", line, sides))
         if conflicted:
+            marked = state  # the hunks that merged, then each conflicting one merged with its markers
+            for one in unmerged:
+                marked = merge_file(one, base, marked)[1]
+            self.trees.marked[self.fp.path] = marked
             return True, False
         self.trees.new_state[self.fp.path] = state
         locate(self.res, self.patch.name, self.fp.path, theirs, state, base)

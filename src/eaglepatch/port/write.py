@@ -43,7 +43,18 @@ def _header_with(patch: Patch, updates: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def export_ported(snapshots, new_upstream, to_release, series_version, semantics, date, res) -> dict:
+def ported_header(patch: Patch, date: str, created: dict | None) -> str:
+    """The header of a ported patch: its own with Last-Update set to the port's date; for the patch
+    that adds the package (every file it makes is one of `created`, the overlay's files), the
+    overlay's own header, so that the new series matches `tools/export.py --overlay --check`."""
+    if created and patch.files and all(fp.is_new and fp.path in created for fp in patch.files):
+        from ..overlay import header
+        return header()
+    return _header_with(patch, {"Last-Update": date})
+
+
+def export_ported(snapshots, new_upstream, to_release, series_version, semantics, date, res,
+                  created: dict | None = None) -> dict:
     """The ported series' files (name -> bytes): the kept patches committed in a scratch git
     repository and exported with `eaglepatch.export`, the same bytes tools/export.py writes."""
     tmp = scratch_dir("eaglepatch-port-", "run again; nothing was written")
@@ -72,7 +83,7 @@ def export_ported(snapshots, new_upstream, to_release, series_version, semantics
         git("tag", f"v{to_release}")
         for patch, state in snapshots:
             write(state)
-            msg = header_to_message(_header_with(patch, {"Last-Update": date}))
+            msg = header_to_message(ported_header(patch, date, created))
             mf = tmp / ".git" / "PORT_MSG"
             mf.write_bytes(msg.encode("utf-8"))
             git("-c", "commit.gpgsign=false", "commit", "-q", "--cleanup=verbatim", "-F", str(mf))
