@@ -114,4 +114,4 @@ def test_the_package_imports_without_sglang():
     pkg = overlay.import_package()
     assert "sglang" not in sys.modules
     assert pkg.settings.SERIES_RELEASE == PINNED_RELEASE
-    assert pkg.capture_index(-1) == 0 and pkg.settings.hf_index(2) == 3
+    assert pkg.capture_indices([-1, 2], 4, "x") == [0, 3] and pkg.settings.layer_output_id(3) == 2

@@ -25,6 +25,7 @@ Exit: 0 ported (or --dry-run clean; --checkout/--continue: every patch committed
 2 usage error.
 """
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="merge and review; write nothing")
     ap.add_argument("--json", type=Path, metavar="FILE", help="also write the result as JSON to FILE")
     ap.add_argument("--date", help="Last-Update of the ported patches (default: today, UTC)")
+    ap.add_argument("--series-version", metavar="VERSION",
+                    help="series version of the new series (default: <to>-1; raise it when regenerating a series, "
+                         "e.g. 0.5.17-2)")
     ap.add_argument("--checkout", nargs="?", const=CHECKOUT_DEFAULT, type=Path, metavar="DIR",
                     help="make a git checkout of the --to release at DIR (default: ./sglang-<to>-port) with "
                          "every patch that merges committed and the first conflicting one marked in place")
@@ -66,7 +70,8 @@ def main(argv=None) -> int:
             others = [f for f, v in (("--from", a.from_release), ("--to", a.to_release), ("--from-tree", a.from_tree),
                                       ("--to-tree", a.to_tree), ("--series", a.series), ("--out", a.out),
                                       ("--force", a.force), ("--dry-run", a.dry_run), ("--json", a.json),
-                                      ("--date", a.date), ("--checkout", a.checkout)) if v]
+                                      ("--date", a.date), ("--checkout", a.checkout),
+                                      ("--series-version", a.series_version)) if v]
             if others:
                 raise UsageError(f"--continue takes only the checkout, not {', '.join(others)}",
                                  "run: port.py --continue DIR (the port keeps its settings in DIR)")
@@ -141,16 +146,20 @@ def port_body(a) -> int:
         extra = ["--out", out] if a.out else []
         return tool_command("port", *src, "--to", to_rel, *extra, "--checkout", Path(dest).absolute())
 
+    version = a.series_version or f"{to_rel}-1"
+    if not re.fullmatch(re.escape(to_rel) + r"-[1-9][0-9]*", version):
+        raise UsageError(f"--series-version {version!r} is not {to_rel}-<n>", f"pass e.g. --series-version {to_rel}-2")
     if a.checkout is not None:
         from eaglepatch.port import checkout
         dest = Path.cwd() / f"sglang-{to_rel}-port" if a.checkout is CHECKOUT_DEFAULT else Path(a.checkout)
         stop = checkout.start(old, old_tree, from_rel, to_rel, dest, out, from_tree=a.from_tree, date=a.date,
-                              restart=checkout_command(dest))
+                              restart=checkout_command(dest), series_version=version)
         return report_checkout(stop)
     if out.exists() and not (a.force or a.dry_run):
         raise RefusedError(f"{out} already exists", "pass --force to replace it, --out DIR, or --dry-run")
     with tree_locks(old_tree.package_parent, new_tree.package_parent):
-        res = port.port_series(old, old_tree.read, new_tree.read, from_rel, to_rel, date=a.date)
+        res = port.port_series(old, old_tree.read, new_tree.read, from_rel, to_rel, date=a.date,
+                               series_version=version)
     if a.json:
         port.write_json(a.json, res)
     print(port.hunk_table(res))

@@ -94,7 +94,7 @@ def _old_reader(st: dict):
 
 def start(old: Series, old_tree: UpstreamTree, from_rel: str, to_rel: str, dest: Path, out: Path,
           from_tree: Path | None = None, date: str | None = None, restart: str = "",
-          say: Callable[[str], None] = print) -> Stop:
+          say: Callable[[str], None] = print, series_version: str | None = None) -> Stop:
     """A new checkout of sglang `to_rel` at `dest` with `old` (made for `old_tree`, sglang
     `from_rel`; `from_tree`: that tree when it is a local one) ported as far as it merges. The
     checkout is made in a directory beside `dest` and renamed into place: a failed run leaves no
@@ -125,7 +125,7 @@ def start(old: Series, old_tree: UpstreamTree, from_rel: str, to_rel: str, dest:
               "series_sha256": _series_sums(old),
               "from_tree": str(Path(from_tree).resolve()) if from_tree is not None else None,
               "date": date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
-              "series_version": f"{to_rel}-1", "out": str(Path(os.path.expanduser(str(out))).absolute()),
+              "series_version": series_version or f"{to_rel}-1", "out": str(Path(os.path.expanduser(str(out))).absolute()),
               "branch": branch_for(to_rel), "next": 0, "stopped": None, "done": False,
               "restart": restart}
         portstate.save(tmp, st)

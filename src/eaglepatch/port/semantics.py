@@ -83,12 +83,15 @@ def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None) 
     the unpatched release, where capture happens, and capture index -> HF index (identity: both
     count the residual stream entering layer i, index 0 = embedding output)."""
     old = dict(old_semantics or {})
+    up_mapping = upstream.get("eagle_id_to_capture_index", "unknown")
+    if up_mapping == "eagle3_capture":  # the new release's own file already calls the series' package
+        up_mapping = old.get("upstream_eagle_id_to_capture_index", old.get("eagle_id_to_capture_index", "unknown"))
     mapping = patched.get("eagle_id_to_capture_index")
     if mapping == "eagle3_capture":  # the package reads ids as upstream does, plus -1 and index N
-        mapping = SERIES_RULE.get(upstream.get("eagle_id_to_capture_index"), "unknown")
+        mapping = SERIES_RULE.get(up_mapping, "unknown")
     return {"eagle_id_to_capture_index": mapping or "unknown",
             "capture_index_to_hf_index": old.get("capture_index_to_hf_index", "identity"),
-            "upstream_eagle_id_to_capture_index": upstream.get("eagle_id_to_capture_index", "unknown"),
+            "upstream_eagle_id_to_capture_index": up_mapping,
             "capture_site": upstream.get("capture_site", "unknown")}
 
 
