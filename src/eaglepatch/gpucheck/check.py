@@ -321,8 +321,8 @@ B_NAME = "b. draft inputs in prefill and graph-replayed verify == reference for 
 C_NAME = "c. dump: one file per request, layers [-1,1,2,N-1] and final == reference"
 
 
-def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", checks=("a", "b")):
-    """EAGLE-3 on, dump off: checks a and b."""
+def spy_engine(state, name, ck, draft, sglang_pp, prompts) -> tuple[dict, list]:
+    """One EAGLE-3 engine (dump off) with the spy on: (worker result, the spy's records)."""
     from . import records as R
 
     opts = state.opts
@@ -332,10 +332,18 @@ def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", chec
     spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(prompts, opts.new_tokens)}
     res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
     if not res.get("ok"):
+        return res, []
+    state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
+    return res, R.load_records(spy_dir)
+
+
+def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", checks=("a", "b")):
+    """EAGLE-3 on, dump off: checks a and b."""
+    res, recs = spy_engine(state, name, ck, draft, sglang_pp, prompts)
+    if not res.get("ok"):
         _failed_stage(state, [n for n, c in ((A_NAME, "a"), (B_NAME, "b")) if c in checks], res)
         return
-    state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
-    evaluate_ab(state, ck, R.load_records(spy_dir), res, prompts, refs, checks)
+    evaluate_ab(state, ck, recs, res, prompts, refs, checks)
 
 
 def evaluate_ab(state, ck, recs, res, prompts, refs, checks) -> None:
@@ -489,15 +497,10 @@ def check_f(state, ck, sglang_pp, prompts, refs):
     ps, rs = prompts["small"], refs["small"]
     seen = {}
     for name, pp in (("F-patched", sglang_pp), ("F-unpatched", unpatched)):
-        spy_dir = Path(opts.work) / "spy" / name
-        shutil.rmtree(spy_dir, ignore_errors=True)
-        spy_dir.mkdir(parents=True)
-        spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(small, opts.new_tokens)}
-        res = run_worker(state, name, spec, worker_env(pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
+        res, recs = spy_engine(state, name, ck, draft, pp, small)
         if not res.get("ok"):
             _failed_stage(state, [F_NAMES[name]], res)
             continue
-        recs = R.load_records(spy_dir)
         outputs = res["runs"][0]["output_ids"]
         cap = R.check_capture(F_NAMES[name], recs, ps, rs, models.EAGLE_IDS)
         ver = R.check_draft(F_NAMES[name], recs, ps, outputs, lambda toks: ref_states(state, ck, toks), models.EAGLE_IDS)
