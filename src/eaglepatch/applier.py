@@ -25,7 +25,7 @@ from .gitcmd import clean_env, require_git
 from .fetch import make_git_checkout
 from .interrupts import stop_point
 from .lock import tree_lock
-from .outputs import can_write, scratch_dir
+from .outputs import can_write, move_new_checkout, scratch_dir
 from .series import Patch, Series, sha256_bytes
 from .tree import UpstreamTree
 from .txn import Transaction, recover, refuse_if_pending
@@ -356,11 +356,7 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
         stop_point("fetch-cloned")
         apply_series(UpstreamTree.open(tmp), series, commit=True, say=messages.append, command=command)
         stop_point("fetch-patched")
-        try:
-            os.rename(tmp, dest)
-        except OSError as exc:
-            raise UsageError(f"cannot move the new checkout to {dest}: {exc.strerror}",
-                             "pass a new directory as DEST") from None
+        move_new_checkout(tmp, dest, "pass a new directory as DEST")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

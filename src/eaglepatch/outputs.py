@@ -50,6 +50,14 @@ def swap_in(tmp: Path, dest: Path) -> None:
 
 
 @contextmanager
+def move_new_checkout(tmp: Path, dest: Path, fix: str) -> None:
+    """Rename a checkout made beside ``dest`` into place; a failure is one usage line."""
+    try:
+        os.rename(tmp, dest)
+    except OSError as exc:
+        raise UsageError(f"cannot move the new checkout to {dest}: {exc.strerror}", fix) from None
+
+
 def filled_dir(tmp: Path, dest: Path):
     """Yield ``tmp``, a new directory beside ``dest``, to fill: when the block ends normally it
     becomes ``dest`` (``swap_in``); either way nothing of ``tmp`` is left behind."""

@@ -31,6 +31,7 @@ from ..commit import BUSY
 from ..errors import RefusedError, UsageError
 from ..fetch import make_git_checkout, unpacked_release
 from ..gitcmd import GIT_ID
+from ..outputs import move_new_checkout
 from ..lock import tree_lock
 from .. import portstate
 from ..series import Series, header_to_message, load_series, tool_command
@@ -131,11 +132,7 @@ def start(old: Series, old_tree: UpstreamTree, from_rel: str, to_rel: str, dest:
         portstate.save(tmp, st)
         with tree_lock(old_tree.package_parent):
             stop = _advance(tmp, st, old, old_tree.read, say, shown=dest)
-        try:
-            os.rename(tmp, dest)
-        except OSError as exc:
-            raise UsageError(f"cannot move the new checkout to {dest}: {exc.strerror}",
-                             "pass --checkout a new directory") from None
+        move_new_checkout(tmp, dest, "pass --checkout a new directory")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
