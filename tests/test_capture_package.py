@@ -503,3 +503,19 @@ def test_image_pad_values_are_stored_as_the_placeholder_id(tmp_path):
         assert f.get_tensor("input_ids").tolist() == processor_ids
     assert dump_mod.dump_key(clamped.tolist()) + ".safetensors" not in names
     w.close()
+
+
+def test_dump_files_are_readable_by_other_users_whatever_the_umask(tmp_path):
+    """A client of another user reads the shared dump directory: files are 0644 even under umask 077."""
+    import os
+
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), True, 1 << 20, {"format": "eagle3-dump/1"})
+    ids, cap, fin = _states([4], [1])
+    old = os.umask(0o077)
+    try:
+        w.submit(_Batch(ids, [4]), cap, fin)
+        w.flush()
+    finally:
+        os.umask(old)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o644, oct(files[0].stat().st_mode)

@@ -53,6 +53,7 @@ from .staging import HostStaging
 logger = logging.getLogger(__name__)
 
 FORMAT = "eagle3-dump/1"
+FILE_MODE = 0o644  # dump files: a shared dump directory's readers may run as other users
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -320,6 +321,7 @@ class DumpWriter:
         tmp = os.path.join(self.directory, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             save_file(out, tmp, metadata=metadata)
+            os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
             os.replace(tmp, path)
             self.written += 1
         except Exception as exc:  # a full or vanished disk must not stop serving
