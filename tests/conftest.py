@@ -1,5 +1,11 @@
 """Shared fixtures: the real sglang 0.5.9 / 0.5.10 wheels (fetched once through eaglepatch.fetch
-and cached), trees laid out as a git checkout or an installed package, and tool runners."""
+and cached), trees laid out as a git checkout or an installed package, and tool runners.
+
+git: the whole session runs without the user's git configuration (GIT_CONFIG_GLOBAL = a session
+file that only sets `user.useConfigOnly`, GIT_CONFIG_NOSYSTEM=1), so no git identity exists and
+none is guessed from the host name. A test that commits passes its identity (`git()` below, as the
+tools do with theirs); a failed git call shows git's own stderr.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +24,56 @@ from eaglepatch.fetch import make_git_checkout, unpacked_release  # noqa: E402
 from eaglepatch.series import load_series  # noqa: E402
 from eaglepatch.tree import tree_hashes  # noqa: E402
 
+# who commits in the tests' own git calls (the tools bring their own: eaglepatch.gitcmd.GIT_ID)
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "eaglepatch tests", "GIT_AUTHOR_EMAIL": "tests@eaglepatch.invalid",
+                "GIT_COMMITTER_NAME": "eaglepatch tests", "GIT_COMMITTER_EMAIL": "tests@eaglepatch.invalid"}
+# the session's git configuration: no identity, and git may not guess one (on any host)
+SESSION_GITCONFIG = "[user]\n\tuseConfigOnly = true\n"
+
 FIXTURES = REPO / "tests" / "fixtures"
 BASIC_ROOT = FIXTURES / "series-basic"
 BASIC = BASIC_ROOT / "sglang-0.5.9"
 REAL = REPO / "patches" / "sglang-0.5.9"
+
+
+def pytest_configure(config):
+    """Before anything runs: the session's own (empty) git configuration, for every git the tests
+    and the tools they start run."""
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="eaglepatch-tests-git-"))
+    d.chmod(0o755)  # tools run as another user (setpriv) read it too
+    cfg = d / "gitconfig"
+    cfg.write_text(SESSION_GITCONFIG)
+    cfg.chmod(0o644)
+    # the user's GIT_* (an identity, GIT_DIR from a hook, ...) are not the session's either
+    old = {k: v for k, v in os.environ.items() if k.startswith("GIT_")}
+    old.update(GIT_CONFIG_GLOBAL=old.get("GIT_CONFIG_GLOBAL"), GIT_CONFIG_NOSYSTEM=old.get("GIT_CONFIG_NOSYSTEM"))
+    config._eaglepatch_git = (d, old)
+    for k in old:
+        os.environ.pop(k, None)
+    os.environ["GIT_CONFIG_GLOBAL"] = str(cfg)
+    os.environ["GIT_CONFIG_NOSYSTEM"] = "1"
+
+
+def pytest_unconfigure(config):
+    d, old = getattr(config, "_eaglepatch_git", (None, {}))
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def git(repo: Path, *args, input: str | None = None, check: bool = True, env: dict | None = None) -> str:
+    """`git ARGS` in `repo` with the tests' identity; a failure is an AssertionError holding git's stderr."""
+    e = dict(os.environ, **GIT_IDENTITY, **(env or {}))
+    r = subprocess.run(["git", *map(str, args)], cwd=repo, capture_output=True, text=True, input=input, env=e)
+    if check and r.returncode != 0:
+        raise AssertionError(f"git {' '.join(map(str, args))} in {repo} exited {r.returncode}:\n"
+                             f"{r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,9 @@
 
 import json
 import shutil
-import subprocess
 
 import pytest
-from conftest import BASIC, BASIC_ROOT, REAL, hashes, one_line_error, run_tool
+from conftest import BASIC, BASIC_ROOT, REAL, git, hashes, one_line_error, run_tool
 from txnkit import kill, start_stopped
 
 from eaglepatch.txn import TXN
@@ -72,8 +71,7 @@ def test_git_checkout_check_writes_nothing_then_apply_and_reverse(checkout_059):
     r = run_tool("apply", checkout_059, "--series", BASIC, "--reverse")
     assert r.returncode == 0, r.stderr
     assert hashes(checkout_059) == before
-    st = subprocess.run(["git", "status", "--porcelain"], cwd=checkout_059, capture_output=True, text=True)
-    assert st.stdout == ""
+    assert git(checkout_059, "status", "--porcelain") == ""
 
 
 def test_local_edit_refused_unless_force(installed_059):
@@ -168,12 +166,12 @@ def test_commit_creates_one_commit_per_patch(checkout_059):
     r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
     assert r.returncode == 0, r.stderr
     assert "eaglepatch/sglang-0.5.9" in r.stdout
-    git = lambda *a: subprocess.run(["git", *a], cwd=checkout_059, capture_output=True, text=True).stdout  # noqa
-    assert git("symbolic-ref", "HEAD").strip() == "refs/heads/eaglepatch/sglang-0.5.9"
-    assert git("status", "--porcelain") == ""
-    subjects = git("log", "--format=%s", "v0.5.9..HEAD").splitlines()
+    assert git(checkout_059, "symbolic-ref", "HEAD").strip() == "refs/heads/eaglepatch/sglang-0.5.9"
+    assert git(checkout_059, "status", "--porcelain") == ""
+    subjects = git(checkout_059, "log", "--format=%s", "v0.5.9..HEAD").splitlines()
     assert subjects == ["Record the capture layers in DeepseekV2Model", "Add the eagle3_capture hook module"]
-    assert "Drop-When: upstream ships a hidden-state dump hook" in git("log", "-1", "--format=%B", "HEAD~1")
+    assert "Drop-When: upstream ships a hidden-state dump hook" in git(checkout_059, "log", "-1", "--format=%B",
+                                                                       "HEAD~1")
     # a second --commit: already applied, nothing new
     r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
     assert r.returncode == 0 and "already applied" in r.stdout
@@ -185,7 +183,7 @@ def test_fetch_makes_a_patched_checkout(tmp_path):
     assert r.returncode == 0, r.stderr
     assert str(dest) in r.stdout
     assert set(manifest_state(dest / "python").values()) == {"patched"}
-    tag = subprocess.run(["git", "tag"], cwd=dest, capture_output=True, text=True).stdout.split()
+    tag = git(dest, "tag").split()
     assert tag == ["v0.5.9"]
     before = hashes(dest)
     r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})

@@ -2,19 +2,14 @@
 
 import json
 import shutil
-import subprocess
 
 import pytest
-from conftest import BASIC, REAL, one_line_error, run_tool
+from conftest import BASIC, REAL, git, one_line_error, run_tool
 
 from eaglepatch.export import build_export, slug
 
 HEADER = ("Description: {d}\nWhy: tests\nOrigin: eaglepatch\nForwarded: not-needed\n"
           "Last-Update: 2026-11-29\nDrop-When: never\n")
-
-
-def git(repo, *a, **kw):
-    return subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True, **kw).stdout
 
 
 def commit(repo, subject, desc="x"):

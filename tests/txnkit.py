@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, copy_installed
+from conftest import git as _git
 
 
 def _state(pid: int) -> str:
@@ -59,12 +60,7 @@ def small_installed(src: Path, dest: Path, files: list[str]) -> Path:
 
 
 def git(repo: Path, *args, check: bool = True) -> str:
-    r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                       env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@x", GIT_COMMITTER_NAME="t",
-                                GIT_COMMITTER_EMAIL="t@x", GIT_CEILING_DIRECTORIES=str(repo.parent)))
-    if check and r.returncode != 0:
-        raise AssertionError(f"git {args}: {r.stderr}")
-    return r.stdout
+    return _git(repo, *args, check=check, env={"GIT_CEILING_DIRECTORIES": str(repo.parent)})
 
 
 def small_checkout(src: Path, dest: Path, files: list[str], release: str = "0.5.9") -> Path:
