@@ -2,9 +2,10 @@
 
 import json
 import shutil
+import subprocess
 
 import pytest
-from conftest import BASIC, BASIC_ROOT, REAL, git, hashes, one_line_error, run_tool
+from conftest import BASIC, BASIC_ROOT, REAL, REPO, git, hashes, one_line_error, run_tool
 from txnkit import kill, start_stopped
 
 from eaglepatch.txn import TXN
@@ -205,3 +206,16 @@ def test_real_series_apply_and_reverse(installed_059):
     r = run_tool("apply", installed_059, "--series", REAL, "--reverse")
     assert r.returncode == 0, r.stdout + r.stderr
     assert hashes(installed_059) == before
+
+
+def test_the_fetch_checkout_made_in_the_clone_is_ignored_by_git():
+    """README step 1 runs `apply.py --fetch` in the clone: its checkout (./sglang-<release>/) must
+    not show up as an untracked directory there; the series directories stay tracked."""
+    from eaglepatch.series import available_series
+    for release, d in available_series().items():
+        r = subprocess.run(["git", "check-ignore", "--no-index", "-q", f"sglang-{release}/python/sglang/__init__.py"],
+                           cwd=REPO)
+        assert r.returncode == 0, f"sglang-{release}/ is not ignored"
+        r = subprocess.run(["git", "check-ignore", "--no-index", "-q", str((d / "series").relative_to(REPO))],
+                           cwd=REPO)
+        assert r.returncode == 1, f"{d}/series is ignored"
