@@ -4,7 +4,7 @@ import json
 import sys
 
 import pytest
-from conftest import BASIC, REAL, git, hashes, run_tool
+from conftest import BASIC, REAL, git, hashes, one_line_error, run_tool
 
 from eaglepatch.export import build_export, write_export
 from eaglepatch.report import verify_tree
@@ -171,3 +171,16 @@ def test_import_level_unavailable_is_said_clearly(installed_059, monkeypatch):
     [r] = [r for r in rep.smoke if r.name == "smoke level import"]
     assert not r.passed and r.figure == "not available" and "run_smoke" in r.detail
     assert "not available" in rep.human()
+
+
+def test_json_destination_that_takes_no_files_is_refused_before_any_work(installed_059):
+    """/proc/nope.json: the permission bits of /proc allow root to write, the filesystem does not.
+    One line naming the directory, before the tree is copied for the smoke tests."""
+    r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "static", "--json", "/proc/nope.json")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = one_line_error(r)
+    assert "/proc does not take new files" in err and "free space" not in err, err
+    assert "copying" not in r.stderr and r.stdout == ""
+    r = run_tool("verify", installed_059, "--series", BASIC, "--json", "/nonexistent-dir/r.json")
+    assert r.returncode == 2 and "/nonexistent-dir does not exist" in one_line_error(r)
+    assert "copying" not in r.stderr
