@@ -8,20 +8,21 @@ Releases default to every release on the package index from the oldest series on
 downloaded once and cached). Exit: 0 written (with --strict: and every release applies),
 1 drift (--strict / --pinned), 2 usage or input error.
 """
-import argparse
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="drift.py", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("drift.py", __doc__)
     ap.add_argument("--releases", help="comma list of releases (default: every release on the index)")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "drift.md", help="Markdown file to write")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "drift.md",
+                    help="Markdown file to write (default: docs/drift.md of this repository)")
     ap.add_argument("--strict", action="store_true", help="exit 1 unless every release applies (exact/offset)")
     ap.add_argument("--pinned", action="store_true",
                     help="only each series' own release; exit 1 unless all-exact; writes nothing")
