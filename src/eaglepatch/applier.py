@@ -253,10 +253,21 @@ def _refuse_edits(tree: UpstreamTree, series: Series, reverse: bool, force: bool
                        "restore the file(s) or pass --force to apply anyway (still zero fuzz)")
 
 
+def _reverse_hint(tree: UpstreamTree, series: Series) -> str | None:
+    """What to do after --reverse in a git checkout that has the series committed (None: nothing);
+    a git problem here only loses the hint, never the reverse's success."""
+    if tree.kind != "git":
+        return None
+    try:
+        return after_reverse_hint(tree, series)
+    except (RefusedError, UsageError):
+        return None
+
+
 def _already(tree: UpstreamTree, series: Series, reverse: bool, commit: bool, say, chk=None) -> ApplyOutcome:
     if reverse:
         say(f"{series.name}: not applied; nothing to reverse ({tree.describe()})")
-        hint = after_reverse_hint(tree, series) if tree.kind == "git" else None
+        hint = _reverse_hint(tree, series)
         if hint:
             say(hint)
         return ApplyOutcome("not applied", chk)
@@ -332,10 +343,9 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
         if cp.old and cp.old != cp.new:
             print(f"note: --force replaced branch {cp.branch}, which was at {cp.old} (get it back with: "
                   f"git branch {cp.branch}-old {cp.old})", file=sys.stderr, flush=True)
-    if reverse and tree.kind == "git":
-        hint = after_reverse_hint(tree, series)
-        if hint:
-            say(hint)
+    hint = _reverse_hint(tree, series) if reverse else None
+    if hint:
+        say(hint)
     return ApplyOutcome("applied", chk, changes, branch=cp.branch if cp else None)
 
 
