@@ -34,7 +34,8 @@ def test_git_touching_tests_pass_with_an_empty_home_and_no_git_config(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(HOME=str(home), GIT_CONFIG_GLOBAL=str(cfg), GIT_CONFIG_NOSYSTEM="1",
                EAGLEPATCH_CACHE=str(cache_root().parent), XDG_CONFIG_HOME=str(home / ".config"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GIT_TESTS],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                        str(tmp_path / "basetemp"), *GIT_TESTS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " failed" not in r.stdout and " passed" in r.stdout
