@@ -1,5 +1,11 @@
 """Shared fixtures: the real sglang 0.5.9 / 0.5.10 wheels (fetched once through eaglepatch.fetch
-and cached), trees laid out as a git checkout or an installed package, and tool runners."""
+and cached), trees laid out as a git checkout or an installed package, and tool runners.
+
+git: the whole session runs without the user's git configuration (GIT_CONFIG_GLOBAL = a session
+file that only sets `user.useConfigOnly`, GIT_CONFIG_NOSYSTEM=1), so no git identity exists and
+none is guessed from the host name. A test that commits passes its identity (`git()` below, as the
+tools do with theirs); a failed git call shows git's own stderr.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +24,121 @@ from eaglepatch.fetch import make_git_checkout, unpacked_release  # noqa: E402
 from eaglepatch.series import load_series  # noqa: E402
 from eaglepatch.tree import tree_hashes  # noqa: E402
 
+# who commits in the tests' own git calls (the tools bring their own: eaglepatch.gitcmd.GIT_ID)
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "eaglepatch tests", "GIT_AUTHOR_EMAIL": "tests@eaglepatch.invalid",
+                "GIT_COMMITTER_NAME": "eaglepatch tests", "GIT_COMMITTER_EMAIL": "tests@eaglepatch.invalid"}
+# the session's git configuration: no identity, and git may not guess one (on any host)
+SESSION_GITCONFIG = "[user]\n\tuseConfigOnly = true\n"
+
 FIXTURES = REPO / "tests" / "fixtures"
 BASIC_ROOT = FIXTURES / "series-basic"
 BASIC = BASIC_ROOT / "sglang-0.5.9"
 REAL = REPO / "patches" / "sglang-0.5.9"
+
+
+def pytest_configure(config):
+    """Before anything runs: the session's own directory in the system temp dir, holding
+    - `gitconfig`, the session's (empty) git configuration, for every git the tests and the tools
+      they start run;
+    - `tmp/`, the temp dir (TMPDIR) of the session and of every process it starts, removed at the
+      end: what killed processes leave there goes with it. pytest's own tmp_path stays where it
+      always is (PYTEST_DEBUG_TEMPROOT), and so does torch's compile cache."""
+    import getpass
+    import tempfile
+    from eaglepatch import shm
+    system_tmp = tempfile.gettempdir()
+    root = Path(tempfile.mkdtemp(prefix="eaglepatch-tests-", dir=system_tmp))
+    root.chmod(0o755)  # tools run as another user (setpriv) read it too
+    cfg = root / "gitconfig"
+    cfg.write_text(SESSION_GITCONFIG)
+    cfg.chmod(0o644)
+    tmp = root / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)  # like /tmp: tools run as another user write there too
+    # the user's GIT_* (an identity, GIT_DIR from a hook, ...) are not the session's either
+    old = {k: v for k, v in os.environ.items() if k.startswith("GIT_")}
+    for k in ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_NOSYSTEM", "TMPDIR", "PYTEST_DEBUG_TEMPROOT",
+              "TORCHINDUCTOR_CACHE_DIR"):
+        old[k] = os.environ.get(k)
+    config._eaglepatch_session = (root, old, tempfile.tempdir, shm.snapshot())
+    for k in old:
+        if k.startswith("GIT_"):
+            os.environ.pop(k, None)
+    os.environ["GIT_CONFIG_GLOBAL"] = str(cfg)
+    os.environ["GIT_CONFIG_NOSYSTEM"] = "1"
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system_tmp)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(system_tmp, "torchinductor_" + getpass.getuser()))
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = str(tmp)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Semaphores and shared memory that processes which died during the session left in /dev/shm
+    (SGLang servers killed by a test) are removed, and said so."""
+    from eaglepatch import shm
+    state = getattr(session.config, "_eaglepatch_session", None)
+    if state is None:
+        return
+    gone = shm.sweep(state[3])
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if gone and tr is not None:
+        tr.write_line(f"removed {len(gone)} semaphore/shared-memory file(s) that dead processes left in /dev/shm: "
+                      + " ".join(gone[:10]) + (" ..." if len(gone) > 10 else ""))
+
+
+def pytest_unconfigure(config):
+    import tempfile
+    state = getattr(config, "_eaglepatch_session", None)
+    if state is None:
+        return
+    root, old, tempdir, _ = state
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    tempfile.tempdir = tempdir
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _ours_in_tmp() -> set:
+    """eaglepatch's entries in the session temp dir, less this process's bytecode dir (removed at exit)."""
+    import tempfile
+    from eaglepatch.smoke import _PYCACHE
+    keep = {Path(p).name for p in _PYCACHE}
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return set()
+    return {n for n in names if n.lstrip(".").startswith("eaglepatch-") and n not in keep}
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing_in_the_temp_dir():
+    """Every test: the tools and the library leave no eaglepatch-* file or directory in the temp dir
+    (a test that kills a tool gives it a temp dir of its own, see txnkit)."""
+    import tempfile
+    before = _ours_in_tmp()
+    yield
+    left = sorted(_ours_in_tmp() - before)
+    for n in left:
+        p = Path(tempfile.gettempdir()) / n
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if left:
+        pytest.fail(f"left in the temp dir: {', '.join(left)}", pytrace=False)
+
+
+def git(repo: Path, *args, input: str | None = None, check: bool = True, env: dict | None = None) -> str:
+    """`git ARGS` in `repo` with the tests' identity; a failure is an AssertionError holding git's stderr."""
+    e = dict(os.environ, **GIT_IDENTITY, **(env or {}))
+    r = subprocess.run(["git", *map(str, args)], cwd=repo, capture_output=True, text=True, input=input, env=e)
+    if check and r.returncode != 0:
+        raise AssertionError(f"git {' '.join(map(str, args))} in {repo} exited {r.returncode}:\n"
+                             f"{r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import BASIC, BASIC_ROOT, REAL, hashes, one_line_error, run_tool
+from conftest import BASIC, BASIC_ROOT, REAL, REPO, git, hashes, one_line_error, run_tool
 from txnkit import kill, start_stopped
 
 from eaglepatch.txn import TXN
@@ -72,8 +72,7 @@ def test_git_checkout_check_writes_nothing_then_apply_and_reverse(checkout_059):
     r = run_tool("apply", checkout_059, "--series", BASIC, "--reverse")
     assert r.returncode == 0, r.stderr
     assert hashes(checkout_059) == before
-    st = subprocess.run(["git", "status", "--porcelain"], cwd=checkout_059, capture_output=True, text=True)
-    assert st.stdout == ""
+    assert git(checkout_059, "status", "--porcelain") == ""
 
 
 def test_local_edit_refused_unless_force(installed_059):
@@ -168,12 +167,12 @@ def test_commit_creates_one_commit_per_patch(checkout_059):
     r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
     assert r.returncode == 0, r.stderr
     assert "eaglepatch/sglang-0.5.9" in r.stdout
-    git = lambda *a: subprocess.run(["git", *a], cwd=checkout_059, capture_output=True, text=True).stdout  # noqa
-    assert git("symbolic-ref", "HEAD").strip() == "refs/heads/eaglepatch/sglang-0.5.9"
-    assert git("status", "--porcelain") == ""
-    subjects = git("log", "--format=%s", "v0.5.9..HEAD").splitlines()
+    assert git(checkout_059, "symbolic-ref", "HEAD").strip() == "refs/heads/eaglepatch/sglang-0.5.9"
+    assert git(checkout_059, "status", "--porcelain") == ""
+    subjects = git(checkout_059, "log", "--format=%s", "v0.5.9..HEAD").splitlines()
     assert subjects == ["Record the capture layers in DeepseekV2Model", "Add the eagle3_capture hook module"]
-    assert "Drop-When: upstream ships a hidden-state dump hook" in git("log", "-1", "--format=%B", "HEAD~1")
+    assert "Drop-When: upstream ships a hidden-state dump hook" in git(checkout_059, "log", "-1", "--format=%B",
+                                                                       "HEAD~1")
     # a second --commit: already applied, nothing new
     r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
     assert r.returncode == 0 and "already applied" in r.stdout
@@ -185,7 +184,7 @@ def test_fetch_makes_a_patched_checkout(tmp_path):
     assert r.returncode == 0, r.stderr
     assert str(dest) in r.stdout
     assert set(manifest_state(dest / "python").values()) == {"patched"}
-    tag = subprocess.run(["git", "tag"], cwd=dest, capture_output=True, text=True).stdout.split()
+    tag = git(dest, "tag").split()
     assert tag == ["v0.5.9"]
     before = hashes(dest)
     r = run_tool("apply", "--fetch", "0.5.9", dest, env={"EAGLEPATCH_PATCHES": str(BASIC_ROOT)})
@@ -207,3 +206,88 @@ def test_real_series_apply_and_reverse(installed_059):
     r = run_tool("apply", installed_059, "--series", REAL, "--reverse")
     assert r.returncode == 0, r.stdout + r.stderr
     assert hashes(installed_059) == before
+
+
+def test_the_fetch_checkout_made_in_the_clone_is_ignored_by_git():
+    """README step 1 runs `apply.py --fetch` in the clone: its checkout (./sglang-<release>/) must
+    not show up as an untracked directory there; the series directories stay tracked."""
+    from eaglepatch.series import available_series
+    for release, d in available_series().items():
+        r = subprocess.run(["git", "check-ignore", "--no-index", "-q", f"sglang-{release}/python/sglang/__init__.py"],
+                           cwd=REPO)
+        assert r.returncode == 0, f"sglang-{release}/ is not ignored"
+        r = subprocess.run(["git", "check-ignore", "--no-index", "-q", str((d / "series").relative_to(REPO))],
+                           cwd=REPO)
+        assert r.returncode == 1, f"{d}/series is ignored"
+
+
+def test_commit_force_says_which_branch_it_replaced_and_where_it_was(checkout_059):
+    """--commit --force over an existing branch (here with a commit of the user's on it) says so in
+    one stderr line naming the branch and its old commit, which stays recoverable."""
+    assert run_tool("apply", checkout_059, "--series", BASIC, "--commit").returncode == 0
+    (checkout_059 / "NOTES").write_text("my work\n")
+    git(checkout_059, "add", "NOTES")
+    git(checkout_059, "commit", "-q", "-m", "my work on the series branch")
+    old = git(checkout_059, "rev-parse", "HEAD").strip()
+    git(checkout_059, "checkout", "-q", "main")
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--commit")
+    assert r.returncode == 1 and "already exists" in one_line_error(r) and "--force" in r.stderr
+    r = run_tool("apply", checkout_059, "--series", BASIC, "--commit", "--force")
+    assert r.returncode == 0, r.stdout + r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(notes) == 1 and "replaced branch eaglepatch/sglang-0.5.9" in notes[0] and old in notes[0], r.stderr
+    assert git(checkout_059, "rev-parse", "HEAD").strip() != old
+    git(checkout_059, "branch", "recovered", old)  # the command the note names
+    assert git(checkout_059, "log", "-1", "--format=%s", "recovered").strip() == "my work on the series branch"
+
+
+@pytest.mark.parametrize("layout", ["installed", "git"])
+def test_a_series_for_another_release_is_named_as_such(layout, installed_059, checkout_059):
+    """--series patches/sglang-0.5.17 on a 0.5.9 tree: not 'local edits' or missing files, but the
+    tree's release and the series to use; nothing is written."""
+    other = REPO / "patches" / "sglang-0.5.17"
+    if not other.is_dir():
+        pytest.skip("no 0.5.17 series")
+    tree = installed_059 if layout == "installed" else checkout_059
+    before = hashes(tree)
+    for extra in ([], ["--check"]):
+        r = run_tool("apply", tree, "--series", other, *extra)
+        assert r.returncode == 2, r.stdout + r.stderr
+        err = one_line_error(r)
+        assert "this tree is sglang 0.5.9" in err and "series for sglang 0.5.17" in err, err
+        assert "use --series patches/sglang-0.5.9" in err and "local edits" not in err
+    assert hashes(tree) == before
+
+
+def test_a_patched_and_committed_tree_is_told_by_its_hashes(checkout_059):
+    """HEAD on the series branch (no release tag, no _version.py): the manifests tell the release."""
+    assert run_tool("apply", checkout_059, "--series", REAL, "--commit").returncode == 0
+    r = run_tool("apply", checkout_059, "--check", "--series", REPO / "patches" / "sglang-0.5.23")
+    assert r.returncode == 2
+    assert "this tree is sglang 0.5.9 (from the hashes in sglang-0.5.9/manifest.json)" in one_line_error(r)
+
+
+def test_reverse_of_a_fetched_checkout_names_the_next_step(tmp_path):
+    """After --fetch the series is committed: --reverse leaves uncommitted changes that the next
+    --commit refuses. It says so and what to do; doing it leads to a clean upstream tree that
+    --commit --force patches again."""
+    dest = tmp_path / "co"
+    env = {"EAGLEPATCH_PATCHES": str(BASIC_ROOT)}
+    assert run_tool("apply", "--fetch", "0.5.9", dest, env=env).returncode == 0
+    r = run_tool("apply", dest, "--reverse", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "eaglepatch/sglang-0.5.9 still has it committed" in r.stdout
+    step = next(ln.split("#")[0].strip() for ln in r.stdout.splitlines() if "git checkout -f" in ln)
+    assert step == "git checkout -f main" and "git commit -a" in r.stdout
+    # the same hint when the reverse is run again
+    assert "git checkout -f main" in run_tool("apply", dest, "--reverse", env=env).stdout
+    git(dest, *step.split()[1:])
+    assert git(dest, "status", "--porcelain") == "" and set(manifest_state(dest / "python").values()) == {"upstream"}
+    r = run_tool("apply", dest, "--commit", "--force", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(manifest_state(dest / "python").values()) == {"patched"}
+    # a reverse whose result is committed (or a tree never committed) says nothing more
+    assert run_tool("apply", dest, "--reverse", env=env).returncode == 0
+    git(dest, "commit", "-q", "-a", "-m", "Remove the series")
+    r = run_tool("apply", dest, "--reverse", env=env)
+    assert r.returncode == 0 and "nothing to reverse" in r.stdout and "git checkout" not in r.stdout

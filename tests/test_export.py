@@ -2,19 +2,14 @@
 
 import json
 import shutil
-import subprocess
 
 import pytest
-from conftest import BASIC, REAL, one_line_error, run_tool
+from conftest import BASIC, REAL, git, one_line_error, run_tool
 
 from eaglepatch.export import build_export, slug
 
 HEADER = ("Description: {d}\nWhy: tests\nOrigin: eaglepatch\nForwarded: not-needed\n"
           "Last-Update: 2026-11-29\nDrop-When: never\n")
-
-
-def git(repo, *a, **kw):
-    return subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True, **kw).stdout
 
 
 def commit(repo, subject, desc="x"):
@@ -118,3 +113,19 @@ def test_product_series_reexport_is_byte_identical(tmp_path):
     r = run_tool("export", co, "--base", "v0.5.9", "--out", REAL, "--check")
     assert r.returncode == 0, r.stdout + r.stderr
     shutil.rmtree(co)
+
+
+def test_base_defaults_to_the_release_tag_of_the_checkout(checkout_059, tmp_path):
+    """README: `tools/export.py REPO` on the checkout apply --fetch/--commit made: the base is the
+    release tag v0.5.9 behind the branch, said on stderr; a repository without one is told to pass --base."""
+    assert run_tool("apply", checkout_059, "--series", BASIC, "--commit").returncode == 0
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = run_tool("export", checkout_059, "--out", a)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "base v0.5.9" in r.stderr
+    assert run_tool("export", checkout_059, "--base", "v0.5.9", "--out", b).returncode == 0
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == {p.name: p.read_bytes() for p in b.iterdir()}
+    git(checkout_059, "tag", "-d", "v0.5.9")
+    r = run_tool("export", checkout_059, "--out", tmp_path / "c")
+    assert r.returncode == 2 and "no release tag" in one_line_error(r) and "--base" in one_line_error(r)
+    assert not (tmp_path / "c").exists()

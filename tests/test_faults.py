@@ -174,7 +174,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
 if __name__ != "__main__":
     import pytest
     from conftest import REAL, hashes, run_tool
-    from txnkit import kill, start_stopped
+    from txnkit import kill, own_tmp, start_stopped
 
     from eaglepatch.series import load_series, sha256_bytes
 
@@ -296,13 +296,16 @@ if __name__ != "__main__":
         `delay`, after `delay` seconds wherever it is; returns what the redo log looked like."""
         txn = pp / ".eaglepatch-txn"
         if stage == "delay":
+            tmp = own_tmp()  # a SIGKILLed tool cannot remove its scratch copy
             proc = subprocess.Popen([sys.executable, str(TOOLS / "apply.py"), str(pp), *args],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env=dict(os.environ, TMPDIR=str(tmp)))
             try:
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
         else:
             kill(start_stopped("apply", pp, *args, stage=stage))
         if not txn.exists():

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def test_generated_patch_is_what_git_writes_for_a_branch(tmp_path):
     gen = overlay.generate_for("0.5.9", "0.5.9-9")
     repo = tmp_path / "r"
     repo.mkdir()
-    env = {"GIT_CEILING_DIRECTORIES": str(tmp_path), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {"GIT_CEILING_DIRECTORIES": str(tmp_path), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}  # no config can change the diff
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True, env=env)
     for rel, data in gen.files.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BASIC, BASIC_ROOT, REAL, REPO, copy_installed, hashes, one_line_error, run_tool, series_files
-from txnkit import git, interrupt, kill, small_checkout, start_stopped
+from txnkit import git, interrupt, kill, own_tmp, small_checkout, start_stopped
 
 from eaglepatch.series import load_series, sha256_bytes
 from eaglepatch.txn import TXN
@@ -96,14 +96,15 @@ NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-
           "--ambient-caps=+dac_read_search"]
 
 
-def as_nobody(*args) -> subprocess.CompletedProcess:
+def as_nobody(*args, env: dict | None = None) -> subprocess.CompletedProcess:
     """A tool run as uid/gid 65534 (not root). It may read everything (CAP_DAC_READ_SEARCH, so it
     can reach the interpreter under /root) but writes only where a normal user may."""
     needs_root()
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     cmd = [*NOBODY, sys.executable, str(REPO / "tools" / args[0]), *map(str, args[1:])]
-    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HOME="/tmp"), cwd="/")
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HOME="/tmp", **(env or {})),
+                          cwd="/")
 
 
 def test_read_only_directory_for_a_non_root_user(small):
@@ -132,6 +133,24 @@ def test_read_only_directory_for_a_non_root_user(small):
     r = as_nobody("apply.py", small, "--series", BASIC, "--reverse")
     assert r.returncode == 1 and "is not writable" in one_line_error(r)
     assert hashes(small) == patched and not leftovers(small)
+
+
+def test_verify_of_a_read_only_tree_adds_to_its_copy_and_removes_it(small):
+    """A user's read-only directories (here sglang/srt, where the series adds its package, and the
+    models directory): verify's smoke copy takes their modes; it must still get the series' new
+    files and be removed afterwards, leaving nothing in the temp dir."""
+    subprocess.run(["chown", "-R", "65534:65534", str(small)], check=True)
+    for rel in ("sglang/srt", MODELS):
+        (small / rel).chmod(0o555)
+    tmp = own_tmp()
+    try:
+        r = as_nobody("verify.py", small, "--series", BASIC, "--smoke", "static", env={"TMPDIR": str(tmp)})
+        assert r.returncode == 0 and "CLEAN" in r.stdout, r.stdout + r.stderr
+        assert sorted(p.name for p in tmp.iterdir()) == []
+    finally:
+        for rel in ("sglang/srt", MODELS):
+            (small / rel).chmod(0o755)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_redo_that_cannot_proceed_is_undone(small):

@@ -1,11 +1,10 @@
 """tools/verify.py: per-hunk verdicts (built cases for each), drift on the real 0.5.10, smoke levels."""
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import BASIC, REAL, hashes, run_tool
+from conftest import BASIC, REAL, git, hashes, one_line_error, run_tool
 
 from eaglepatch.export import build_export, write_export
 from eaglepatch.report import verify_tree
@@ -148,10 +147,9 @@ def test_verify_on_an_applied_tree_checks_its_unpatched_form(installed_059):
 
 
 def test_static_smoke_catches_an_undefined_name(checkout_059, installed_059, tmp_path):
-    git = lambda *a: subprocess.run(["git", *a], cwd=checkout_059, check=True, capture_output=True)  # noqa
     p = checkout_059 / "python" / DS
     p.write_bytes(p.read_bytes().replace(HUNK, HUNK + b"        eagle3_not_imported(self)\n", 1))
-    git("commit", "-q", "-am", "Call a helper\n\nDescription: x\nWhy: y\nOrigin: eaglepatch\n"
+    git(checkout_059, "commit", "-q", "-am", "Call a helper\n\nDescription: x\nWhy: y\nOrigin: eaglepatch\n"
         "Forwarded: no\nLast-Update: 2026-11-29\nDrop-When: never")
     out = tmp_path / "sglang-0.5.9"
     write_export(out, build_export(checkout_059, "v0.5.9"))
@@ -173,3 +171,16 @@ def test_import_level_unavailable_is_said_clearly(installed_059, monkeypatch):
     [r] = [r for r in rep.smoke if r.name == "smoke level import"]
     assert not r.passed and r.figure == "not available" and "run_smoke" in r.detail
     assert "not available" in rep.human()
+
+
+def test_json_destination_that_takes_no_files_is_refused_before_any_work(installed_059):
+    """/proc/nope.json: the permission bits of /proc allow root to write, the filesystem does not.
+    One line naming the directory, before the tree is copied for the smoke tests."""
+    r = run_tool("verify", installed_059, "--series", BASIC, "--smoke", "static", "--json", "/proc/nope.json")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = one_line_error(r)
+    assert "/proc does not take new files" in err and "free space" not in err, err
+    assert "copying" not in r.stderr and r.stdout == ""
+    r = run_tool("verify", installed_059, "--series", BASIC, "--json", "/nonexistent-dir/r.json")
+    assert r.returncode == 2 and "/nonexistent-dir does not exist" in one_line_error(r)
+    assert "copying" not in r.stderr

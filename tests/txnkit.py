@@ -8,10 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from conftest import REPO, copy_installed
+from conftest import git as _git
 
 
 def _state(pid: int) -> str:
@@ -24,10 +26,13 @@ def _state(pid: int) -> str:
 def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout: float = 120,
                   prefix: list | None = None) -> subprocess.Popen:
     """Start tools/<tool>.py (after `prefix`, e.g. a setpriv command) and return once it stopped
-    itself at `stage` (fails if it never does)."""
-    e = dict(os.environ, EAGLEPATCH_STOP_AT=stage, **(env or {}))
+    itself at `stage` (fails if it never does). The tool gets a temp dir of its own (`proc.tmp`):
+    what a SIGKILLed tool leaves there is removed by `kill`."""
+    tmp = own_tmp()
+    e = dict(os.environ, EAGLEPATCH_STOP_AT=stage, TMPDIR=str(tmp), **(env or {}))
     proc = subprocess.Popen([*(prefix or []), sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    proc.tmp = tmp
     t0 = time.monotonic()
     while _state(proc.pid) != "T":
         if proc.poll() is not None:
@@ -40,16 +45,31 @@ def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout
     return proc
 
 
+def own_tmp() -> Path:
+    """A temp dir for one tool run that may be killed (writable by any user, as /tmp is)."""
+    d = Path(tempfile.mkdtemp(prefix="killed-tool-"))
+    d.chmod(0o1777)
+    return d
+
+
 def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL: the tool cannot clean up, so its temp dir goes here."""
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
+    shutil.rmtree(getattr(proc, "tmp", None) or "/nonexistent", ignore_errors=True)
 
 
 def interrupt(proc: subprocess.Popen) -> tuple[int, str, str]:
-    """Ctrl-C a stopped process (SIGINT, then let it run on): (exit code, stdout, stderr)."""
+    """Ctrl-C a stopped process (SIGINT, then let it run on): (exit code, stdout, stderr). The tool
+    must have removed its temp files on the way out."""
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
+    tmp = getattr(proc, "tmp", None)
+    if tmp is not None:
+        left = sorted(p.name for p in tmp.iterdir())
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not left, f"the interrupted tool left {left} in its temp dir:\n{err}"
     return proc.returncode, out, err
 
 
@@ -59,12 +79,7 @@ def small_installed(src: Path, dest: Path, files: list[str]) -> Path:
 
 
 def git(repo: Path, *args, check: bool = True) -> str:
-    r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                       env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@x", GIT_COMMITTER_NAME="t",
-                                GIT_COMMITTER_EMAIL="t@x", GIT_CEILING_DIRECTORIES=str(repo.parent)))
-    if check and r.returncode != 0:
-        raise AssertionError(f"git {args}: {r.stderr}")
-    return r.stdout
+    return _git(repo, *args, check=check, env={"GIT_CEILING_DIRECTORIES": str(repo.parent)})
 
 
 def small_checkout(src: Path, dest: Path, files: list[str], release: str = "0.5.9") -> Path:

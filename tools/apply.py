@@ -9,7 +9,6 @@ The tree is locked while the tool runs; a change is one transaction (an interrup
 finished or undone by the next run that writes the tree; --check writes nothing).
 Exit: 0 applied / already applied, 1 refused (tree untouched), 2 usage or input error.
 """
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -17,20 +16,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eaglepatch import PINNED_RELEASE  # noqa: E402
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="apply.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", nargs="?", help="SGLang git checkout or site-packages dir holding sglang/")
-    ap.add_argument("--series", type=Path, help="series dir (default: patches/sglang-<detected release>)")
+    ap = cli.parser("apply.py", __doc__)
+    ap.add_argument("root", nargs="?", metavar="ROOT", help="SGLang git checkout or site-packages dir holding sglang/")
+    ap.add_argument("--series", type=Path, metavar="DIR", help="series dir (default: patches/sglang-<detected release>)")
     ap.add_argument("--check", action="store_true", help="write nothing; print per-patch and per-hunk results")
     ap.add_argument("--reverse", action="store_true", help="remove the series, restoring the original bytes")
     ap.add_argument("--force", action="store_true", help="apply over local edits / anchor drift (still zero fuzz)")
-    ap.add_argument("--commit", action="store_true", help="git checkouts: one commit per patch on a branch")
-    ap.add_argument("--fetch", nargs="*", metavar="RELEASE [DEST]",
+    ap.add_argument("--commit", action="store_true",
+                    help="git checkouts: one commit per patch on branch eaglepatch/sglang-<release> (with --force: "
+                         "replacing an existing one, whose old commit is printed)")
+    ap.add_argument("--fetch", nargs="*", metavar="[RELEASE [DEST]]",
                     help=f"download RELEASE (default: the pinned release, {PINNED_RELEASE}) into a new git repo "
-                         "DEST and apply there")
+                         "DEST (default: ./sglang-RELEASE) and apply there with --commit")
     a = ap.parse_args(argv)
     command = " ".join(shlex.quote(x) for x in ["python3", "tools/apply.py", *(sys.argv[1:] if argv is None
                                                                                 else argv)])

@@ -16,20 +16,18 @@ Exit: 0 written (with --strict: every release passes; --pinned: every series all
 1 a release fails (--strict) or a series is not all-exact on its release (--pinned),
 2 usage or input error (also an unknown release).
 """
-import argparse
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="drift.py", description=__doc__.split("\n\n")[0],
-                                 epilog="\n\n".join(__doc__.strip().split("\n\n")[2:]),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser("drift.py", __doc__, whole_doc=True)
     ap.add_argument("--releases", help="comma list of releases (default: every release on the index)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "drift.md",
                     help="Markdown file to write (default: docs/drift.md of this clone)")

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Export the edit branch of a patched SGLang git tree to a series dir, deterministically.
 
-  python tools/export.py REPO --base v0.5.9 [--branch B] [--out patches/sglang-0.5.9]
+  python tools/export.py REPO [--base v0.5.9] [--branch B] [--out patches/sglang-0.5.9]
                          [--series-version 0.5.9-1] [--check]
   python tools/export.py --overlay [--out SERIES_DIR] [--check]
 
-One patch per commit base..branch (NNNN-<slug of Subject>.patch, header = commit message);
+One patch per commit base..branch (NNNN-<slug of Subject>.patch, header = commit message); the
+base defaults to the nearest release tag v<release> behind the branch (the tag `apply --fetch`
+puts on the upstream commit; an upstream clone's release tag);
 commits whose Subject starts with 'smoke:' go to smoke.series (a branch without any, e.g. one
 made by apply --commit, keeps the smoke patches already in the series dir). Writes series,
 smoke.series and manifest.json, all or nothing. --check writes nothing and exits 1 if anything
@@ -13,20 +15,24 @@ on disk differs by one byte.
 
 --overlay regenerates the first patch of every series (or of --out), the one that adds the
 package in sglang-overlay/, and its manifest entries; with --check it only compares.
+
+Exit: 0 exported (with --check: byte-identical), 1 --check found a difference (or refused),
+2 usage or input error.
 """
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("repo", nargs="?", help="git checkout holding the edit branch (upstream release tagged v<release>)")
-    ap.add_argument("--base", help="upstream base revision, e.g. v0.5.9 (required with REPO)")
+    ap = cli.parser("export.py", __doc__)
+    ap.add_argument("repo", nargs="?", metavar="REPO", help="git checkout holding the edit branch (upstream release tagged v<release>)")
+    ap.add_argument("--base", help="upstream base revision, e.g. v0.5.9 (default: the nearest v<release> tag "
+                                   "behind --branch)")
     ap.add_argument("--overlay", action="store_true",
                     help="regenerate each series' new-file patch from sglang-overlay/ (no REPO)")
     ap.add_argument("--branch", help="edit branch (default: HEAD)")
@@ -45,9 +51,14 @@ def main(argv=None) -> int:
                 raise UsageError("--overlay takes no REPO, --base, --branch or --series-version",
                                  "run: export.py --overlay [--out SERIES_DIR] [--check]")
             return overlay_body(a.out, a.check)
-        if not a.repo or not a.base:
-            raise UsageError("REPO and --base are required (or pass --overlay)",
-                             "run: export.py REPO --base v<release> [--out DIR]")
+        if not a.repo:
+            raise UsageError("REPO is required (or pass --overlay)", "run: export.py REPO [--base v<release>] [--out DIR]")
+        if a.base is None:
+            from eaglepatch.export import default_base
+
+            a.base = default_base(a.repo, a.branch)
+            print(f"export: base {a.base} (the nearest release tag behind {a.branch or 'HEAD'}; --base picks another)",
+                  file=sys.stderr)
         out = a.out
         if out is None:
             rel = a.base[1:] if a.base.startswith("v") else None

@@ -10,18 +10,18 @@ OUT/SHA256SUMS and OUT/unpack.sh. OUT is replaced only when the new bundle is co
 On the GPU machine: sh OUT/unpack.sh /tmp/site && export PYTHONPATH=/tmp/site
 Exit: 0 built, 1 refused (download, install or size), 2 usage error.
 """
-import argparse
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="gpu_bundle.py", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("gpu_bundle.py", __doc__)
     ap.add_argument("--out", type=Path, default=REPO / ".gpu-bundle", help="output folder (default: .gpu-bundle)")
     ap.add_argument("--pins", type=Path, help="pin list (default: src/eaglepatch/gpucheck/gpu-bundle.txt)")
     ap.add_argument("--max-mib", type=float, default=60.0, help="refuse a single tarball larger than this")

@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def _ids(text: str) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="gpucheck.py", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("gpucheck.py", __doc__)
     ap.add_argument("--site", type=Path, help="unpacked GPU bundle (holds the upstream sglang)")
     ap.add_argument("--series", type=Path, help="series applied to a copy of --site's sglang")
     ap.add_argument("--patched-files", type=Path, help="files of the series applied here (--make-patched-files writes them)")

@@ -10,21 +10,22 @@ speculators (speculators_model_type: top-level HF indices, as vLLM reads them); 
 without either (vLLM reads them, SGLang ignores them); none (every server's defaults). The Hugging
 Face hidden_states indices each server would feed the draft are compared with the dataset's
 manifest (or a dump file). With --release R both readings are printed: R with the series (it
-decides the exit code) and R unpatched (--unpatched makes that one decide). Warns where SpecForge or speculators cannot train the ids.
+decides the exit code) and R unpatched (--unpatched makes that one decide). Warns where
+SpecForge or speculators cannot train the ids.
 Exit: 0 match, 1 mismatch (both lists printed in both conventions), 2 usage error.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="guard.py", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("guard.py", __doc__)
     ap.add_argument("--draft-config", required=True, type=Path, help="the EAGLE-3 draft's config.json (or its dir)")
     ap.add_argument("--dataset", required=True, type=Path,
                     help="dataset dir from tools/extract.py (its manifest.json), or one dump .safetensors file")

@@ -1,37 +1,106 @@
 #!/usr/bin/env python3
-"""The project's test command.
+"""The project's test command: build (or reuse) the CPU SGLang environments the selected tests need, then run pytest.
 
-  python3 tools/test.py [PYTEST ARGS...]
+  python3 tools/test.py [PYTEST ARGS...]     e.g. tests/test_export.py -x -q
+  python3 tools/test.py -h | --help          this help (builds nothing, waits for nothing)
+  python3 tools/test.py --pytest-help        pytest's own help (from the test environment)
+  python3 tools/test.py -- ARGS...           ARGS go to pytest as they are
 
-Builds (or reuses) the cached CPU SGLang environment (eaglepatch.cpuenv: a venv under
-${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}/cpu-env-<key>, about 3 minutes the first time), then runs
-`<env python> -m pytest tests` with PYTHONPATH=src and the given arguments (test paths given
-as arguments replace `tests`). Exits with pytest's
-status; pytest's "no tests collected" (5) counts as a failure.
+The environments are virtual environments under ${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}
+(cpu-env-<key>, key = the requirement list and the Python version; eaglepatch.cpuenv), built
+before pytest starts, each step logged as it goes: the test environment
+(src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py
+(every run without test paths does), also the environment of every series' release and its tiny
+smoke checkpoints. Tests never build one themselves: inside pytest a missing environment is an
+error (EAGLEPATCH_NO_ENV_BUILD). The first full run on a fresh 2-core machine took 47 min and
+left 13 GB in ~/.cache; with the caches in place a run took about 13 min.
+
+pytest runs as `<env python> -m pytest tests ARGS` with PYTHONPATH=src; test paths among the
+arguments replace `tests`.
+
+Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
+environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
+4 pytest usage error).
 """
 
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eaglepatch import cpuenv  # noqa: E402
+from eaglepatch import cli, cpuenv  # noqa: E402
+
+FUNCTIONAL = REPO / "tests" / "test_functional.py"  # the tests that run every series' environment
+
+
+def _parser():
+    ap = cli.parser("test.py", __doc__, whole_doc=True,
+                    usage="%(prog)s [-h] [--pytest-help] [PYTEST ARGS ...] [-- ARGS ...]")
+    ap.add_argument("pytest_args", nargs="*", metavar="PYTEST ARGS", help="passed to pytest (test paths, -k, -x, ...)")
+    ap.add_argument("--pytest-help", action="store_true", help="print pytest's own help (builds the test environment)")
+    return ap
+
+
+def test_paths(args: list[str]) -> list[str]:
+    """The arguments that name test paths (tests/x.py, tests/x.py::test_y, a directory)."""
+    return [a for a in args if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
+
+
+def needed(paths: list[str]) -> list[tuple[Path, str, bool]]:
+    """(requirement list, what it runs, whether the smoke checkpoints are needed) of every
+    environment a run of `paths` (none = the whole suite) needs, the test environment first."""
+    out = {cpuenv.REQUIREMENTS: ["the tests"]}
+    functional = not paths
+    for p in paths:
+        target = (REPO / p.split("::")[0]).resolve()
+        functional |= target == FUNCTIONAL or (target.is_dir() and FUNCTIONAL.is_relative_to(target))
+    if functional:
+        from eaglepatch.series import available_series
+
+        for release in available_series():
+            out.setdefault(cpuenv.requirements_for(release), []).append(f"sglang {release} smoke")
+    return [(req, ", ".join(what), functional) for req, what in out.items()]
+
+
+def build(paths: list[str]) -> Path:
+    """Build (or reuse) every environment the run needs; the test environment's python."""
+    plan = needed(paths)
+    for i, (req, what, checkpoints) in enumerate(plan, 1):
+        d = cpuenv.env_dir(req)
+        ready = (d / cpuenv.COMPLETE_MARKER).is_file()
+        print(f"[test.py] environment {i}/{len(plan)} ({what}; {req.name}): "
+              + (f"ready ({d})" if ready else f"building {d}"), file=sys.stderr, flush=True)
+        py = cpuenv.ensure_env(req)
+        if checkpoints:
+            from eaglepatch.smoke import ensure_checkpoints, stubs_for
+
+            with tempfile.TemporaryDirectory(prefix="eaglepatch-checkpoints-") as work:
+                ensure_checkpoints(py, Path(work), req, stubs_for(req, Path(work)))
+    return cpuenv.ensure_env()
 
 
 def main(argv: list[str]) -> int:
+    head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    if "-h" in head or "--help" in head:
+        _parser().print_help()
+        return 0
+    pytest_help = "--pytest-help" in head
+    args = [a for a in head if a != "--pytest-help"] + tail
     try:
-        py = cpuenv.ensure_env()
+        py = cpuenv.ensure_env() if pytest_help else build(test_paths(args))
     except RuntimeError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    # `tests` unless the arguments name test paths themselves (e.g. tests/test_functional.py)
-    paths = [a for a in argv if not a.startswith("-") and (REPO / a.split("::")[0]).exists()]
-    cmd = [str(py), "-m", "pytest"] + ([] if paths else ["tests"]) + argv
+    env[cpuenv.NO_BUILD_ENV] = "1"  # every environment the run needs is built: none is built inside pytest
+    if pytest_help:
+        return subprocess.call([str(py), "-m", "pytest", "--help"], cwd=REPO, env=env)
+    cmd = [str(py), "-m", "pytest"] + ([] if test_paths(args) else ["tests"]) + args
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=REPO, env=env)
     if rc == 5:

@@ -8,19 +8,19 @@ A release without a series of its own is verified against the nearest older seri
 port command is named). Exit: 0 every hunk exact/offset and smoke passed, 1 drift or smoke failure
 (or refused: no series at all, a pending transaction), 2 usage or input error.
 """
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="verify.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", help="SGLang git checkout or site-packages dir holding sglang/")
-    ap.add_argument("--series", type=Path,
+    ap = cli.parser("verify.py", __doc__)
+    ap.add_argument("root", metavar="ROOT", help="SGLang git checkout or site-packages dir holding sglang/")
+    ap.add_argument("--series", type=Path, metavar="DIR",
                     help="series dir (default: patches/sglang-<detected release>, else the nearest older one)")
     ap.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     ap.add_argument("--smoke", choices=["none", "static", "import", "functional"], default="static",

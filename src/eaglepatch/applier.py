@@ -14,11 +14,12 @@ import glob
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .commit import committed, prepare_commit
+from .commit import after_reverse_hint, committed, prepare_commit
 from .errors import RefusedError, UsageError
 from . import gitcmd
 from .gitcmd import clean_env, require_git
@@ -182,10 +183,48 @@ def edit_causes(tree: UpstreamTree, series: Series, reverse: bool) -> dict:
     return out
 
 
+def _refuse_other_release(tree: UpstreamTree, series: Series) -> None:
+    """A series made for another release than the tree's (a wrong --series) is said as such, not
+    as local edits or missing files. The tree's release: its version source, else the series whose
+    manifest its files match (patched or not)."""
+    from .series import available_series, load_series
+
+    have = available_series()
+    release, source = tree.release, tree.release_source
+    if release is None:
+        for rel, d in have.items():
+            if rel == series.release:
+                continue
+            try:
+                other = load_series(d)
+            except UsageError:
+                continue
+            if other.manifest and tree.state(other) in ("upstream", "patched"):
+                release, source = rel, f"the hashes in {d.name}/manifest.json"
+                break
+    if release is None or not series.release or release == series.release:
+        return
+    own = have.get(release)
+    fix = (f"use --series {_shown(own)} (or drop --series)" if own is not None
+           else f"drop --series to be told the nearest series and how to port it (no series for sglang {release})")
+    raise UsageError(f"this tree is sglang {release} (from {source}) but --series {_shown(series.dir)} "
+                     f"is the series for sglang {series.release}", fix)
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the current directory when it is under it."""
+    try:
+        return os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    except ValueError:
+        return str(path)
+
+
 def _refuse_edits(tree: UpstreamTree, series: Series, reverse: bool, force: bool) -> None:
     causes = edit_causes(tree, series, reverse)
     if not causes:
         return
+    if not force:
+        _refuse_other_release(tree, series)
     side = "patched" if reverse else "upstream"
     broken = {r: c for r, c in causes.items() if c in ("missing", "crlf")}
     if broken:  # no --force can help: zero fuzz never matches a missing or CRLF file
@@ -214,9 +253,23 @@ def _refuse_edits(tree: UpstreamTree, series: Series, reverse: bool, force: bool
                        "restore the file(s) or pass --force to apply anyway (still zero fuzz)")
 
 
+def _reverse_hint(tree: UpstreamTree, series: Series) -> str | None:
+    """What to do after --reverse in a git checkout that has the series committed (None: nothing);
+    a git problem here only loses the hint, never the reverse's success."""
+    if tree.kind != "git":
+        return None
+    try:
+        return after_reverse_hint(tree, series)
+    except (RefusedError, UsageError):
+        return None
+
+
 def _already(tree: UpstreamTree, series: Series, reverse: bool, commit: bool, say, chk=None) -> ApplyOutcome:
     if reverse:
         say(f"{series.name}: not applied; nothing to reverse ({tree.describe()})")
+        hint = _reverse_hint(tree, series)
+        if hint:
+            say(hint)
         return ApplyOutcome("not applied", chk)
     if commit:
         branch = committed(tree, series)
@@ -287,6 +340,12 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
         + f", {len(changes)} file(s) changed in {tree.package_parent}")
     if cp:
         say(f"committed {len(series.patches)} patch(es) on branch {cp.branch}")
+        if cp.old and cp.old != cp.new:
+            print(f"note: --force replaced branch {cp.branch}, which was at {cp.old} (get it back with: "
+                  f"git branch {cp.branch}-old {cp.old})", file=sys.stderr, flush=True)
+    hint = _reverse_hint(tree, series) if reverse else None
+    if hint:
+        say(hint)
     return ApplyOutcome("applied", chk, changes, branch=cp.branch if cp else None)
 
 

@@ -212,3 +212,45 @@ def _identity_env(g: _Git) -> dict:
         except RefusedError:
             env.update({k: v for k, v in GIT_ID.items() if k.endswith(var)})
     return env
+
+
+def after_reverse_hint(tree, series: Series) -> str | None:
+    """After `--reverse` in a git checkout whose HEAD has the series committed (what `--commit` and
+    `--fetch` make): the removal is uncommitted changes, which the next `apply --commit` refuses.
+    The next step, or None when the work tree matches HEAD."""
+    repo = open_repo(tree.root)
+    try:
+        g = _Git(repo)
+        prefix = _prefix(repo, tree.package_parent)
+        paths = [prefix + rel for rel in series.files()]
+        if not g("status", "--porcelain", "--untracked-files=no", "--", *paths).strip():
+            return None
+        others = g("status", "--porcelain", "--untracked-files=no").splitlines()
+        only_series = all(ln[3:] in paths for ln in others)
+        head = g("rev-parse", "--abbrev-ref", "HEAD")
+        base = _upstream_ref(g, paths, len(series.patches))
+    finally:
+        repo.close()
+    lines = [f"the series is removed from the work tree only: {head} still has it committed, so these are "
+             "uncommitted changes (apply --commit refuses them). Next, either:"]
+    if base and only_series:
+        lines.append(f"  git checkout -f {base}    # back to sglang {series.release} as committed there "
+                     "(only the series' files change)")
+    lines.append(f"  git commit -a -m 'Remove {series.name}'    # record the removal on {head}")
+    return "\n".join(lines)
+
+
+def _upstream_ref(g: _Git, paths: list, n: int) -> str | None:
+    """A branch (else a tag) at the commit `n` commits below HEAD when its copy of `paths` is what the
+    work tree now holds: where `--commit` started."""
+    try:
+        base = g("rev-parse", "--verify", "-q", f"HEAD~{n}^{{commit}}")
+        g("diff", "--quiet", base, "--", *paths)
+    except RefusedError:
+        return None
+    for kind in ("branch", "tag"):
+        names = [x.strip().lstrip("* ") for x in g(kind, "--points-at", base).splitlines() if x.strip()]
+        names = [x for x in names if not x.startswith(("eaglepatch/", "("))]
+        if names:
+            return names[0]
+    return base[:12]

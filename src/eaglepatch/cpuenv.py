@@ -12,7 +12,9 @@ interrupted build) is wiped and rebuilt. sglang is deliberately not installed: s
 tree under test first on PYTHONPATH.
 
 ``ensure_env() -> Path`` returns the environment's python. ``python -m eaglepatch.cpuenv`` builds it
-and prints that path.
+and prints that path. With ``EAGLEPATCH_NO_ENV_BUILD`` set (``tools/test.py`` sets it for pytest,
+having built every environment the run needs first, with progress) a missing environment is an
+error instead of a build nobody sees.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ COMPLETE_MARKER = ".eaglepatch-complete"
 # Set to a PyTorch wheel index (e.g. https://download.pytorch.org/whl/cpu) on a machine whose
 # package index only has CUDA torch builds; by default the configured index/find-links is used.
 TORCH_INDEX_ENV = "EAGLEPATCH_TORCH_INDEX_URL"
+NO_BUILD_ENV = "EAGLEPATCH_NO_ENV_BUILD"
 
 
 def cache_dir() -> Path:
@@ -178,6 +181,11 @@ def ensure_env(requirements: Path | None = None) -> Path:
     d = env_dir(requirements)
     if (d / COMPLETE_MARKER).is_file() and _python_of(d).exists():
         return _python_of(d)
+    if os.environ.get(NO_BUILD_ENV):
+        raise RuntimeError(
+            "error: the CPU environment %s (%s) is not built, and this run does not build one (%s is set: "
+            "pytest under tools/test.py); run python3 tools/test.py with this test's file, which builds the "
+            "environments its tests need before pytest starts" % (d, requirements.name, NO_BUILD_ENV))
     d.parent.mkdir(parents=True, exist_ok=True)
     lock = d.parent / (d.name + ".lock")
     with open(lock, "w") as lf:

@@ -47,6 +47,25 @@ def _show(repo, rev: str, path: str) -> bytes | None:
         return None
 
 
+def default_base(repo_path: Path | str, branch: str | None = None) -> str:
+    """The nearest tag v<release> behind `branch` (HEAD): the release commit `apply --fetch` tags
+    (an upstream clone's release tag), where the edit branch starts."""
+    from .series import RELEASE_RE
+
+    head = branch or "HEAD"
+    repo = open_repo(repo_path, "pass the git checkout that holds the edit branch")
+    try:
+        tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*", head).strip()
+    except Exception:
+        tag = ""
+    finally:
+        repo.close()
+    if not tag or not RELEASE_RE.match(tag[1:]):
+        raise UsageError(f"no release tag (v<release>) is behind {head} in {repo_path}",
+                         "pass --base, the upstream revision the edit branch starts from (e.g. --base v0.5.9)")
+    return tag
+
+
 def build_export(repo_path: Path | str, base: str, branch: str | None = None, release: str | None = None,
                  series_version: str | None = None, previous_manifest: dict | None = None) -> Exported:
     """The series files of base..branch (HEAD) in `repo_path`, in memory."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import UsageError
@@ -46,6 +47,22 @@ def _release_dir(release: str) -> Path:
     return d
 
 
+@contextmanager
+def _locked_release_dir(release: str):
+    """The cache directory of `release`, created and locked; a failure inside (a release the index
+    does not have, say) leaves no empty directory behind."""
+    d = _release_dir(release)
+    try:
+        with tree_lock(d):
+            yield d
+    except BaseException:
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            pass
+        raise
+
+
 def _mkdtemp(prefix: str, where: Path) -> Path:
     try:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=where))
@@ -59,8 +76,7 @@ def fetch_release(release: str, quiet: bool = False) -> Path:
     found = sorted(d.glob(f"{PACKAGE}-{release}-*.whl"))
     if found:
         return found[0]
-    d = _release_dir(release)
-    with tree_lock(d):
+    with _locked_release_dir(release) as d:
         found = sorted(d.glob(f"{PACKAGE}-{release}-*.whl"))
         if found:
             return found[0]
@@ -90,7 +106,7 @@ def unpacked_release(release: str, quiet: bool = False) -> Path:
     d = cache_root() / release / "unpacked"
     if (d / PACKAGE / "__init__.py").is_file():
         return d
-    with tree_lock(_release_dir(release)):
+    with _locked_release_dir(release):
         if (d / PACKAGE / "__init__.py").is_file():
             return d
         whl = fetch_release(release, quiet)
@@ -117,7 +133,7 @@ def _template(release: str, quiet: bool) -> Path:
     if done.is_file() and (tpl / ".git").is_dir():
         return tpl
     src = unpacked_release(release, quiet)
-    with tree_lock(_release_dir(release)):
+    with _locked_release_dir(release):
         if done.is_file() and (tpl / ".git").is_dir():
             return tpl
         tmp = _mkdtemp(".git-", tpl.parent)

@@ -1,5 +1,6 @@
 """git itself: found on PATH or a one-line error, GitPython opened only after that, and the
-plain `git` runner the library uses outside a repository (no user GIT_* variables, C locale)."""
+plain `git` runner the library uses outside a repository (no user GIT_* variables but the ones
+that say where the user's configuration is, C locale)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ def require_git() -> str:
     return path
 
 
+# where git's configuration is: kept, as HOME is (GitPython's calls see them too)
+CONFIG_VARS = ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")
+
+
 def clean_env(ceiling: Path | None = None, extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in CONFIG_VARS}
     if ceiling is not None:
         env["GIT_CEILING_DIRECTORIES"] = str(ceiling)
     env["LC_ALL"] = "C"

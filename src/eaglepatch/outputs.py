@@ -4,6 +4,7 @@ rename) or not at all."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -28,6 +29,15 @@ def scratch_dir(prefix: str, then: str = "run again; nothing was changed") -> Pa
     except OSError as exc:
         raise RefusedError(f"cannot create a temporary directory: {exc.strerror}",
                            f"free space in the temp dir (TMPDIR) and {then}") from None
+
+
+def owner_writable(root: Path) -> None:
+    """Give the owner write access to every directory under `root` (a copy this process made, which
+    copied the modes of a read-only tree): files can be added to it and it can be removed."""
+    for dirpath, _dirs, _files in os.walk(root):
+        mode = os.stat(dirpath).st_mode & 0o7777
+        if mode & 0o700 != 0o700:
+            os.chmod(dirpath, mode | 0o700)
 
 
 def swap_in(tmp: Path, dest: Path) -> None:
@@ -82,6 +92,13 @@ def check_output_file(path: Path | str, flag: str) -> Path:
         raise UsageError(f"cannot write {flag} {p}: {parent} {what}", fix)
     if not can_write(parent) or (p.exists() and not can_write(p, directory=False)):
         raise UsageError(f"cannot write {flag} {p}: permission denied", fix)
+    # the permission bits can say yes where the filesystem says no (/proc, a read-only mount)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"cannot write {flag} {p}: {parent} does not take new files ({exc.strerror})", fix) from None
     return p
 
 
@@ -102,8 +119,10 @@ def write_atomic(path: Path | str, data: bytes | str, flag: str) -> None:
         os.replace(tmp, p)
         tmp = None
     except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         raise UsageError(f"cannot write {flag} {p}: {exc.strerror or exc}",
-                         f"free space or pass {flag} a writable file; the old file, if any, is unchanged") from None
+                         f"{'free space or ' if full else ''}pass {flag} a writable file; "
+                         "the old file, if any, is unchanged") from None
     finally:
         if tmp is not None:
             try:

@@ -99,7 +99,8 @@ def diff_body(files: dict[str, bytes]) -> bytes:
         work = Path(td) / "w"
         work.mkdir()
         # no user or system config can change the diff
-        env = gitcmd.clean_env(ceiling=Path(td), extra={"GIT_CONFIG_NOSYSTEM": "1", "HOME": td})
+        env = gitcmd.clean_env(ceiling=Path(td), extra={"GIT_CONFIG_NOSYSTEM": "1", "HOME": td,
+                                                         "GIT_CONFIG_GLOBAL": os.devnull})
         gitcmd.run(["init", "-q"], work, env=env)
         for rel, data in files.items():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)

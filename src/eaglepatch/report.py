@@ -10,7 +10,7 @@ from pathlib import Path
 from .applier import edit_causes, git_apply, plan_series
 from .errors import EaglepatchError, RefusedError
 from .lock import tree_lock
-from .outputs import scratch_dir, write_atomic
+from .outputs import owner_writable, scratch_dir, write_atomic
 from .series import Series
 from .static_check import SmokeResult, static_check
 from .tree import UpstreamTree
@@ -180,6 +180,7 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn"))
         for d in tree.package_parent.glob("sglang-*.dist-info"):
             shutil.copytree(d, pp / d.name)
+        owner_writable(pp)  # the copy is ours: a read-only directory of the tree must not stay one
     except (OSError, shutil.Error) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "some files could not be copied"

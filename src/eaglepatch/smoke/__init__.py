@@ -170,8 +170,11 @@ def worker_env(package_parent: Path, stubs: Path = STUBS) -> dict:
 def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, timeout: float,
                 expected: Iterable[str] = ()) -> list[Result]:
     """Run one worker; stream its progress lines; parse its @@RESULT lines."""
+    from .. import shm
+
     cmd = [str(py), str(HERE / script)] + [str(a) for a in args]
     results: list[Result] = []
+    shm_before = shm.snapshot()
     with open(log_path, "w") as log:
         log.write("$ %s\n" % " ".join(cmd))
         log.flush()
@@ -204,8 +207,14 @@ def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, ti
                 _kill_group(proc)
         rc = proc.wait()
         timed_out = expired.is_set()
-        if rc != 0 or timed_out:
-            _kill_group(proc)  # engine processes a dead or killed worker left behind
+        _kill_group(proc)  # engine processes the worker left behind (a dead or killed worker's above all)
+        _wait_group_gone(proc.pid)
+        # SGLang's Engine.shutdown() SIGKILLs its children, multiprocessing's resource tracker
+        # too: the semaphores of its spawned workers stay in /dev/shm unless removed here
+        swept = shm.sweep(shm_before)
+        if swept:
+            log.write("# removed %d semaphore/shared-memory file(s) the worker's processes left in /dev/shm: %s\n"
+                      % (len(swept), " ".join(swept)))
     got = {r.name for r in results}
     missing = [n for n in expected if n not in got]
     if missing or (rc != 0 and not timed_out and not results):
@@ -216,6 +225,29 @@ def _run_worker(py: Path, script: str, args: list, env: dict, log_path: Path, ti
             results.append(r)
             _say("  FAIL %s: %s" % (n, why))
     return results
+
+
+def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    """Wait until no live (non-zombie) process is left in process group `pgid`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = False
+        try:
+            pids = [p for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return
+        for pid in pids:
+            try:
+                stat = Path("/proc/%s/stat" % pid).read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.05)
 
 
 def _kill_group(proc) -> None:
