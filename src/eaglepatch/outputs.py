@@ -59,7 +59,6 @@ def swap_in(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-@contextmanager
 def move_new_checkout(tmp: Path, dest: Path, fix: str) -> None:
     """Rename a checkout made beside ``dest`` into place; a failure is one usage line."""
     try:
@@ -68,6 +67,7 @@ def move_new_checkout(tmp: Path, dest: Path, fix: str) -> None:
         raise UsageError(f"cannot move the new checkout to {dest}: {exc.strerror}", fix) from None
 
 
+@contextmanager
 def filled_dir(tmp: Path, dest: Path):
     """Yield ``tmp``, a new directory beside ``dest``, to fill: when the block ends normally it
     becomes ``dest`` (``swap_in``); either way nothing of ``tmp`` is left behind."""
