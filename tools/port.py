@@ -24,7 +24,6 @@ Exit: 0 ported (or --dry-run clean; --checkout/--continue: every patch committed
 (nothing written; --checkout/--continue: stopped at a conflict, resolve it) or refused,
 2 usage error.
 """
-import argparse
 import re
 import shlex
 import sys
@@ -32,15 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import run_main  # noqa: E402
 
 CHECKOUT_DEFAULT = object()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="port.py", description=__doc__.split("\n\n")[0],
-                                 epilog="\n\n".join(__doc__.strip().split("\n\n")[2:]),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser("port.py", __doc__, whole_doc=True)
     ap.add_argument("--from", dest="from_release", metavar="RELEASE",
                     help="release of the series to port (default: the nearest series to --to)")
     ap.add_argument("--to", dest="to_release", metavar="RELEASE", help="release to port to")
