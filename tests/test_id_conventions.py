@@ -13,12 +13,10 @@ can reach is read from the release's code too (index 0 fails where DeepseekV2Mod
 from __future__ import annotations
 
 import ast
-import functools
 import itertools
 import random
 import re
 import sys
-import tempfile
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,7 +52,7 @@ class Release:
 
     _count = 0
 
-    def __init__(self, release: str, upstream_mapping: str | None = None):
+    def __init__(self, release: str, pkg_root: Path, upstream_mapping: str | None = None):
         root = fetch.unpacked_release(release, quiet=True)
         series = load_series(REPO / "patches" / f"sglang-{release}")
         originals = {}
@@ -69,8 +67,6 @@ class Release:
         # the series' package as the series adds it to this release (optionally with another
         # upstream convention declared: the controls below)
         Release._count += 1
-        self._tmp = tempfile.TemporaryDirectory(prefix="eaglepatch-ids-")
-        pkg_root = Path(self._tmp.name)
         for rel, data in patched.items():
             if data is not None and rel.startswith(f"{PACKAGE}/srt/eagle3_capture/"):
                 if upstream_mapping is not None and rel.endswith("/release.py"):
@@ -142,9 +138,17 @@ class Release:
         return order
 
 
-@functools.lru_cache(maxsize=None)
-def release(r: str) -> Release:
-    return Release(r)
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """Release objects by name, made once per module (their packages under pytest's tmp dir)."""
+    made = {}
+
+    def get(r: str) -> Release:
+        if r not in made:
+            made[r] = Release(r, tmp_path_factory.mktemp(f"ids-{r}"))
+        return made[r]
+
+    return get
 
 
 def documented(rule: str, ids, n):
@@ -187,7 +191,7 @@ def mismatches(rel: Release, lists, n):
 
 
 @pytest.mark.parametrize("r", RELEASES)
-def test_patched_feeds_what_upstream_feeds_wherever_upstream_serves(r):
+def test_patched_feeds_what_upstream_feeds_wherever_upstream_serves(r, release):
     rel = release(r)
     small = list(exhaustive_lists())  # 1110 lists on a 6-layer model
     big = list(random_lists(N_BIG, 2000, seed=sum(map(ord, r))))
@@ -203,7 +207,7 @@ def test_patched_feeds_what_upstream_feeds_wherever_upstream_serves(r):
     assert rel.patched_feeds(None, N_BIG) == rel.upstream_feeds(None, N_BIG) == [2, 30, 58]
 
 
-def test_the_documented_readings():
+def test_the_documented_readings(release):
     """The README's table, row by row, on the real methods (61 layers)."""
     want = {  # release -> ids -> (upstream, patched); None: not served / refused
         "0.5.9": {(1, 29, 57): ([2, 30, 58], [2, 30, 58]), (2, 30, 58): ([3, 31, 59], [3, 31, 59]),
@@ -220,17 +224,17 @@ def test_the_documented_readings():
             assert rel.patched_feeds(ids, N_BIG) == pa, (r, ids)
 
 
-def test_the_old_reading_fails_the_property():
+def test_the_old_reading_fails_the_property(tmp_path):
     """Control: the series as it read ids before (k -> k + 1 for every list on 0.5.14+) departs
     from unpatched 0.5.17 on lists upstream serves, [2, 30, 58] among them."""
-    old = Release("0.5.17", upstream_mapping="plus_one")
+    old = Release("0.5.17", tmp_path, upstream_mapping="plus_one")
     bad, _ = mismatches(old, list(random_lists(N_BIG, 300, seed=7)) + [(2, 30, 58)], N_BIG)
     assert ((2, 30, 58), [2, 30, 58], [3, 31, 59]) in bad
     assert len(bad) > 50
 
 
 @pytest.mark.parametrize("r", RELEASES)
-def test_round_trip_dataset_draft_config_served(r):
+def test_round_trip_dataset_draft_config_served(r, release):
     """Dataset layers H (HF indices) on release R -> the draft ids written for R -> what patched R
     feeds that draft == H; unpatched R feeds it H too wherever its capture reaches H. The dump
     reads EAGLE3_DUMP_LAYERS by the same rule, so dumping with those ids writes H."""
