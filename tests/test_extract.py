@@ -155,12 +155,26 @@ def server(assets):
     except cpuserver.NotReady as exc:
         pytest.fail(str(exc))
     finally:
-        cpuserver.stop(proc)
-        if info.get("server_pid"):  # serve.py stops its server; should it not have, end that group too
-            try:
-                os.killpg(info["server_pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        cpuserver.stop(proc)  # SIGTERM to serve.py, which stops its server's process group
+        pid = json.loads((assets.demo / "serve.json").read_text()).get("server_pid")
+        left = group_members(pid) if pid else []
+        if left:
+            os.killpg(pid, signal.SIGKILL)
+        assert not left, f"tools/serve.py left processes of its server behind: {left}"
+        assert "[serve] server stopped" in log.read_text()
+
+
+def group_members(pgid: int) -> list:
+    """The live (not zombie) processes of process group ``pgid``, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
 
 
 def series_manifest() -> dict:
@@ -711,7 +725,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     deleted (SpecForge's reader takes every .ckpt under OUT), no other file is touched."""
     import shutil
 
-    import tinychat
+    from eaglepatch.serve import tinychat
     from eaglepatch.extract.tokenize import ChatTokenizer
     from eaglepatch.extract.writers import read_sample, sample_rel
 
@@ -760,7 +774,7 @@ def test_removed_conversations_leave_the_speculators_table(assets, server, expec
     shrink the dataset; an input left with no sample removes the table too."""
     import shutil
 
-    import tinychat
+    from eaglepatch.serve import tinychat
     from speculators.train.data import ArrowDataset
 
     from eaglepatch.extract.writers import sample_rel
@@ -810,7 +824,7 @@ def test_removed_conversations_leave_the_speculators_table(assets, server, expec
 def test_a_sample_whose_mask_cannot_be_built_fails_alone(assets, server, tmp_path):
     """A chat template that drops earlier assistant turns: the two-turn conversation fails with the
     reason, the one-turn ones are extracted; nothing is recorded as skipped."""
-    import tinychat
+    from eaglepatch.serve import tinychat
 
     tok = tinychat.build_tokenizer(tmp_path / "drop", generation=False, template=tinychat.DROP)
     one = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "good day to you"}]
