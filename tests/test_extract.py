@@ -168,6 +168,8 @@ def group_members(pgid: int) -> list:
     """The live (not zombie) processes of process group ``pgid``, from /proc."""
     out = []
     for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
         try:
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
