@@ -107,11 +107,44 @@ def test_an_edited_patched_tree_is_served_with_a_warning(patched_checkout, tmp_p
     assert "warning: " in r.stderr and "differs from the patched files recorded in sglang-0.5.9/manifest.json" in r.stderr
 
 
+def test_prefill_cuda_graphs_are_disabled_where_the_release_has_them(tmp_path):
+    """0.5.17 and later run prefill through CUDA graphs by default under CUDA, which the dump refuses:
+    serve.py adds --disable-prefill-cuda-graph for them (0.5.9 has no such setting: not added)."""
+    dest = tmp_path / "sglang-0.5.17"
+    assert run_tool("apply", "--fetch", "0.5.17", dest).returncode == 0
+    r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", dest, "--print")
+    assert r.returncode == 0, r.stderr
+    argv = split_shell(r.stdout.strip())[1]
+    assert argv[5:7] == ["--disable-radix-cache", "--disable-prefill-cuda-graph"], argv
+
+
+def _env_python(release: str):
+    """(python, requirement list) of the CPU environment of ``release`` when it is built, else None."""
+    from eaglepatch import cpuenv
+
+    req = cpuenv.requirements_for(release)
+    d = cpuenv.env_dir(req)
+    if not (d / cpuenv.COMPLETE_MARKER).is_file():
+        return None
+    return d / "bin" / "python", req
+
+
 @pytest.mark.skipif(not IN_ENV, reason="needs sglang's dependencies (the CPU environment)")
-def test_the_started_command_passes_the_dumps_launch_checks(patched_checkout, tmp_path):
+@pytest.mark.parametrize("release", ["0.5.9", "0.5.17"])
+def test_the_started_command_passes_the_dumps_launch_checks(release, tmp_path):
     """serve.py runs launch_server from the patched tree with the dump on: on a model the dump does not
     cover, the launch ends at the patched tree's model check with its one line, which comes after
-    every server-argument rule (radix cache first): the flags serve.py adds pass them all."""
+    every server-argument rule (radix cache first): the flags serve.py adds pass them all, and the
+    release's launch_server accepts them. (0.5.17: only where its CPU environment is built, as the
+    functional smoke tests build it.)"""
+    from eaglepatch.smoke import stubs_for
+
+    found = _env_python(release)
+    if found is None:
+        pytest.skip(f"the CPU environment of sglang {release} is not built")
+    python, req = found
+    tree = tmp_path / f"sglang-{release}"
+    assert run_tool("apply", "--fetch", release, tree).returncode == 0
     model = tmp_path / "llama"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
@@ -120,9 +153,10 @@ def test_the_started_command_passes_the_dumps_launch_checks(patched_checkout, tm
         "max_position_embeddings": 256, "torch_dtype": "float32"}))
     dumps = tmp_path / "dumps"
     r = subprocess.run([sys.executable, str(REPO / "tools" / "serve.py"), "--model-path", str(model), "--dump-dir",
-                        str(dumps), "--sglang", str(patched_checkout), "--port", "39017", "--", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(STUBS), SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1"))
+                        str(dumps), "--sglang", str(tree), "--python", str(python), "--port", "39017", "--",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(stubs_for(req, tmp_path)), SGLANG_USE_CPU_ENGINE="1",
+                                HF_HUB_OFFLINE="1"))
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
     assert r.returncode != 0 and errors == [
         "error: EAGLE3_DUMP_DIR is set but LlamaForCausalLM is not supported; the dump covers DeepSeek-V2/V3 and "

@@ -5,7 +5,7 @@ Two plans, each a ``Plan`` (the ``launch_server`` command line and the variables
 - ``production_plan``: ``python -m sglang.launch_server`` for a user's model on the machine's
   accelerators: the patched tree first on ``PYTHONPATH`` (``--sglang ROOT``), or the installed
   sglang when it is patched in place; ``EAGLE3_DUMP_DIR`` and ``EAGLE3_DUMP_LAYERS`` set; and the
-  flags the dump needs (``DUMP_FLAGS``: every other setting the dump refuses is off by default).
+  flags the dump needs (``dump_flags``: every other setting the dump refuses is off by default).
 - ``cpu_demo_plan``: the same on any machine's CPU with a tiny built-in model (``demo``): the cached
   CPU environment (``eaglepatch.cpuenv``), sglang 0.5.9 with the series and its test-only smoke
   patch built once in the cache (or ``--sglang ROOT`` copied, plus the smoke patch), the import
@@ -34,11 +34,13 @@ from ..errors import UsageError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
-# The only launch_server flag the dump needs on top of SGLang's defaults: every other setting that
-# eagle3_capture.settings.check_server_args refuses (mixed chunk, two-batch overlap, piecewise or
-# prefill CUDA graphs, DP attention, pipeline parallelism, an all-to-all MoE backend, ...) is off
-# unless asked for, and asking for one ends the launch with one line naming it.
+# The launch_server flags the dump needs on top of SGLang's defaults (``dump_flags``): the radix cache
+# is on by default, and from 0.5.17 on so are prefill CUDA graphs under CUDA (the "breakable" backend).
+# Every other setting eagle3_capture.settings.check_server_args refuses (mixed chunk, two-batch
+# overlap, piecewise CUDA graphs, DP attention, pipeline parallelism, an all-to-all MoE backend, ...)
+# is off unless asked for, and asking for one ends the launch with one line naming it.
 DUMP_FLAGS = ("--disable-radix-cache",)
+PREFILL_GRAPH_FLAG = "--disable-prefill-cuda-graph"
 STOP_GRACE_S = 15.0
 
 
@@ -53,6 +55,16 @@ def cpu_flags(model, tokenizer=None, host: str = DEFAULT_HOST, port: int = DEFAU
             "--max-total-tokens", "4096", "--context-length", "1024", "--max-running-requests", "8",
             "--random-seed", "0", "--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sleep-on-idle",
             "--port", str(port), "--host", host]
+
+
+def dump_flags(package_parent) -> list:
+    """``DUMP_FLAGS``, and ``--disable-prefill-cuda-graph`` where the tree's release has that setting
+    (0.5.17 and later: prefill CUDA graphs, on by default under CUDA, would bake the dump into a graph)."""
+    srt = Path(package_parent) / "sglang" / "srt"
+    sources = [srt / "server_args.py", *sorted((srt / "arg_groups").rglob("*.py"))]
+    has = any("disable_prefill_cuda_graph" in f.read_text(encoding="utf-8", errors="replace")
+              for f in sources if f.is_file())
+    return list(DUMP_FLAGS) + ([PREFILL_GRAPH_FLAG] if has else [])
 
 
 def parse_layers(text: str) -> list:
@@ -163,7 +175,7 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
                              "pip install sglang==0.5.9 and patch it in place: python3 tools/apply.py <its site-packages>")
         pp = Path(probe["origin"]).resolve().parent.parent
         tree, series, notes = patched_tree_at(pp, series_dir)
-    flags = [f for f in DUMP_FLAGS if f not in extra]
+    flags = [f for f in dump_flags(pp) if f not in extra]
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags,
             "--host", host, "--port", str(port), *extra]
     notes.insert(0, f"serving {tree.describe()}, {series.name} applied")
@@ -242,5 +254,5 @@ def run(plan: Plan, say=None) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
-__all__ = ["Plan", "production_plan", "cpu_flags", "parse_layers", "patched_tree_at", "run", "DUMP_FLAGS",
+__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "run", "DUMP_FLAGS",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]
