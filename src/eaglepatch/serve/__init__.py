@@ -214,6 +214,40 @@ def _kill_group(pid: int, sig) -> None:
         pass
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies waiting for their reaper count
+    as gone: /proc tells them apart where there is one)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def _end_group(pgid: int, grace: float = 5.0) -> None:
+    """Give what is left of the group ``grace`` seconds to finish on its own (the resource tracker
+    removes the semaphores it tracks), then SIGTERM, then SIGKILL."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            _kill_group(pgid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
 def run(plan: Plan, say=None) -> int:
     """Start the server in its own process group and wait for it. Ctrl-C, SIGTERM and SIGHUP are
     passed on to that group; whatever of it is left when the launcher ends is killed. Returns the
@@ -246,8 +280,10 @@ def run(plan: Plan, say=None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _kill_group(proc.pid, signal.SIGKILL)  # the scheduler and detokenizer processes it may leave
+        if proc.poll() is None:
+            _kill_group(proc.pid, signal.SIGKILL)
         proc.wait()
+        _end_group(proc.pid)  # the scheduler, detokenizer and resource tracker it may leave
     if asked:
         say("[serve] server stopped")
         return 0
