@@ -82,7 +82,8 @@ def main() -> int:
     sys.path.insert(0, str(_bench.REPO / "tests" / "extract_fixtures"))
     import _hf
     import cpuserver
-    import tinychat
+
+    from eaglepatch.serve import tinychat
 
     w = Path(tempfile.mkdtemp(prefix="eaglepatch-replicas-"))
     servers = []

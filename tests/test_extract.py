@@ -1,6 +1,7 @@
-"""tools/extract.py end to end on CPU: the patched sglang 0.5.9 HTTP server, the tiny DeepSeek-V3
-checkpoint, a tiny word-level tokenizer with a chat template, 25 conversations (24 with
-assistant turns, one without), both dataset formats checked against Hugging Face
+"""tools/extract.py end to end on CPU: the patched sglang 0.5.9 HTTP server started as the README
+says (``tools/serve.py --cpu-demo``: the tiny DeepSeek-V3 checkpoint with a tiny word-level chat
+tokenizer), the README's 'Extract training data' commands as written, 25 conversations of the
+suite's own (24 with assistant turns, one without), both dataset formats checked against Hugging Face
 ``output_hidden_states`` on the same weights, rerun, kill + resume, an edited input, injected
 faults (through a loopback proxy in front of the real server), a sample whose loss mask cannot be
 built, the one-line errors, and the guard on the result.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,8 +50,9 @@ in_env = pytest.mark.skipif(not IN_ENV, reason="runs inside the CPU env (see tes
 
 EXTRACT = REPO / "tools" / "extract.py"
 GUARD = REPO / "tools" / "guard.py"
-LAYERS = [-1, 1, 2, 3]  # EAGLE3_DUMP_LAYERS of the server: the aux layers, then the last layer N-1 = 3
-AUX = [-1, 1, 2]  # the dataset's aux layers (the default: every dumped layer except N-1); HF indices 0, 2, 3
+LAYERS = [-1, 0, 1, 2, 3]  # EAGLE3_DUMP_LAYERS of the server (the CPU demo's): aux layers, then the last layer N-1 = 3
+AUX = [-1, 1, 2]  # the suite's datasets' aux layers (--aux-layers, AUX_FLAG); HF indices 0, 2, 3
+AUX_FLAG = "--aux-layers=" + ",".join(map(str, AUX))
 N_CONV = 24
 TOL = 1e-4
 FIGURES: dict = {}
@@ -67,23 +71,56 @@ def test_extract_suite_in_cpu_env():
 
 # ---- fixtures --------------------------------------------------------------------------------
 
+README_DEMO = "/tmp/eagle3-demo"  # the demo directory and URL the README's journey names
+README_URL = "http://127.0.0.1:30000"
+
+
+def readme_journey() -> list:
+    """The commands of the README's CPU journey ('Extract training data': the bash block that runs
+    tools/serve.py --cpu-demo), in order, continuation lines joined."""
+    section = (REPO / "README.md").read_text().split("\n## Extract training data\n", 1)[1].split("\n## ", 1)[0]
+    block = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "tools/serve.py --cpu-demo" in b][0]
+    lines = [" ".join(x.split()) for x in block.replace("\\\n", " ").splitlines()]
+    return [x for x in lines if x and not x.startswith("#")]
+
+
+def localize(cmd: str, demo_dir: Path, url: str = README_URL) -> str:
+    """A README command for this test: the demo in ``demo_dir``, the server at ``url``, this python."""
+    cmd = cmd.replace(README_DEMO, str(demo_dir)).replace(README_URL, url)
+    return shlex.quote(sys.executable) + cmd[len("python3"):] if cmd.startswith("python3 ") else cmd
+
+
+def serve_command(demo_dir: Path, port: int) -> str:
+    """The README's serve command on this test's demo directory and port (EAGLEPATCH_TEST_SERIES:
+    another series directory for the server's tree, default the repo's 0.5.9 series)."""
+    cmd = readme_journey()[0]
+    assert cmd.startswith("python3 tools/serve.py --cpu-demo "), cmd
+    series = os.environ.get("EAGLEPATCH_TEST_SERIES")
+    return localize(cmd, demo_dir) + f" --port {port}" + (f" --series {shlex.quote(series)}" if series else "")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    """The demo directory as the README's serve command makes it (--print: nothing started), whose
+    model (checkpoint + chat tokenizer) the suite extracts from, and the suite's own data."""
     sys.path.insert(0, str(REPO / "src" / "eaglepatch" / "smoke"))
-    import _hf  # the project's tiny checkpoint builder and HF reference
-    import tinychat
+    import _hf  # the project's HF reference
+
+    from eaglepatch.serve import tinychat
 
     root = tmp_path_factory.mktemp("extract")
-    ckpt = root / "ckpt"
-    _hf.build_deepseek(ckpt)
-    tok = tinychat.build_tokenizer(root / "tok")
+    demo = root / "demo"
+    p = subprocess.run(serve_command(demo, 30000) + " --print", shell=True, cwd=REPO, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ckpt = Path(json.loads((demo / "serve.json").read_text())["model"])
     tok_nogen = tinychat.build_tokenizer(root / "tok-nogen", generation=False)
     tok_big = tinychat.build_tokenizer(root / "tok-big", vocab_size=2048)
     recs = tinychat.conversations(N_CONV)
     recs.insert(5, {"id": "no-assistant", "messages": [{"role": "user", "content": "hello there"}]})
     data = tinychat.write_jsonl(root / "conv.jsonl", recs)
-    return SimpleNamespace(root=root, ckpt=ckpt, tok=tok, tok_nogen=tok_nogen, tok_big=tok_big, data=data, recs=recs,
-                           hf=_hf)
+    return SimpleNamespace(root=root, demo=demo, ckpt=ckpt, tok=ckpt, tok_nogen=tok_nogen, tok_big=tok_big, data=data,
+                           recs=recs, hf=_hf)
 
 
 def start_patched(assets, pp: Path, dump_dir: Path, name: str) -> SimpleNamespace:
@@ -96,20 +133,56 @@ def start_patched(assets, pp: Path, dump_dir: Path, name: str) -> SimpleNamespac
 
 @pytest.fixture(scope="module")
 def server(assets):
-    from eaglepatch.fetch import unpacked_release
-    from eaglepatch.smoke.tree import patched_tree
-
-    series = Path(os.environ.get("EAGLEPATCH_TEST_SERIES", REPO / "patches" / "sglang-0.5.9"))
-    pp = patched_tree(unpacked_release("0.5.9", quiet=True), series, assets.root / "pp")
-    dump_dir = assets.root / "dumps"
-    dump_dir.mkdir()
-    s = start_patched(assets, pp, dump_dir, "server")
-    FIGURES["server_start_s"] = s.start_s
+    """The one server of the suite: the README's ``tools/serve.py --cpu-demo`` command, run as written
+    (on the suite's demo directory and a free port) until the module is done."""
+    port = cpuserver.free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = assets.root / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen("exec " + serve_command(assets.demo, port), shell=True, cwd=REPO, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    info = {}
     try:
-        yield SimpleNamespace(url=s.url, dump_dir=dump_dir, pp=pp, port=s.port,
-                              series_version=json.loads((series / "manifest.json").read_text())["series_version"])
+        import requests
+
+        FIGURES["server_start_s"] = round(cpuserver.wait_ready(
+            proc, url, log, "tools/serve.py --cpu-demo", timeout=600,
+            ready=lambda u: requests.get(u + "/health_generate", timeout=30).status_code == 200), 1)
+        info = json.loads((assets.demo / "serve.json").read_text())
+        assert info["url"] == url and info["layers"] == LAYERS, info
+        yield SimpleNamespace(url=url, dump_dir=Path(info["dump_dir"]), pp=Path(info["tree"]), port=port, log=log,
+                              proc=proc, info=info, series_version=series_manifest()["series_version"])
+    except cpuserver.NotReady as exc:
+        pytest.fail(str(exc))
     finally:
-        cpuserver.stop(s.proc)
+        cpuserver.stop(proc)  # SIGTERM to serve.py, which stops its server's process group
+        pid = json.loads((assets.demo / "serve.json").read_text()).get("server_pid")
+        left = group_members(pid) if pid else []
+        if left:
+            os.killpg(pid, signal.SIGKILL)
+        assert not left, f"tools/serve.py left processes of its server behind: {left}"
+        assert "[serve] server stopped" in log.read_text()
+
+
+def group_members(pgid: int) -> list:
+    """The live (not zombie) processes of process group ``pgid``, from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def series_manifest() -> dict:
+    """The manifest of the series the serving tree carries (EAGLEPATCH_TEST_SERIES or the 0.5.9 one)."""
+    series = Path(os.environ.get("EAGLEPATCH_TEST_SERIES", REPO / "patches" / "sglang-0.5.9"))
+    return json.loads((series / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +225,7 @@ def extract(assets, server, out, *extra, dump_dir=None, url=None, tokenizer=None
     urls = url if isinstance(url, list) else [url or server.url]
     return run_cli([a for u in urls for a in ("--server", u)] + [
         "--model", model or assets.ckpt, "--tokenizer", tokenizer or assets.tok, "--data", assets.data,
-        "--dump-dir", dump_dir or server.dump_dir, "--out", out, "--no-progress", *extra])
+        "--dump-dir", dump_dir or server.dump_dir, "--out", out, "--no-progress", AUX_FLAG, *extra])
 
 
 def records(out: Path) -> list:
@@ -349,7 +422,7 @@ def test_killed_run_resumes(assets, server, reference, expected):
     out = assets.root / "out-speculators"
     cmd = [sys.executable, str(EXTRACT), "--server", server.url, "--model", str(assets.ckpt), "--tokenizer",
            str(assets.tok), "--data", str(assets.data), "--dump-dir", str(server.dump_dir), "--out", str(out),
-           "--format", "speculators", "--concurrency", "1", "--no-progress"]
+           "--format", "speculators", "--concurrency", "1", "--no-progress", AUX_FLAG]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     prog = out / "progress.jsonl"
     t0 = time.monotonic()
@@ -433,7 +506,7 @@ def speculators_check(out: Path, assets, reference, expected=None, aux_hf=None) 
             targets = draft.verifier_lm_head(draft.verifier_norm(item["verifier_last_hidden_states"].float()))
         a, t = top1(targets, ref.logits)
         agree, total = agree + a, total + t
-    batch = CollateFn(max_len=1024, hidden_size=vc.hidden_size, num_target_layers=len(AUX), dtype=torch.float32,
+    batch = CollateFn(max_len=1024, hidden_size=vc.hidden_size, num_target_layers=len(aux_hf), dtype=torch.float32,
                       preprocess=shift_batch)(items[:4])
     first = items[0]
     n = first["input_ids"].shape[0] - 1
@@ -654,7 +727,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     deleted (SpecForge's reader takes every .ckpt under OUT), no other file is touched."""
     import shutil
 
-    import tinychat
+    from eaglepatch.serve import tinychat
     from eaglepatch.extract.tokenize import ChatTokenizer
     from eaglepatch.extract.writers import read_sample, sample_rel
 
@@ -669,7 +742,7 @@ def test_edited_input_redoes_only_what_changed(assets, server, reference, tmp_pa
     data = tinychat.write_jsonl(tmp_path / "edited.jsonl", recs)
     before = {x: (x.stat().st_mtime_ns, x.stat().st_size) for x in out.glob("samples/*/*")}
     p = run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", assets.tok, "--data", data,
-                 "--dump-dir", server.dump_dir, "--out", out, "--no-progress"])
+                 "--dump-dir", server.dump_dir, "--out", out, "--no-progress", AUX_FLAG])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "extracting 2 of 25 conversations (23 already done)" in p.stderr
     assert "removed 1 sample file(s) of conversations no longer in" in p.stderr  # conv-004's file
@@ -703,7 +776,7 @@ def test_removed_conversations_leave_the_speculators_table(assets, server, expec
     shrink the dataset; an input left with no sample removes the table too."""
     import shutil
 
-    import tinychat
+    from eaglepatch.serve import tinychat
     from speculators.train.data import ArrowDataset
 
     from eaglepatch.extract.writers import sample_rel
@@ -718,7 +791,7 @@ def test_removed_conversations_leave_the_speculators_table(assets, server, expec
     def rerun(data, *extra):
         return run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", assets.tok, "--data", data,
                         "--dump-dir", server.dump_dir, "--out", out, "--format", "speculators", "--no-progress",
-                        *extra])
+                        AUX_FLAG, *extra])
 
     p = rerun(data)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -753,7 +826,7 @@ def test_removed_conversations_leave_the_speculators_table(assets, server, expec
 def test_a_sample_whose_mask_cannot_be_built_fails_alone(assets, server, tmp_path):
     """A chat template that drops earlier assistant turns: the two-turn conversation fails with the
     reason, the one-turn ones are extracted; nothing is recorded as skipped."""
-    import tinychat
+    from eaglepatch.serve import tinychat
 
     tok = tinychat.build_tokenizer(tmp_path / "drop", generation=False, template=tinychat.DROP)
     one = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "good day to you"}]
@@ -762,7 +835,7 @@ def test_a_sample_whose_mask_cannot_be_built_fails_alone(assets, server, tmp_pat
                                                        {"id": "c", "messages": one[:1] + [{"role": "assistant",
                                                                                           "content": "red car"}]}])
     p = run_cli(["--server", server.url, "--model", assets.ckpt, "--tokenizer", tok, "--data", data,
-                 "--dump-dir", server.dump_dir, "--out", tmp_path / "o", "--no-progress"])
+                 "--dump-dir", server.dump_dir, "--out", tmp_path / "o", "--no-progress", AUX_FLAG])
     assert p.returncode == 1, p.stderr[-2000:]
     man = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert man["samples"] == 2 and man["skipped"] == [] and man["failed_ids"] == ["b"]
@@ -1067,7 +1140,7 @@ def test_one_line_errors(assets, server, reference, tmp_path):
                  "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
                  "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")
     one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
-             "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 1, 2, 3]")
+             "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 0, 1, 2, 3]")
     for i in range(1, 15):
         assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"
 
@@ -1133,10 +1206,88 @@ def test_guard_on_the_extracted_dataset(assets, server, tmp_path):
     for extra in ([], ["--release", "0.5.9"], ["--sglang", server.pp]):
         p = guard("--draft-config", cfg, "--dataset", out, *extra)
         assert p.returncode == 0, p.stdout + p.stderr
-    # a dump file is accepted as the dataset side too
-    d = sorted(server.dump_dir.glob("*.safetensors"))
-    if d:
-        assert guard("--draft-config", draft(AUX), "--dataset", d[0]).returncode == 0
+    # a dump file is accepted as the dataset side too (one of the server's, for ids of our own)
+    import requests
+
+    from eaglepatch.extract.dumps import dump_key, dump_path, wait_for
+
+    ids = [0, 11, 12, 13]
+    assert requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 1}}, timeout=120).status_code == 200
+    dump = dump_path(server.dump_dir, dump_key(ids))
+    assert wait_for(dump, 60), dump
+    assert guard("--draft-config", draft(AUX), "--dataset", dump).returncode == 0
+    # the guard needs no torch (README: '.[guard]'): with torch unimportable it reads the dataset and the dump
+    for ds in (out, dump):
+        p = without("torch", GUARD, "--draft-config", draft(AUX), "--dataset", ds)
+        assert p.returncode == 0 and "OK (SGLang)" in p.stdout, (p.stdout, p.stderr)
+    probe = tmp_path / "needs_torch.py"
+    probe.write_text("import torch\n")
+    p = without("torch", probe)
+    assert p.returncode != 0 and "torch" in p.stderr  # the blocking itself works
+    dump.unlink()
+
+
+@in_env
+def test_specforge_format_needs_no_datasets(assets, server, tmp_path):
+    """README: '.[extract-specforge]' has no datasets: a SpecForge extraction with datasets (and
+    pyarrow) unimportable runs; speculators, which needs them, is refused in one line before it
+    starts, naming its extra."""
+    args = ["--server", server.url, "--model", assets.ckpt, "--data", assets.data, "--dump-dir", server.dump_dir,
+            "--no-progress", "--limit", "3", AUX_FLAG]
+    p = without("datasets,pyarrow", EXTRACT, *args, "--out", tmp_path / "sf", "--format", "specforge")
+    assert p.returncode == 0 and "summary: 3 extracted" in p.stderr, p.stderr[-2000:]
+    p = without("datasets,pyarrow", EXTRACT, *args, "--out", tmp_path / "sp", "--format", "speculators")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: extract.py --format speculators needs the Python package(s) datasets, which is not installed; "
+        "pip install -e '.[extract-speculators]' (from the eaglepatch checkout)"], p.stderr
+    assert not (tmp_path / "sp").exists()
+
+
+# python -c WITHOUT MODULES SCRIPT ARGS...: SCRIPT run as __main__ with the comma list MODULES unimportable
+WITHOUT = ("import sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',')]; sys.argv = sys.argv[2:]; "
+           "import runpy; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def without(modules: str, script, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT, modules, str(script), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@in_env
+def test_readme_journey(assets, server, reference, indexed_ckpt):
+    """README, 'Extract training data', on CPU: the suite's server is the README's serve command; its
+    other commands run here as written (the demo directory and port this test's, python3 this
+    python), each exits 0, and they are the commands the demo prints. The two datasets their trainers'
+    readers load equal Hugging Face on the same weights (aux states and, through each trainer's
+    target, the top-1 token), and the guard passes each draft config without a warning."""
+    cmds = readme_journey()[1:]
+    assert json.loads((assets.demo / "serve.json").read_text())["commands"] == [
+        c.replace(README_DEMO, str(assets.demo)).replace(README_URL, server.url) for c in cmds]
+    n = len((assets.demo / "conversations.jsonl").read_text().splitlines())
+    out, walls = [], []
+    for cmd in cmds:
+        t0 = time.monotonic()
+        p = subprocess.run(["bash", "-c", localize(cmd, assets.demo, server.url)], cwd=REPO, capture_output=True,
+                           text=True, timeout=600)
+        walls.append(round(time.monotonic() - t0, 1))
+        assert p.returncode == 0, (cmd, p.stdout[-2000:], p.stderr[-3000:])
+        out.append(p.stdout + p.stderr)
+    assert sum("tools/extract.py" in c for c in cmds) == 2 and sum("tools/guard.py" in c for c in cmds) == 2
+    for cmd, text in zip(cmds, out):
+        if "tools/extract.py" in cmd:
+            assert f"summary: {n} extracted" in text and "0 failed" in text, text[-2000:]
+        if "build_offline_eagle3_dataset" in cmd:
+            assert text.startswith(f"{n} SpecForge samples"), text[-2000:]
+        if "ArrowDataset" in cmd:
+            assert text.startswith(f"{n} speculators samples"), text[-2000:]
+        if "tools/guard.py" in cmd:
+            assert ("OK (SGLang)" if "specforge" in cmd else "OK (vLLM)") in text and "warning" not in text, text
+    sf = specforge_check(assets.demo / "ds-specforge", indexed_ckpt, reference)
+    sp = speculators_check(assets.demo / "ds-speculators", assets, reference)
+    assert sf["samples"] == n and sf["top1_agreement"] == 1.0 and sf["aux_max_abs_diff_vs_hf"] <= TOL, sf
+    assert sp["top1_agreement"] == 1.0 and sp["aux_max_abs_diff_vs_hf"] <= TOL, sp
+    FIGURES["readme_journey"] = {"wall_s": walls, "specforge": sf, "speculators": sp}
 
 
 @in_env

@@ -157,7 +157,7 @@ def test_guard_cli_properties(tmp_path_factory, guard_mod, draft, data, draft_ki
 def ex(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    import tinychat
+    from eaglepatch.serve import tinychat
 
     root = tmp_path_factory.mktemp("exprop")
     tok = tinychat.build_tokenizer(root / "tok")

@@ -20,12 +20,10 @@ pytest.importorskip("tokenizers")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "tests" / "extract_fixtures"))
-
-import tinychat  # noqa: E402
 
 from eaglepatch.extract.data import load_conversations  # noqa: E402
 from eaglepatch.extract.tokenize import ChatTokenizer, MaskError  # noqa: E402
+from eaglepatch.serve import tinychat  # noqa: E402
 
 THREADS, ENCODES = 8, 500
 

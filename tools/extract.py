@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eaglepatch.errors import run_main  # noqa: E402
+from eaglepatch.errors import UsageError, run_main  # noqa: E402
 
 
 def _layer_ids(text: str) -> list:
@@ -61,6 +61,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body() -> int:
+        from eaglepatch.extract import install_fix, missing_modules
+
+        missing = missing_modules(a.format)
+        if missing:  # before anything is read, sent or written
+            raise UsageError(f"extract.py --format {a.format} needs the Python package(s) {', '.join(missing)}, "
+                             f"which {'is' if len(missing) == 1 else 'are'} not installed", install_fix(a.format, missing))
         from eaglepatch.extract import Options, extract
 
         opts = Options(servers=[u for arg in a.server for u in arg.split(",")], model=a.model,
@@ -76,10 +82,10 @@ def main(argv=None) -> int:
         try:
             return body()
         except ModuleNotFoundError as exc:
-            from eaglepatch.errors import UsageError
+            from eaglepatch.extract import install_fix
 
             raise UsageError(f"extract.py needs the Python package {exc.name!r}, which is not installed",
-                             "pip install -e '.[extract]' (from the eaglepatch checkout)") from None
+                             install_fix(a.format, [exc.name])) from None
 
     return run_main(guarded)
 

@@ -340,7 +340,7 @@ def read_dataset(path: Path | str) -> DatasetLayers:
             n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
         except ImportError:
             raise UsageError("reading a dump file needs the Python package 'safetensors'",
-                             "pip install -e '.[extract]' (or pass the dataset directory)") from None
+                             "pip install -e '.[guard]' (safetensors and numpy), or pass the dataset directory") from None
         except UsageError:
             raise
         except Exception as exc:

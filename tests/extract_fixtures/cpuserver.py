@@ -2,7 +2,8 @@
 localhost: what the extract tests and ``benchmarks/replicas.py`` extract from.
 
 ``start_server`` runs ``python -m sglang.launch_server`` (the tree under test first on PYTHONPATH,
-the import stubs after it) in its own process group and returns once ``/health_generate`` answers;
+the import stubs after it, the CPU flags of ``tools/serve.py --cpu-demo``: ``eaglepatch.serve.cpu_flags``)
+in its own process group and returns once ``/health_generate`` answers;
 ``Router`` runs ``python -m sglang_router.launch_router`` (the ``sglang-router`` pinned in
 cpu-requirements.txt), round robin over the workers, ready once it lists all of them. ``stop``
 ends a process group (SIGTERM, then SIGKILL).
@@ -18,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from eaglepatch.serve import cpu_flags
 
 START_TIMEOUT = 300
 STUBS = Path(__file__).resolve().parents[2] / "src" / "eaglepatch" / "smoke" / "stubs"
@@ -71,6 +74,7 @@ def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: P
     """The sglang tree at ``pp`` serving ``ckpt`` on CPU with EAGLE3_DUMP_DIR=``dump_dir`` and
     EAGLE3_DUMP_LAYERS=``layers``. ``--sleep-on-idle``: an idle scheduler waits on its sockets
     instead of spinning a core (two of them would take both cores of a 2-core machine).
+    (``tools/serve.py --cpu-demo`` starts the same server on its demo directory.)
     ``threads``: OMP_NUM_THREADS of the server (torch's intra-op threads; default: every core)."""
     import requests
 
@@ -79,12 +83,7 @@ def start_server(pp: Path, ckpt: Path, tok: Path, dump_dir: Path, layers, log: P
                EAGLE3_DUMP_LAYERS=",".join(map(str, layers)), PYTHONPATH=os.pathsep.join([str(pp), str(STUBS)]))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--tokenizer-path", str(tok),
-           "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
-           "--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-overlap-schedule",
-           "--max-total-tokens", "4096", "--context-length", "1024", "--max-running-requests", "8",
-           "--random-seed", "0", "--mem-fraction-static", "0.5", "--grammar-backend", "none", "--sleep-on-idle",
-           "--port", str(port), "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", "sglang.launch_server", *cpu_flags(ckpt, tok, "127.0.0.1", port)]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

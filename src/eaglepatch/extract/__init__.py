@@ -12,6 +12,32 @@ Importing the package imports nothing heavy: ``Options``, ``Extractor`` and ``ex
 
 __all__ = ["Extractor", "Options", "extract"]
 
+# What each --format imports: module -> the project extra's requirement that provides it (pyproject.toml
+# extras extract-specforge and extract-speculators; tests/test_extract_deps.py keeps the two in step).
+# Both formats need torch: SpecForge's samples are torch.save files, speculators' token_freq.pt too.
+NEEDS = {
+    "specforge": {"torch": "torch", "transformers": "transformers", "jinja2": "jinja2", "safetensors": "safetensors",
+                  "numpy": "numpy", "requests": "requests", "tqdm": "tqdm"},
+}
+NEEDS["speculators"] = dict(NEEDS["specforge"], datasets="datasets")
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def missing_modules(fmt: str) -> list:
+    """The modules ``--format fmt`` needs that this interpreter cannot import (none imported here)."""
+    import importlib.util
+
+    return [m for m in NEEDS[fmt] if importlib.util.find_spec(m) is None]
+
+
+def install_fix(fmt: str, missing) -> str:
+    """How to install what ``--format fmt`` misses: CPU torch first (a plain ``pip install torch``
+    pulls the CUDA build and its nvidia-* wheels), then the format's extra."""
+    extra = f"pip install -e '.[extract-{fmt}]' (from the eaglepatch checkout)"
+    if "torch" in missing:
+        return f"{CPU_TORCH} (the CPU build; a plain pip install torch pulls CUDA), then {extra}"
+    return extra
+
 
 def __getattr__(name):
     if name in __all__:

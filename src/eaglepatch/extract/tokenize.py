@@ -52,7 +52,8 @@ class ChatTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError:  # pragma: no cover - environment problem
-            raise UsageError("transformers is not installed", "pip install -e '.[extract]'") from None
+            raise UsageError("transformers is not installed",
+                             "pip install -e '.[extract-specforge]' (from the eaglepatch checkout)") from None
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         except Exception as exc:

@@ -118,25 +118,7 @@ def build_draft(dest: Path, layer_ids) -> None:
     """A config-only EAGLE-3 draft directory (the target runner reads its eagle_config; none when
     ``layer_ids`` is None, as SpecForge and ModelOpt templates write it)."""
     dest.mkdir(parents=True, exist_ok=True)
-    c = tinyconfig.DEEPSEEK_V3
-    cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": c["hidden_size"],
-        "intermediate_size": c["intermediate_size"],
-        "num_hidden_layers": 1,
-        "num_attention_heads": c["num_attention_heads"],
-        "num_key_value_heads": c["num_attention_heads"],
-        "vocab_size": c["vocab_size"],
-        "draft_vocab_size": c["vocab_size"],
-        "max_position_embeddings": c["max_position_embeddings"],
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    if layer_ids is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
-    (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (dest / "config.json").write_text(json.dumps(tinyconfig.draft_config(layer_ids), indent=2) + "\n")
 
 
 class Ref:

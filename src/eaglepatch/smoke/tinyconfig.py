@@ -111,6 +111,31 @@ def kimi_config() -> dict:
     }
 
 
+def draft_config(layer_ids) -> dict:
+    """The config of an EAGLE-3 draft for the tiny DeepSeek-V3 whose ``eagle_config`` names
+    ``layer_ids`` (EAGLE-3 ids): what SGLang's target runner and SpecForge read; no
+    ``eagle_config`` when ``layer_ids`` is None, as SpecForge and ModelOpt templates write it."""
+    c = DEEPSEEK_V3
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c["hidden_size"],
+        "intermediate_size": c["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": c["num_attention_heads"],
+        "vocab_size": c["vocab_size"],
+        "draft_vocab_size": c["vocab_size"],
+        "max_position_embeddings": c["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    if layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True}
+    return cfg
+
+
 def checkpoint_key(kind: str, env_key: str) -> str:
     """Cache key of a tiny checkpoint: its config, seed, builder version and the env."""
     cfg = DEEPSEEK_V3 if kind == "deepseek_v3" else kimi_config()

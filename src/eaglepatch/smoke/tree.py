@@ -5,7 +5,8 @@
 ``git apply`` through ``eaglepatch.applier.git_apply``, in a scratch directory outside any git
 repository: ``git apply`` run inside a repository silently skips the paths it thinks lie outside
 the current directory, which would leave an unpatched tree that looks patched. Every product
-file is then checked against the series manifest's ``patched_sha256``.
+file is then checked against the series manifest's ``patched_sha256``. ``product=False`` takes
+``release_dir`` as a tree the series is already applied to and applies only ``smoke.series``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import shutil
 from pathlib import Path
 
 
-def patched_tree(release_dir: Path, series_dir: Path, dest: Path, smoke: bool = True) -> Path:
-    """Build ``dest/sglang`` = upstream + series (+ smoke.series); returns ``dest`` (the package parent)."""
+def patched_tree(release_dir: Path, series_dir: Path, dest: Path, smoke: bool = True, product: bool = True) -> Path:
+    """Build ``dest/sglang`` = upstream + series (+ smoke.series); returns ``dest`` (the package parent).
+    ``product=False``: ``release_dir`` is patched already; only smoke.series is applied."""
     from ..applier import git_apply
     from ..series import load_series, sha256_bytes
 
@@ -28,7 +30,7 @@ def patched_tree(release_dir: Path, series_dir: Path, dest: Path, smoke: bool = 
     if (dest / "sglang").exists():
         shutil.rmtree(dest / "sglang")
     shutil.copytree(src, dest / "sglang", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for patches in (series.patches, series.smoke if smoke else []):
+    for patches in (series.patches if product else [], series.smoke if smoke else []):
         if not patches:
             continue
         files = sorted({fp.path for p in patches for fp in p.files})

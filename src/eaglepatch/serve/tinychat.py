@@ -1,4 +1,5 @@
-"""A tiny chat tokenizer built offline with ``tokenizers`` and a synthetic conversation set.
+"""A tiny chat tokenizer built offline with ``tokenizers`` and a synthetic conversation set: the
+CPU demo's (``tools/serve.py --cpu-demo``) and the extract tests'.
 
 The tokenizer is word-level (whitespace split) with exactly ``vocab_size`` entries, so every id
 fits the tiny DeepSeek-V3 checkpoint (vocab 1024; bos 0, eos 1). Its chat template marks
@@ -6,6 +7,10 @@ assistant output with ``{% generation %}`` blocks (or not, with ``generation=Fal
 saved in tokenizer_config.json, so ``AutoTokenizer.from_pretrained(dir)`` loads it. Other templates:
 ``REWRITE`` (a header that depends on the whole conversation, so no rendering of a prefix is a
 prefix of the full one) and ``DROP`` (earlier assistant turns rendered without their content).
+
+Importing this module imports nothing heavy; ``build_tokenizer`` needs ``tokenizers`` and
+``transformers`` (the CPU environment has both): ``python -m eaglepatch.serve.tinychat DEST`` builds
+the default tokenizer at DEST.
 """
 
 from __future__ import annotations
@@ -101,3 +106,9 @@ def conversations(n: int, seed: int = 7) -> list[dict]:
 def write_jsonl(path: Path, recs) -> Path:
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in recs))
     return Path(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    build_tokenizer(Path(sys.argv[1]))

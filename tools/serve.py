@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Serve a patched SGLang with the EAGLE-3 hidden-state dump on, for tools/extract.py.
+
+  python3 tools/serve.py --model-path MODEL --dump-dir DIR [--layers IDS] [--sglang ROOT] [-- SGLANG FLAGS...]
+  python3 tools/serve.py --cpu-demo DIR [--sglang ROOT]
+
+Production (--model-path): runs `python -m sglang.launch_server` for MODEL on this machine's
+accelerators with EAGLE3_DUMP_DIR=DIR, EAGLE3_DUMP_LAYERS=IDS and --disable-radix-cache (the one
+flag the dump needs; the settings it refuses are off unless asked for), serving the patched tree
+ROOT (first on PYTHONPATH; a git checkout from `tools/apply.py --fetch` or a directory holding
+sglang/), or the installed sglang when it is patched in place. Flags after `--` go to
+launch_server as they are (--tp 8, --context-length 65536, ...).
+
+CPU demo (--cpu-demo DIR): the same on any machine's CPU, with a tiny built-in model: the cached CPU
+environment (built the first time, ~3 minutes, 2.4 GB), sglang 0.5.9 with the series and its
+test-only smoke patch (fetched and patched into the cache, or ROOT plus the smoke patch), the
+seeded tiny DeepSeek-V3 with a chat tokenizer in DIR/model, conversations in
+DIR/conversations.jsonl, the dumps in DIR/dumps, a draft config per trainer in DIR/draft-*, and
+the extract, load and guard commands to run next (printed once the server answers; also in
+DIR/serve.json).
+
+The server runs in the foreground until Ctrl-C (or SIGTERM), which stops it and every process it
+started. --print prints the command instead of running it.
+Exit: the server's exit status (0 when stopped by Ctrl-C or SIGTERM, and for --print); 2 usage error.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eaglepatch.errors import UsageError, run_main  # noqa: E402
+from eaglepatch.serve import DEFAULT_HOST, DEFAULT_PORT  # noqa: E402
+from eaglepatch.serve.demo import DEMO_LAYERS  # noqa: E402
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.rsplit("\nExit:", 1)[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Exit: the server's exit status (0 when stopped by Ctrl-C or SIGTERM, and "
+                                        "for --print); 2 usage error.")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model-path", metavar="MODEL",
+                      help="production: the model to serve (a directory or a Hugging Face id), on this machine's GPUs")
+    mode.add_argument("--cpu-demo", type=Path, metavar="DIR",
+                      help="CPU demo: serve the tiny built-in model on CPU; DIR holds the model, conversations, dumps "
+                           "and draft configs (created; reused by a later run)")
+    ap.add_argument("--dump-dir", type=Path, metavar="DIR",
+                    help="EAGLE3_DUMP_DIR, created when missing (required in production; CPU demo default: DIR/dumps)")
+    ap.add_argument("--layers", metavar="IDS",
+                    help="EAGLE3_DUMP_LAYERS: EAGLE-3 ids to dump, -1 = embedding output, k = output of layer k, "
+                         "N-1 = the last layer before the final norm (speculators needs it), e.g. --layers=-1,1,29,60 "
+                         "(production default: the model's EAGLE-3 default 1,N/2-1,N-4; CPU demo default: "
+                         f"{','.join(map(str, DEMO_LAYERS))})")
+    ap.add_argument("--sglang", type=Path, metavar="ROOT",
+                    help="the patched sglang tree to serve (default: production: the installed sglang, which must be "
+                         "patched in place; CPU demo: sglang 0.5.9 fetched and patched into the cache)")
+    ap.add_argument("--series", type=Path, metavar="DIR",
+                    help="the series the tree carries (default: patches/sglang-<its release>)")
+    ap.add_argument("--python", metavar="PY",
+                    help="production: the interpreter whose environment has sglang's dependencies (default: this one, "
+                         f"{sys.executable})")
+    ap.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
+    ap.add_argument("--print", action="store_true", dest="print_only",
+                    help="print the command (and prepare the CPU demo) instead of running it")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        from eaglepatch import serve
+
+        if not 0 < a.port < 65536:
+            raise UsageError(f"--port {a.port} is out of range", "pass a port from 1 to 65535")
+        layers = serve.parse_layers(a.layers) if a.layers is not None else None
+        if a.cpu_demo is not None:
+            if a.python:
+                raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",
+                                 "drop --python")
+            from eaglepatch.serve.demo import cpu_demo_plan
+
+            plan = cpu_demo_plan(a.cpu_demo, sglang=a.sglang, series_dir=a.series,
+                                 layers=layers if layers is not None else DEMO_LAYERS, dump_dir=a.dump_dir,
+                                 host=a.host, port=a.port, extra=extra)
+        else:
+            if a.dump_dir is None:
+                raise UsageError("--dump-dir is missing", "pass the directory the server writes its dumps to "
+                                 "(EAGLE3_DUMP_DIR; on a shared filesystem for several replicas)")
+            plan = serve.production_plan(a.model_path, a.dump_dir, layers, a.sglang, a.series, a.python,
+                                         a.host, a.port, extra)
+        for line in plan.notes:
+            print(("" if line.startswith("warning: ") else "[serve] ") + line, file=sys.stderr)
+        if a.print_only:
+            print(plan.shell())
+            for line in plan.after_ready:
+                print(line, file=sys.stderr)
+            return 0
+        print("+ " + plan.shell(), file=sys.stderr, flush=True)
+        return serve.run(plan)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
