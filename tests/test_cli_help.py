@@ -17,10 +17,6 @@ from eaglepatch import cpuenv
 from eaglepatch.series import available_series
 
 TOOLS = sorted(p.stem for p in (REPO / "tools").glob("*.py"))
-# extract.py belongs to other work in progress (issue 17's extraction journey): its --help is
-# checked for exit 0 and no traceback only
-OWNED_ELSEWHERE = {"extract"}
-
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("tool", TOOLS)
@@ -30,10 +26,9 @@ def test_help_exits_0_with_exit_codes_and_no_traceback(tool, flag, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and r.stdout.startswith("usage: "), r.stdout + r.stderr
     assert time.monotonic() - t0 < 60
-    if tool not in OWNED_ELSEWHERE:
-        epilog = " ".join(r.stdout.split()).split("exit codes: ", 1)
-        assert len(epilog) == 2, f"{tool} --help states no exit codes:\n{r.stdout}"
-        assert all(f"{c} " in epilog[1] for c in "012"), epilog[1]
+    epilog = " ".join(r.stdout.split()).split("exit codes: ", 1)
+    assert len(epilog) == 2, f"{tool} --help states no exit codes:\n{r.stdout}"
+    assert all(f"{c} " in epilog[1] for c in "012"), epilog[1]
     # --help builds nothing and downloads nothing (test.py's environments above all)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*"))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def _layer_ids(text: str) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="extract.py", description=__doc__.split("\n\n")[0])
+    ap = cli.parser("extract.py", __doc__)
     ap.add_argument("--server", required=True, action="append", metavar="URL",
                     help="SGLang server or router URL, e.g. http://127.0.0.1:30000; repeat it or give a comma "
                          "list for several servers (requests are spread over them)")

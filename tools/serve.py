@@ -21,14 +21,15 @@ DIR/serve.json).
 
 The server runs in the foreground until Ctrl-C (or SIGTERM), which stops it and every process it
 started. --print prints the command instead of running it.
-Exit: the server's exit status (0 when stopped by Ctrl-C or SIGTERM, and for --print); 2 usage error.
+Exit: 0 stopped by Ctrl-C or SIGTERM (and --print), 1 (or the server's own status) the server failed,
+2 usage error.
 """
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
 from eaglepatch.serve import DEFAULT_HOST, DEFAULT_PORT  # noqa: E402
 from eaglepatch.serve.demo import DEMO_LAYERS  # noqa: E402
@@ -40,10 +41,7 @@ def main(argv=None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.rsplit("\nExit:", 1)[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Exit: the server's exit status (0 when stopped by Ctrl-C or SIGTERM, and "
-                                        "for --print); 2 usage error.")
+    ap = cli.parser("serve.py", __doc__, whole_doc=True)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model-path", metavar="MODEL",
                       help="production: the model to serve (a directory or a Hugging Face id), on this machine's GPUs")
