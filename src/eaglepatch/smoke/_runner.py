@@ -68,8 +68,8 @@ def check_a(ckpt: Path, work: Path, ref) -> None:
     refs = [ref.run(p) for p in prompts]
     H = tinyconfig.DEEPSEEK_V3["hidden_size"]
 
-    def compare(tag):
-        hs = _rt.extend(runner, prompts, capture_full=True).hidden_states
+    def compare(tag, target):
+        hs = _rt.extend(target, prompts, capture_full=True).hidden_states
         if hs is None:
             raise AssertionError("%s: LogitsProcessorOutput.hidden_states is None" % tag)
         total = sum(len(p) for p in prompts)
@@ -83,12 +83,12 @@ def check_a(ckpt: Path, work: Path, ref) -> None:
             start += len(p)
         return rc
 
-    rc1 = compare("configured")
+    rc1 = compare("configured", runner)
     runner.model.set_eagle3_layers_to_capture()  # what CUDA-graph capture / warm-up call in 0.5.9
     after = list(runner.model.model.layers_to_capture)
     if after != want_idx:
         problems.append("a no-id set_eagle3_layers_to_capture() changed layers_to_capture to %r" % after)
-    rc2 = compare("after no-id call")
+    rc2 = compare("after no-id call", runner)
     _rt.release(runner)
     del runner
     no_ids = _no_ids_draft(ckpt, work, prompts, refs)
