@@ -399,7 +399,22 @@ def check_release(release: str, flag: str) -> str:
     """`release` if it looks like an sglang release number (e.g. 0.5.9, 0.5.15.post1), else a usage error."""
     if not isinstance(release, str) or not RELEASE_RE.match(release):
         raise UsageError(f"{flag} {release!r} is not a release number", f"pass {flag} like 0.5.9 or 0.5.15.post1")
+    canon = canonical_release(release)
+    if canon != release:
+        raise UsageError(f"{flag} {release!r} is not a canonical release number (it names sglang {canon})",
+                         f"pass {flag} {canon}")
     return release
+
+
+def canonical_release(release: str) -> str:
+    """`release` as the package index names it: no leading zeros in a number, and no trailing
+    `.0` beyond three components (0.5.09 and 0.5.9.0 are both 0.5.9)."""
+    m = re.match(r"^\d+(?:\.\d+)+", release)
+    nums = [str(int(x)) for x in m.group(0).split(".")]
+    while len(nums) > 3 and nums[-1] == "0":
+        nums.pop()
+    rest = re.sub(r"\d+", lambda d: str(int(d.group(0))), release[m.end():])
+    return ".".join(nums) + rest
 
 
 def version_key(v: str):
