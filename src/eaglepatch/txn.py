@@ -2,9 +2,12 @@
 
 Before the commit point everything that can fail is done or checked:
   1. preflight: the real path of each target (a symlinked file is written through, the link
-     stays a link), its directory writable, space and inodes on each filesystem;
-  2. `<package parent>/.eaglepatch-txn/plan.json`: every operation, written and synced first,
-     so whatever a crash leaves is known;
+     stays a link), its directory writable, the target itself replaceable (not immutable or
+     append-only, not another user's file in a sticky directory), space and inodes on each
+     filesystem;
+  2. `<package parent>/.eaglepatch-txn/plan.json` (`home`: the real parent of the package, the
+     same for every path naming it): every operation, written and synced first, so whatever a
+     crash leaves is known;
   3. staging, beside each target (same directory, so same filesystem): the new bytes as
      `.<name>.eaglepatch-new`, a hard link to the original as `.<name>.eaglepatch-old`, new
      directories; for `apply --commit` also the new git index and the branch ref;
