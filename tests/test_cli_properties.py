@@ -162,6 +162,9 @@ def special_files(d: Path) -> dict:
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(out["socket"]))  # the socket file stays after close
     sock.close()
+    (d / "theirs-dir").mkdir()
+    out["linkdir"] = d / "linkdir"  # a link to a directory, as an output dir
+    out["linkdir"].symlink_to(d / "theirs-dir")
     if os.geteuid() == 0:
         out["device"] = d / "device"
         os.mknod(out["device"], stat.S_IFCHR | 0o666, os.makedev(1, 7))  # what /dev/full is
@@ -320,6 +323,8 @@ def test_apply_cli(world, root, flags, series, start, dmg, tdmg, fetch):
     try:
         dmg(s.series)
         tdmg(s.tree if start in ("upstream", "patched") else s.tree / "python", world, s.elsewhere)
+        event(f"tree damage {tdmg.kind}")
+        event(f"series damage {dmg.kind}")
         argv = [] if (fetch is not None and root != "tree") else [f"@{root}"]
         argv += flags + (["--series", series] if series else [])
         if fetch is not None:
@@ -343,6 +348,8 @@ def test_verify_cli(world, root, series, json_out, smoke, start, dmg, tdmg):
         s.out.mkdir()
         dmg(s.series)
         tdmg(s.tree, world, s.elsewhere)
+        event(f"tree damage {tdmg.kind}")
+        event(f"root {root}, --json {json_out}")
         argv = [f"@{root}"] + (["--series", series] if series else []) + (["--json", json_out] if json_out else [])
         argv += ["--smoke", smoke] if smoke else ["--smoke", "none"]
         exercise(world, "verify", argv, s)
@@ -377,7 +384,7 @@ def test_export_cli(world, repo, base, branch, out, check, version, dmg):
        from_tree=st.sampled_from(["tree"] * 6 + [None, "missing", "afile"]),
        to_tree=st.sampled_from(["newer"] * 6 + [None, "tree", "missing", "afile"]),
        series=st.sampled_from(["@series"] * 6 + [None, "@afile", "@missing"]),
-       out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir"]),
+       out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir", "@linkdir"]),
        json_out=st.sampled_from([None, "@r.json"] * 3 + ["@afile/x", "@dir", "@out.json"] + SPECIAL_OUT),
        flags=st.lists(st.sampled_from(["--dry-run", "--force"]), unique=True), dmg=damage())
 def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, flags, dmg):

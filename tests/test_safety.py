@@ -115,6 +115,15 @@ def _aliased(small: Path, fast_tmp: Path) -> Path:
     return site
 
 
+def test_verify_copies_a_link_to_an_ancestor_once(small):
+    """The smoke copy follows links to directories, but never one that leads back up the tree."""
+    (small / MODELS / "loop").symlink_to("../..")
+    before = hashes(small)
+    r = run_with_timeout("verify", small, "--series", BASIC, timeout=120)
+    assert r.returncode == 0 and "CLEAN" in r.stdout, r.stdout + r.stderr
+    assert hashes(small) == before
+
+
 def test_one_package_through_two_paths_has_one_lock(small, fast_tmp):
     site = _aliased(small, fast_tmp)
     before = hashes(small)

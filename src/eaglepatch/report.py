@@ -200,13 +200,19 @@ def _copy_ignore(d, names):
     """What the smoke copy leaves out: caches, a transaction log, and whatever is neither a
     directory nor a regular file once links are followed (a FIFO would block the copy)."""
     skip = set(_SKIP(d, names))
+    here = os.path.realpath(d)
     for n in names:
+        full = os.path.join(d, n)
         try:
-            mode = os.stat(os.path.join(d, n)).st_mode
+            mode = os.stat(full).st_mode
         except OSError:
             continue  # a dangling link: ignore_dangling_symlinks leaves it out
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             skip.add(n)
+        elif stat.S_ISDIR(mode) and os.path.islink(full):
+            real = os.path.realpath(full)
+            if here == real or here.startswith(real + os.sep):  # a link to an ancestor: copying it never ends
+                skip.add(n)
     return skip
 
 
