@@ -238,7 +238,7 @@ def damage(draw):
 @st.composite
 def tree_damage(draw):
     kind = draw(st.sampled_from(["none"] * 8 + ["crlf", "delete", "cut", "garbage", "a-directory", "dangling-link",
-                                 "partly-patched", "local-edit", "linked-dir", "linked-file", "fifo", "socket"]
+                                 "partly-patched", "local-edit"] + ["linked-dir", "linked-file"] * 2 + ["fifo", "socket"]
                                 + (["device"] if os.geteuid() == 0 else [])))
     rel = draw(st.sampled_from(TARGETS))
     frac = draw(st.floats(0, 1))
@@ -381,7 +381,7 @@ def test_export_cli(world, repo, base, branch, out, check, version, dmg):
 @settings(max_examples=80, **SETTINGS)
 @given(frm=st.sampled_from([None] * 12 + ["0.5.9", "0.5.10", "abc", ""]),
        to=st.sampled_from([None] * 6 + ["0.5.9", "0.5.9.1", "abc"]),
-       from_tree=st.sampled_from(["tree"] * 6 + [None, "missing", "afile"]),
+       from_tree=st.sampled_from(["tree"] * 5 + ["alias", None, "missing", "afile"]),
        to_tree=st.sampled_from(["newer"] * 6 + [None, "tree", "missing", "afile"]),
        series=st.sampled_from(["@series"] * 6 + [None, "@afile", "@missing"]),
        out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir", "@linkdir"]),
@@ -394,7 +394,7 @@ def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, fla
     s = Scratch(world)
     try:
         dmg(s.series)
-        trees = {"tree": s.tree, "newer": world["newer"], "missing": s.missing, "afile": s.afile}
+        trees = {"tree": s.tree, "alias": s.alias, "newer": world["newer"], "missing": s.missing, "afile": s.afile}
         argv = []
         for flag, val in (("--from", frm), ("--to", to), ("--series", series), ("--json", json_out)):
             if val is not None:
