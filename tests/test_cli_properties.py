@@ -1,10 +1,13 @@
 """Property tests over the command lines of apply, verify, export, port and drift (hypothesis):
 random flags, paths (missing, a file, a directory, `~`, empty), damaged series (patch files cut,
 CRLF, stray bytes, wrong hunk counts; series lists; manifests of any JSON shape) and damaged
-target files (CRLF, deleted, cut, a directory, a dangling link, partly patched), on the real
-sglang 0.5.9 files. For every run: the exit code is 0, 1 or 2; stderr has no traceback and at
-most one `error:` line; a run that refuses (or only checks) leaves the tree byte-identical; no
-transaction or staging file is ever left.
+target files (CRLF, deleted, cut, a directory, a dangling link, partly patched, a symlinked file
+or directory that lives outside the tree, a FIFO, socket or device), series files that are
+FIFOs, trees named through an alias (`alias/sglang` a link to the tree's package) and output
+paths that are a symlink, FIFO, socket or device, on the real sglang 0.5.9 files. For every run: the exit code is 0, 1 or 2; stderr has no traceback and at
+most one `error:` line; a run that refuses (or only checks) leaves the tree and whatever its links
+point to byte-identical; a special output path is never replaced; no transaction or staging file
+is ever left.
 
 The tools run in this process (their `main(argv)`), with EAGLEPATCH_DEBUG=1 so that anything
 `run_main` would report as an internal error fails the test with its traceback instead.
@@ -18,6 +21,8 @@ import io
 import json
 import os
 import shutil
+import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -119,20 +124,56 @@ class Scratch:
         self.afile = self.dir / "afile"
         self.afile.write_text("not a directory\n")
         self.missing = self.dir / "missing"
+        self.elsewhere = self.dir / "elsewhere"  # where a tree's symlinks point (tree_damage)
+        self.elsewhere.mkdir()
+        self.alias = self.dir / "alias"  # alias/sglang: a link to the tree's package
+        self.alias.mkdir()
+        pkg = self.tree / "sglang" if (self.tree / "sglang").is_dir() else self.tree / "python" / "sglang"
+        (self.alias / "sglang").symlink_to(pkg)
+        self.specials = special_files(self.dir / "special")
 
     def path(self, key: str):
+        if key in self.specials:
+            return self.specials[key]
         return {"tree": self.tree, "tree/sglang": self.tree / "sglang", "series": self.series, "out": self.out,
                 "out.json": self.out / "r.json", "r.json": self.dir / "r.json", "afile": self.afile,
                 "afile/x": self.afile / "x",
                 "missing": self.missing, "missing/x": self.missing / "x", "dir": self.dir, "empty": "",
-                "tilde": "~/nothing-here", "basic": BASIC, "basic/series": BASIC / "series"}[key]
+                "tilde": "~/nothing-here", "basic": BASIC, "basic/series": BASIC / "series", "alias": self.alias}[key]
+
+    def outside(self) -> dict:
+        """What a run must never change besides the tree: the files its links point to, and the
+        special output paths (same type, same inode)."""
+        st = {k: (stat.S_IFMT(os.lstat(p).st_mode), os.lstat(p).st_ino) for k, p in self.specials.items()}
+        return {"elsewhere": hashes(self.elsewhere), "specials": st,
+                "theirs": (self.dir / "special" / "theirs.txt").read_bytes()}
 
     def close(self):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def special_files(d: Path) -> dict:
+    """A symlink to someone's file, a FIFO, a socket and (as root) a device, as output paths."""
+    d.mkdir()
+    (d / "theirs.txt").write_text("someone's file\n")
+    out = {"link.json": d / "link.json", "fifo": d / "fifo", "socket": d / "socket"}
+    out["link.json"].symlink_to(d / "theirs.txt")
+    os.mkfifo(out["fifo"])
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(out["socket"]))  # the socket file stays after close
+    sock.close()
+    (d / "theirs-dir").mkdir()
+    out["linkdir"] = d / "linkdir"  # a link to a directory, as an output dir
+    out["linkdir"].symlink_to(d / "theirs-dir")
+    if os.geteuid() == 0:
+        out["device"] = d / "device"
+        os.mknod(out["device"], stat.S_IFCHR | 0o666, os.makedev(1, 7))  # what /dev/full is
+    return out
+
+
+SPECIAL_OUT = ["@link.json", "@fifo", "@socket"] + (["@device"] if os.geteuid() == 0 else [])
 PATHS = st.sampled_from(["tree", "tree/sglang", "series", "out", "out.json", "afile", "afile/x", "missing",
-                         "missing/x", "dir", "empty", "tilde", "basic", "basic/series"])
+                         "missing/x", "dir", "empty", "tilde", "basic", "basic/series", "alias"])
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
                     max_leaves=6)
@@ -143,7 +184,8 @@ def damage(draw):
     """A function that damages a series dir in one of the ways a hostile world does (or not at all)."""
     kind = draw(st.sampled_from(["none"] * 12 + [
         "cut", "insert", "crlf", "hunk-count", "no-separator", "not-utf8", "empty", "series-list", "smoke-list",
-        "manifest-json", "manifest-files", "manifest-hunks", "no-manifest"]))
+        "manifest-json", "manifest-files", "manifest-hunks", "no-manifest", "fifo"]))
+    fifo_at = draw(st.sampled_from(["series", "smoke.series", "manifest.json", "patch"]))
     frac = draw(st.floats(0, 1))
     blob = draw(st.binary(max_size=12))
     text = draw(st.text(max_size=20))
@@ -184,6 +226,10 @@ def damage(draw):
             (d / "manifest.json").write_text(json.dumps(m))
         elif kind == "no-manifest":
             (d / "manifest.json").unlink()
+        elif kind == "fifo":  # a FIFO where a series file is read: refused, never opened (it would block)
+            f = p if fifo_at == "patch" else d / fifo_at
+            f.unlink()
+            os.mkfifo(f)
 
     apply.kind = kind
     return apply
@@ -192,14 +238,33 @@ def damage(draw):
 @st.composite
 def tree_damage(draw):
     kind = draw(st.sampled_from(["none"] * 8 + ["crlf", "delete", "cut", "garbage", "a-directory", "dangling-link",
-                                 "partly-patched", "local-edit"]))
+                                 "partly-patched", "local-edit"] + ["linked-dir", "linked-file"] * 2 + ["fifo", "socket"]
+                                + (["device"] if os.geteuid() == 0 else [])))
     rel = draw(st.sampled_from(TARGETS))
     frac = draw(st.floats(0, 1))
 
-    def apply(tree: Path, world) -> None:
+    def apply(tree: Path, world, elsewhere: Path) -> None:
         p = tree / rel
         if kind == "none" or (not p.exists() and kind != "a-directory"):
             return
+        if kind == "linked-dir":  # the target's directory lives outside the tree
+            away = elsewhere / p.parent.name
+            shutil.move(p.parent, away)
+            p.parent.symlink_to(away)
+        elif kind == "linked-file":
+            shutil.move(p, elsewhere / p.name)
+            p.symlink_to(elsewhere / p.name)
+        elif kind == "fifo":
+            p.unlink()
+            os.mkfifo(p)
+        elif kind == "socket":
+            p.unlink()
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(p))
+            sock.close()
+        elif kind == "device":
+            p.unlink()
+            os.mknod(p, stat.S_IFCHR | 0o644, os.makedev(1, 3))  # what /dev/null is
         if kind == "crlf":
             p.write_bytes(p.read_bytes().replace(b"\n", b"\r\n"))
         elif kind == "delete":
@@ -228,7 +293,7 @@ def tree_damage(draw):
 
 def exercise(world, tool: str, argv_keys: list, scratch: Scratch) -> None:
     argv = [scratch.path(a[1:]) if isinstance(a, str) and a.startswith("@") else a for a in argv_keys]
-    before = hashes(scratch.tree)
+    before, outside = hashes(scratch.tree), scratch.outside()
     rc, out, err = run(tool, argv, cwd=scratch.dir)
     check_result(tool, argv, rc, out, err)
     event(f"exit {rc}")
@@ -236,6 +301,9 @@ def exercise(world, tool: str, argv_keys: list, scratch: Scratch) -> None:
     writes = tool == "apply" and not ({"--check"} & set(map(str, argv)))
     if rc != 0 or not writes:
         assert after == before, f"{tool} {argv} exit {rc} changed the tree\n{out}\n{err}"
+        assert scratch.outside() == outside, f"{tool} {argv} exit {rc} wrote outside the tree\n{out}\n{err}"
+    else:
+        assert scratch.outside()["specials"] == outside["specials"], f"{tool} {argv} replaced a special file"
     assert not leftovers(scratch.tree, scratch.dir), leftovers(scratch.tree, scratch.dir)
 
 
@@ -243,7 +311,7 @@ def exercise(world, tool: str, argv_keys: list, scratch: Scratch) -> None:
 # the properties
 
 @settings(max_examples=300, **SETTINGS)
-@given(root=st.sampled_from(["tree"] * 12) | PATHS,
+@given(root=st.sampled_from(["tree"] * 10 + ["alias"] * 2) | PATHS,
        flags=st.tuples(st.sampled_from([[], ["--check"]]), st.sampled_from([[], [], ["--reverse"]]),
                        st.sampled_from([[]] * 3 + [["--force"]]), st.sampled_from([[]] * 4 + [["--commit"]]),
                        st.sampled_from([[]] * 19 + [["--bogus"]])).map(lambda t: sum(t, [])),
@@ -254,7 +322,9 @@ def test_apply_cli(world, root, flags, series, start, dmg, tdmg, fetch):
     s = Scratch(world, start)
     try:
         dmg(s.series)
-        tdmg(s.tree if start in ("upstream", "patched") else s.tree / "python", world)
+        tdmg(s.tree if start in ("upstream", "patched") else s.tree / "python", world, s.elsewhere)
+        event(f"tree damage {tdmg.kind}")
+        event(f"series damage {dmg.kind}")
         argv = [] if (fetch is not None and root != "tree") else [f"@{root}"]
         argv += flags + (["--series", series] if series else [])
         if fetch is not None:
@@ -265,9 +335,10 @@ def test_apply_cli(world, root, flags, series, start, dmg, tdmg, fetch):
 
 
 @settings(max_examples=150, **SETTINGS)
-@given(root=st.sampled_from(["tree"] * 12) | PATHS,
+@given(root=st.sampled_from(["tree"] * 10 + ["alias"] * 2) | PATHS,
        series=st.sampled_from([None, "@series"] * 6 + ["@afile", "@missing", "@tilde", "@basic/series"]),
-       json_out=st.sampled_from([None, "@r.json"] * 4 + ["@afile/x", "@missing/x", "@dir", "@empty", "@afile"]),
+       json_out=st.sampled_from([None, "@r.json"] * 4 + ["@afile/x", "@missing/x", "@dir", "@empty", "@afile"]
+                                + SPECIAL_OUT),
        smoke=st.sampled_from([None, "none", "static"] * 3 + ["bogus"]),
        start=st.sampled_from(["upstream", "patched", "newer"]),
        dmg=damage(), tdmg=tree_damage())
@@ -276,7 +347,9 @@ def test_verify_cli(world, root, series, json_out, smoke, start, dmg, tdmg):
     try:
         s.out.mkdir()
         dmg(s.series)
-        tdmg(s.tree, world)
+        tdmg(s.tree, world, s.elsewhere)
+        event(f"tree damage {tdmg.kind}")
+        event(f"root {root}, --json {json_out}")
         argv = [f"@{root}"] + (["--series", series] if series else []) + (["--json", json_out] if json_out else [])
         argv += ["--smoke", smoke] if smoke else ["--smoke", "none"]
         exercise(world, "verify", argv, s)
@@ -308,11 +381,11 @@ def test_export_cli(world, repo, base, branch, out, check, version, dmg):
 @settings(max_examples=80, **SETTINGS)
 @given(frm=st.sampled_from([None] * 12 + ["0.5.9", "0.5.10", "abc", ""]),
        to=st.sampled_from([None] * 6 + ["0.5.9", "0.5.9.1", "abc"]),
-       from_tree=st.sampled_from(["tree"] * 6 + [None, "missing", "afile"]),
+       from_tree=st.sampled_from(["tree"] * 5 + ["alias", None, "missing", "afile"]),
        to_tree=st.sampled_from(["newer"] * 6 + [None, "tree", "missing", "afile"]),
        series=st.sampled_from(["@series"] * 6 + [None, "@afile", "@missing"]),
-       out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir"]),
-       json_out=st.sampled_from([None, "@r.json"] * 3 + ["@afile/x", "@dir", "@out.json"]),
+       out=st.sampled_from(["@out"] * 6 + ["@afile", "@afile/x", "@dir", "@linkdir"]),
+       json_out=st.sampled_from([None, "@r.json"] * 3 + ["@afile/x", "@dir", "@out.json"] + SPECIAL_OUT),
        flags=st.lists(st.sampled_from(["--dry-run", "--force"]), unique=True), dmg=damage())
 def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, flags, dmg):
     if to_tree is None and to not in (None, "0.5.9") or from_tree is None and frm not in (None, "0.5.9", "0.5.10",
@@ -321,7 +394,7 @@ def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, fla
     s = Scratch(world)
     try:
         dmg(s.series)
-        trees = {"tree": s.tree, "newer": world["newer"], "missing": s.missing, "afile": s.afile}
+        trees = {"tree": s.tree, "alias": s.alias, "newer": world["newer"], "missing": s.missing, "afile": s.afile}
         argv = []
         for flag, val in (("--from", frm), ("--to", to), ("--series", series), ("--json", json_out)):
             if val is not None:
@@ -339,7 +412,7 @@ def test_port_cli(world, frm, to, from_tree, to_tree, series, out, json_out, fla
 
 @settings(max_examples=30, **SETTINGS)
 @given(releases=st.sampled_from([None, "0.5.9", "0.5.9,0.5.10", "x", ",", "0.5.10,abc"]),
-       out=st.sampled_from(["@r.json"] * 4 + ["@afile", "@afile/x", "@dir", "@missing/x"]),
+       out=st.sampled_from(["@r.json"] * 4 + ["@afile", "@afile/x", "@dir", "@missing/x"] + SPECIAL_OUT),
        flags=st.lists(st.sampled_from(["--strict", "--pinned"]), unique=True))
 def test_drift_cli(world, releases, out, flags):
     if releases is None and "--pinned" not in flags:

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             return 0
         if not a.root:
             raise UsageError("ROOT is missing", "pass an SGLang checkout or site-packages dir, or use --fetch")
-        pick = resolve_series(a.root, a.series)
+        pick = resolve_series(a.root, a.series, recover=not a.check, what="apply --check")
         apply_series(pick.tree, pick.series, check=a.check, reverse=a.reverse, force=a.force, commit=a.commit,
                      command=command)
         return 0

@@ -85,10 +85,30 @@ def _git_paths(g: _Git, root: Path, *names: str) -> list[Path]:
 
 
 def check_idle(g: _Git, root: Path) -> None:
-    for (name, what, how), path in zip(BUSY, _git_paths(g, root, *(b[0] for b in BUSY))):
+    """Refuse a repository in the middle of a git operation, or one another git process is
+    writing (its index or HEAD locked): both would be overwritten by, or overwrite, the commit."""
+    locks = ("index.lock", "HEAD.lock")
+    paths = _git_paths(g, root, *(b[0] for b in BUSY), *locks)
+    for (name, what, how), path in zip(BUSY, paths):
         if path.exists():
             raise RefusedError(f"{what} is in progress in {root}",
                                f"finish or abort it first ({how}), then run apply --commit again; nothing was changed")
+    for path in paths[len(BUSY):]:
+        if os.path.lexists(path):
+            raise RefusedError(f"another git process is using {root} ({path} exists)",
+                               f"wait for it to finish (if no git process is running, remove {path}), then run "
+                               "apply --commit again; nothing was changed")
+
+
+def _checked_out_elsewhere(g: _Git, root: Path, ref: str) -> Path | None:
+    """The other worktree that has `ref` checked out, if any."""
+    wt = None
+    for ln in g("worktree", "list", "--porcelain").splitlines():
+        if ln.startswith("worktree "):
+            wt = Path(ln[len("worktree "):])
+        elif ln == f"branch {ref}" and wt is not None and os.path.realpath(wt) != os.path.realpath(root):
+            return wt
+    return None
 
 
 def _prefix(repo, pp: Path) -> str:
@@ -99,7 +119,7 @@ def _prefix(repo, pp: Path) -> str:
 
 def committed(tree, series: Series) -> str | None:
     """For a patched tree: the branch HEAD is on when the series' files are committed there, else None."""
-    repo = open_repo(tree.root)
+    repo = open_repo(tree.root, work_tree=True)
     try:
         g = _Git(repo)
         prefix = _prefix(repo, tree.package_parent)
@@ -117,7 +137,7 @@ def prepare_commit(tree, series: Series, originals: dict, snapshots: list, chang
     target files as read under the lock (`originals`, rel -> bytes|None) and their state after each
     patch; raises a refusal (nothing changed) for a busy repository, uncommitted target files or
     an existing branch."""
-    repo = open_repo(tree.root)
+    repo = open_repo(tree.root, work_tree=True)
     try:
         return _prepare(repo, tree, series, originals, snapshots, changes, force)
     finally:
@@ -149,6 +169,11 @@ def _prepare(repo, tree, series, originals, snapshots, changes, force) -> Commit
         pass
     if old and not force:
         raise RefusedError(f"branch {branch} already exists", "delete it (git branch -D) or pass --force")
+    other = _checked_out_elsewhere(g, root, ref) if old else None
+    if other is not None:  # git itself never moves a branch another worktree has checked out
+        raise RefusedError(f"branch {branch} is checked out in the worktree {other}, so --force cannot move it",
+                           f"switch that worktree to another branch (git -C {other} switch --detach) or remove it "
+                           "(git worktree remove), then run apply --commit --force again; nothing was changed")
     try:
         head = g("symbolic-ref", "-q", "HEAD")
     except RefusedError:

@@ -54,14 +54,22 @@ def run(args: list[str], cwd: Path, env: dict | None = None, check: bool = True,
     return r
 
 
-def open_repo(path: Path | str, why: str = "drop --commit or run git init there"):
-    """A GitPython Repo for `path` (git must be on PATH; GitPython refuses to import without it)."""
+def open_repo(path: Path | str, why: str = "drop --commit or run git init there", work_tree: bool = False):
+    """A GitPython Repo for `path` (git must be on PATH; GitPython refuses to import without it).
+    work_tree=True: a repository git treats as bare (also a work tree whose .git points at a bare
+    repository) is refused in one line, since nothing can be checked out or committed there."""
     require_git()
     try:
         import git
     except ImportError as exc:
         raise UsageError(f"GitPython cannot start: {str(exc).splitlines()[0]}", NO_GIT[1]) from None
     try:
-        return git.Repo(path)
+        repo = git.Repo(path)
     except Exception:
         raise UsageError(f"{path} is not a git repository", why) from None
+    if work_tree and (repo.bare or repo.working_tree_dir is None):
+        git_dir = repo.git_dir
+        repo.close()
+        raise UsageError(f"{path} uses the bare repository {git_dir} (core.bare is true), which has no work tree "
+                         "to commit in", f"clone a checkout (git clone {git_dir}) and run there, or {why}")
+    return repo

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -37,6 +38,29 @@ def held_interrupts():
         _depth -= 1
         if _depth == 0:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C lands here
+
+
+@contextmanager
+def completing():
+    """Like `held_interrupts`, for the part of a change after its commit point: a Ctrl-C that
+    arrives meanwhile is taken (not delivered) when the block has completed, and stderr says the
+    change was completed, so the run goes on to report its success instead of exiting as
+    interrupted. Only the outermost section takes it; nested, it is `held_interrupts`."""
+    if threading.current_thread() is not threading.main_thread() or _depth > 0:
+        with held_interrupts():
+            yield
+        return
+    ok = False
+    with held_interrupts():
+        try:
+            yield
+            ok = True
+        finally:
+            if signal.SIGINT in signal.sigpending():
+                signal.sigwait({signal.SIGINT})  # take it: the change it came after is complete
+                if ok:
+                    print("eaglepatch: interrupted after the commit point; the change was completed first",
+                          file=sys.stderr, flush=True)
 
 
 def stop_point(name: str) -> None:

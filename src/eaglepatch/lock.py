@@ -3,8 +3,12 @@
 The lock is `flock(2)` on the package parent directory itself (the directory that holds
 `sglang/`): nothing is created, so an installed tree's file set, its hashes and `git status` are
 the same before, during and after a run, and the kernel drops the lock when the holder dies
-(even by SIGKILL). Where a filesystem refuses flock on a directory, the lock is a file named
-after the directory's device and inode in the system temp dir instead.
+(even by SIGKILL). The real package is what is locked, whatever path names it: the real path of
+the package parent, and where `sglang/` is a symbolic link also the real parent of the package
+it points to (`site/sglang -> checkout/python/sglang` and `checkout/python` share a lock).
+Where a filesystem refuses flock on a directory, the lock is a file named after the directory's
+device and inode under the eaglepatch cache (`<cache>/locks/`, EAGLEPATCH_CACHE or
+~/.cache/eaglepatch) instead, never in the system temp dir.
 
 A second run waits, saying so on stderr, up to EAGLEPATCH_LOCK_TIMEOUT seconds (default 300),
 then refuses in one line. The lock is reentrant within a process.
@@ -16,13 +20,13 @@ import errno
 import fcntl
 import os
 import sys
-import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .errors import RefusedError, UsageError
 
+PACKAGE = "sglang"
 TIMEOUT_ENV = "EAGLEPATCH_LOCK_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 _held: dict = {}  # (st_dev, st_ino) -> [fd, depth]
@@ -60,18 +64,43 @@ def _open(pp: Path) -> tuple[int, tuple]:
         if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EACCES,
                              errno.EPERM):
             raise UsageError(f"cannot lock {pp}: {exc.strerror}", "check the path and its permissions") from None
-    path = Path(tempfile.gettempdir()) / f"eaglepatch-lock-{key[0]}-{key[1]}"
+    locks = _cache_base() / "locks"
+    path = locks / f"lock-{key[0]}-{key[1]}"
     try:
+        locks.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
         raise UsageError(f"cannot lock {pp} (flock on the directory is refused and {path} cannot be "
-                         f"created: {exc.strerror})", "make the system temp dir writable") from None
+                         f"created: {exc.strerror})", f"make {locks} writable (or set EAGLEPATCH_CACHE)") from None
     return fd, key
+
+
+def _cache_base() -> Path:
+    base = os.environ.get("EAGLEPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eaglepatch")
+    return Path(base).expanduser()
+
+
+def lock_dirs(pp: Path | str) -> list[Path]:
+    """The directories whose locks guard the tree whose package parent is `pp`: its real path,
+    and the real parent of the package `pp/sglang` when that is a link to another place."""
+    pp = Path(pp)
+    out = [Path(os.path.realpath(pp))]
+    real_pkg = Path(os.path.realpath(pp / PACKAGE))
+    if real_pkg.is_dir() and real_pkg.parent != out[0]:
+        out.append(real_pkg.parent)
+    return out
 
 
 @contextmanager
 def tree_lock(pp: Path | str, say=None, timeout: float | None = None):
-    """Hold the exclusive lock of the tree whose package parent is `pp`."""
+    """Hold the exclusive lock of the tree whose package parent is `pp` (of the real package,
+    whatever path names it)."""
+    with tree_locks(pp, say=say, timeout=timeout):
+        yield
+
+
+@contextmanager
+def _lock_one(pp: Path, say=None, timeout: float | None = None):
     pp = Path(pp)
     fd, key = _open(pp)
     if key in _held:
@@ -111,16 +140,18 @@ def tree_lock(pp: Path | str, say=None, timeout: float | None = None):
 
 
 @contextmanager
-def tree_locks(*pps, say=None):
-    """Lock several trees, always in the same order (no deadlock between two such runs)."""
+def tree_locks(*pps, say=None, timeout: float | None = None):
+    """Lock several trees (each its real package, see `lock_dirs`), always in the same order (no
+    deadlock between two such runs)."""
     seen = {}
-    for p in pps:
-        try:
-            st = os.stat(p)
-            seen.setdefault((st.st_dev, st.st_ino), Path(p))
-        except OSError:
-            seen.setdefault((0, len(seen)), Path(p))
+    for given in pps:
+        for p in lock_dirs(given):
+            try:
+                st = os.stat(p)
+                seen.setdefault((st.st_dev, st.st_ino), Path(p))
+            except OSError:
+                seen.setdefault((0, len(seen)), Path(given))  # _lock_one refuses it in one line
     with ExitStack() as stack:
         for _, p in sorted(seen.items()):
-            stack.enter_context(tree_lock(p, say))
+            stack.enter_context(_lock_one(p, say, timeout))
         yield

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,12 +79,29 @@ def filled_dir(tmp: Path, dest: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _kind(mode: int) -> str:
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a special file")
+
+
 def check_output_file(path: Path | str, flag: str) -> Path:
-    """`path` (with ~ expanded) if a file can be written there, else a one-line usage error."""
+    """`path` (with ~ expanded) if a file can be written there, else a one-line usage error. An
+    existing `path` must be a regular file: a symbolic link, FIFO, socket or device is refused
+    (the atomic rename would replace it with a regular file)."""
     p = Path(os.path.expanduser(str(path)))
     fix = f"pass {flag} a file in a writable directory"
     if not str(path):
         raise UsageError(f"{flag} is empty", fix)
+    try:
+        mode = os.lstat(p).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise UsageError(f"{flag} {p} is a directory", fix)
+    if mode is not None and not stat.S_ISREG(mode):  # the rename would replace the link, FIFO or device itself
+        raise UsageError(f"{flag} {p} is {_kind(mode)}, not a regular file",
+                         f"pass {flag} a regular file or a new path (the tool replaces the file it writes)")
     if p.is_dir():
         raise UsageError(f"{flag} {p} is a directory", fix)
     parent = p.parent

@@ -17,9 +17,11 @@ other relatively), for unit tests.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -38,6 +40,11 @@ DEFAULT_UPSTREAM_MAPPING = "plus_one"
 _CONSTANT = r'^{name} = "[^"\n]*"$'
 
 
+# names no overlay file has: editor swap and lock files, backups, merge leftovers, byte code
+STRAY = ("*.swp", "*.swo", "*.swn", "*.swx", ".*.sw?", "*~", ".#*", "#*#", "*.orig", "*.rej", "*.bak", "*.tmp",
+         "*.pyc", "*.pyo", ".DS_Store")
+
+
 def overlay_root() -> Path:
     env = os.environ.get("EAGLEPATCH_OVERLAY")
     return Path(env) if env else OVERLAY
@@ -50,8 +57,21 @@ def source_files(root: Path | None = None) -> dict[str, bytes]:
         raise UsageError(f"{root} holds no {PACKAGE}/ folder", "run from a checkout of the project (sglang-overlay/)")
     out = {}
     for path in sorted((root / PACKAGE).rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            out[path.relative_to(root).as_posix()] = path.read_bytes()
+        if "__pycache__" in path.relative_to(root).parts:
+            continue  # made by importing the package (tests do), never part of it
+        mode = path.lstat().st_mode
+        if stat.S_ISDIR(mode):
+            continue
+        why = None
+        if not stat.S_ISREG(mode):
+            why = "is a symbolic link or special file, not a regular file"
+        elif any(fnmatch.fnmatchcase(path.name, pat) for pat in STRAY):
+            why = "looks like an editor swap file, backup or merge leftover, not part of the package"
+        if why:
+            raise UsageError(f"{path} {why} (every file under {root / PACKAGE} goes into each series' 0001 patch)",
+                             "remove it (or rename it, if it is a real module) and run export --overlay again; "
+                             "nothing was written")
+        out[path.relative_to(root).as_posix()] = path.read_bytes()
     return out
 
 

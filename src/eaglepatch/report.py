@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,10 +178,12 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
     try:
         say(f"copying {tree.package_parent / 'sglang'} to a temporary dir for smoke tests ...")
         pp = tmp / "pp"
-        shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn"))
+        # real files only (symlinks=False copies what a link points to): the smoke patches are
+        # written to this copy, and a link kept as a link would write through into the user's tree
+        shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=False,
+                        ignore=_copy_ignore, ignore_dangling_symlinks=True)
         for d in tree.package_parent.glob("sglang-*.dist-info"):
-            shutil.copytree(d, pp / d.name)
+            shutil.copytree(d, pp / d.name, symlinks=False, ignore=_copy_ignore, ignore_dangling_symlinks=True)
         owner_writable(pp)  # the copy is ours: a read-only directory of the tree must not stay one
     except (OSError, shutil.Error) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,6 +192,29 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
                            "free space in the temp dir (TMPDIR) or fix the tree's permissions, or pass --smoke none") \
             from None
     return rep, tmp
+
+
+_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn")
+
+
+def _copy_ignore(d, names):
+    """What the smoke copy leaves out: caches, a transaction log, and whatever is neither a
+    directory nor a regular file once links are followed (a FIFO would block the copy)."""
+    skip = set(_SKIP(d, names))
+    here = os.path.realpath(d)
+    for n in names:
+        full = os.path.join(d, n)
+        try:
+            mode = os.stat(full).st_mode
+        except OSError:
+            continue  # a dangling link: ignore_dangling_symlinks leaves it out
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            skip.add(n)
+        elif stat.S_ISDIR(mode) and os.path.islink(full):
+            real = os.path.realpath(full)
+            if here == real or here.startswith(real + os.sep):  # a link to an ancestor: copying it never ends
+                skip.add(n)
+    return skip
 
 
 def _smoke_phase(rep: VerifyReport, tmp: Path, level: str) -> VerifyReport:
@@ -236,6 +263,8 @@ def _write(pp: Path, contents: dict) -> None:
     try:
         for rel, data in contents.items():
             p = pp / rel
+            if p.is_symlink():  # never write through a link, even one the copy should not hold
+                p.unlink()
             if data is None:
                 p.unlink(missing_ok=True)
             else:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,9 +248,23 @@ def message_to_header(message: str) -> str:
     return f"Subject: {first.strip()}\n" + rest
 
 
+def require_regular(path: Path, fix: str = "regenerate the series with tools/export.py") -> bool:
+    """Whether `path` exists (following links); a FIFO, socket or device there is a one-line usage
+    error, before anything opens it (reading a FIFO blocks forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}", fix) from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise UsageError(f"{path} is not a regular file (a FIFO, socket or device)", fix)
+    return True
+
+
 def read_series_list(path: Path) -> list[str]:
     names = []
-    if not path.exists():
+    if not require_regular(path):
         return names
     try:
         text = path.read_text(encoding="utf-8")
@@ -335,7 +350,7 @@ def _manifest_problem(m) -> str | None:
 
 
 def load_manifest(path: Path) -> dict | None:
-    if not path.exists():
+    if not require_regular(path):
         return None
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
@@ -368,14 +383,14 @@ def load_series(d: Path | str) -> Series:
                          f"pass the directory that holds it: --series {d.parent}")
     if not d.is_dir():
         raise UsageError(f"series directory {d} does not exist", "pass --series patches/sglang-<release>")
-    if not (d / "series").is_file():
+    if not require_regular(d / "series") or not (d / "series").is_file():
         raise UsageError(f"{d} has no 'series' file", "pass a series directory such as patches/sglang-0.5.9")
 
     def load(names: list[str], listfile: str) -> list[Patch]:
         out = []
         for n in names:
             p = d / n
-            if not p.is_file():
+            if not require_regular(p) or not p.is_file():
                 raise UsageError(f"{d / listfile} names {n}, which does not exist",
                                  "fix the series file or regenerate it with tools/export.py")
             try:
@@ -399,7 +414,22 @@ def check_release(release: str, flag: str) -> str:
     """`release` if it looks like an sglang release number (e.g. 0.5.9, 0.5.15.post1), else a usage error."""
     if not isinstance(release, str) or not RELEASE_RE.match(release):
         raise UsageError(f"{flag} {release!r} is not a release number", f"pass {flag} like 0.5.9 or 0.5.15.post1")
+    canon = canonical_release(release)
+    if canon != release:
+        raise UsageError(f"{flag} {release!r} is not a canonical release number (it names sglang {canon})",
+                         f"pass {flag} {canon}")
     return release
+
+
+def canonical_release(release: str) -> str:
+    """`release` as the package index names it: no leading zeros in a number, and no trailing
+    `.0` beyond three components (0.5.09 and 0.5.9.0 are both 0.5.9)."""
+    m = re.match(r"^\d+(?:\.\d+)+", release)
+    nums = [str(int(x)) for x in m.group(0).split(".")]
+    while len(nums) > 3 and nums[-1] == "0":
+        nums.pop()
+    rest = re.sub(r"\d+", lambda d: str(int(d.group(0))), release[m.end():])
+    return ".".join(nums) + rest
 
 
 def version_key(v: str):

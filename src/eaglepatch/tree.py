@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,10 @@ def read_target(path: Path) -> bytes | None:
     """The bytes of a file the series touches; None when it does not exist; any other problem
     (a directory, no permission, a link loop) is a one-line usage error."""
     try:
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # never opened: reading a FIFO blocks forever
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            return _unreadable(path, f"is not a regular file ({kind})")
         return path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return _unreadable(path, "is a symbolic link to a missing file") if path.is_symlink() else None
@@ -180,8 +185,11 @@ def _walk_hash(root: Path) -> dict[str, str]:
         dirnames[:] = [d for d in dirnames if d != ".git"]
         for fn in filenames:
             p = Path(dirpath) / fn
-            if p.is_symlink():
+            mode = os.lstat(p).st_mode
+            if stat.S_ISLNK(mode):
                 out[str(p.relative_to(root))] = "link:" + os.readlink(p)
+            elif not stat.S_ISREG(mode):  # a FIFO, socket or device: never opened (a FIFO would block)
+                out[str(p.relative_to(root))] = f"special:{stat.S_IFMT(mode):o}"
             else:
                 out[str(p.relative_to(root))] = file_sha256(p)
     return out
@@ -199,10 +207,17 @@ class Pick:
     note: str | None = None  # set when the series is not the release's own (verify's nearest older)
 
 
-def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = False) -> Pick:
+def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = False, recover: bool = False,
+                   what: str = "verify", say=print) -> Pick:
     """The series for ROOT: --series DIR, else patches/sglang-<detected release>. A release without
     a series is refused naming the nearest older series and the port command; with nearest=True
-    (verify) that nearest older series is picked instead, with a note saying so."""
+    (verify) that nearest older series is picked instead, with a note saying so.
+
+    A transaction an interrupted run left is dealt with first, before the release is detected (a
+    half-done change can hide the release a tree's hashes tell): with recover=True (a tool that
+    writes the tree) it is finished or undone under the tree's lock, else it is refused naming
+    the command that finishes it (`what` is the read-only tool, for that message)."""
+    _pending_first(root, recover, what, say)
     if series_dir is not None:
         series = load_series(series_dir)
         tree = UpstreamTree.open(root, {series.release: series} if series.release else None)
@@ -235,3 +250,18 @@ def resolve_series(root, series_dir=None, patches_root=None, nearest: bool = Fal
     raise RefusedError(f"no series for sglang {tree.release} (series that exist: {names})",
                        f"the nearest older series is {have[near].name}: see its drift with "
                        f"{tool_command('verify', tree.root)}, then port it with {port}")
+
+
+def _pending_first(root, recover: bool, what: str, say) -> None:
+    from .lock import tree_lock
+    from .txn import describe_pending, recover as recover_txn, refuse_if_pending
+    _, _, pp = locate(root)
+    if describe_pending(pp) is None:
+        return
+    with tree_lock(pp):
+        if not recover:
+            refuse_if_pending(pp, what)
+            return
+        msg = recover_txn(pp)
+        if msg:
+            say(msg)

@@ -2,9 +2,12 @@
 
 Before the commit point everything that can fail is done or checked:
   1. preflight: the real path of each target (a symlinked file is written through, the link
-     stays a link), its directory writable, space and inodes on each filesystem;
-  2. `<package parent>/.eaglepatch-txn/plan.json`: every operation, written and synced first,
-     so whatever a crash leaves is known;
+     stays a link), its directory writable, the target itself replaceable (not immutable or
+     append-only, not another user's file in a sticky directory), space and inodes on each
+     filesystem;
+  2. `<package parent>/.eaglepatch-txn/plan.json` (`home`: the real parent of the package, the
+     same for every path naming it): every operation, written and synced first, so whatever a
+     crash leaves is known;
   3. staging, beside each target (same directory, so same filesystem): the new bytes as
      `.<name>.eaglepatch-new`, a hard link to the original as `.<name>.eaglepatch-old`, new
      directories; for `apply --commit` also the new git index and the branch ref;
@@ -24,15 +27,17 @@ and which command finishes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import RefusedError
 from .gitcmd import run as git_run
-from .interrupts import held_interrupts, stop_point
+from .interrupts import completing, held_interrupts, stop_point
 from .outputs import can_write
 from .series import sha256_bytes
 
@@ -97,6 +102,15 @@ def _why(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------------------
 # planning and preflight
 
+def home(pp: Path | str) -> Path:
+    """Where the transaction log of the tree at `pp` lives: the real parent of its package, so
+    that every path naming the same package (`site/sglang` a link to `checkout/python/sglang`)
+    finds the same pending change."""
+    pp = Path(pp)
+    real_pkg = Path(os.path.realpath(pp / "sglang"))
+    return real_pkg.parent if real_pkg.is_dir() else Path(os.path.realpath(pp))
+
+
 def _real_target(pp: Path, rel: str, delete: bool) -> Path:
     p = pp / rel
     fix = "replace it with a regular file (or remove it) and run again; nothing was changed"
@@ -111,6 +125,27 @@ def _real_target(pp: Path, rel: str, delete: bool) -> Path:
     if real.exists() and not real.is_symlink() and not real.is_file():
         raise RefusedError(f"{p} is not a regular file", fix)
     return real
+
+
+def _replaceable(real: Path, d: Path, fix: str) -> None:
+    """Refuse a target the redo could not rename over or unlink although its directory is
+    writable: an immutable or append-only file (chattr +i / +a), or another user's file in a
+    sticky directory (such as /tmp)."""
+    try:
+        fd = os.open(real, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        os.close(fd)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EROFS):
+            raise RefusedError(f"{real} cannot be replaced: {exc.strerror} (an immutable or append-only file, "
+                               "see lsattr, or a read-only filesystem)",
+                               "clear the flag (chattr -i / -a) or remount it writable and run again; "
+                               "nothing was changed") from None
+    euid = os.geteuid()
+    if euid != 0:
+        st, sd = os.lstat(real), os.stat(d)
+        if sd.st_mode & stat.S_ISVTX and euid not in (st.st_uid, sd.st_uid):
+            raise RefusedError(f"{real} belongs to uid {st.st_uid} in the sticky directory {d}, so only its owner "
+                               "may replace it", fix)
 
 
 def _missing_dirs(d: Path) -> list[Path]:
@@ -131,7 +166,7 @@ class Transaction:
     """`changes` (package-parent relative path -> bytes, or None to delete) for the tree at `pp`."""
 
     def __init__(self, pp: Path | str, changes: dict, command: str):
-        self.pp = Path(pp)
+        self.pp = home(pp)
         self.dir = self.pp / TXN
         self.command = command
         self.ops: list[Op] = []
@@ -180,6 +215,8 @@ class Transaction:
             if not can_write(d):
                 raise RefusedError(f"{d} is not writable, so {op.path} cannot be "
                                    f"{'changed' if op.new else 'removed'}", fix)
+            if _lexists(op.real):
+                _replaceable(Path(op.real), d, fix)
             if op.new is None:
                 continue
             st = os.stat(d)
@@ -237,7 +274,7 @@ class Transaction:
                 raise RefusedError(f"could not stage the change: {_why(exc)}",
                                    "free space or fix permissions and run again; nothing was changed") from None
             raise
-        with held_interrupts():  # from here to the end, a Ctrl-C waits
+        with completing():  # from here to the end a Ctrl-C waits, and then the completed change is reported
             finish(self.plan(), self.dir)
 
     def _stage(self) -> None:
@@ -410,7 +447,7 @@ def _read_plan(txn: Path) -> dict | None:
 
 def describe_pending(pp: Path | str) -> tuple[str, dict | None] | None:
     """(what the transaction pending in `pp` is, its plan or None if unreadable), or None when none is."""
-    txn = Path(pp) / TXN
+    txn = home(pp) / TXN
     if not _lexists(txn):
         return None
     plan = _read_plan(txn)
@@ -429,14 +466,14 @@ def refuse_if_pending(pp: Path | str, what: str) -> None:
         return
     desc, plan = pending
     cmd = plan.get("command") if plan else None
-    raise RefusedError(f"an interrupted transaction is pending in {Path(pp) / TXN}: {desc}",
+    raise RefusedError(f"an interrupted transaction is pending in {home(pp) / TXN}: {desc}",
                        f"run {cmd + ' ' if cmd else 'tools/apply.py on this tree '}again to finish it, then "
                        f"rerun this; {what} writes nothing, so it does not recover it")
 
 
 def recover(pp: Path | str) -> str | None:
     """Finish (READY) or undo (no READY) a transaction an interrupted run left; a message or None."""
-    txn = Path(pp) / TXN
+    txn = home(pp) / TXN
     if not _lexists(txn):
         return None
     plan = _read_plan(txn)

@@ -103,6 +103,8 @@ def export_ported(snapshots, new_upstream, to_release, series_version, semantics
 def write_series(out: Path, files: dict, force: bool = False) -> None:
     """Write the series dir in one rename: a complete new dir, or nothing."""
     out = Path(os.path.expanduser(str(out)))
+    if out.is_symlink():  # write the directory the link names; the link itself stays a link
+        out = Path(os.path.realpath(out))
     if out.exists() and not force:
         raise RefusedError(f"{out} already exists", "pass --force to replace it, or --out DIR")
     if out.exists() and not out.is_dir():
