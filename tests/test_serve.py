@@ -45,7 +45,7 @@ def test_help_names_both_modes_defaults_and_exit_codes():
     r = run_tool("serve", "--help")
     assert r.returncode == 0
     for needle in ("--cpu-demo DIR", "--model-path MODEL", "(default: 127.0.0.1)", "(default: 30000)",
-                   "CPU demo default: -1,0,1,2,3", "Exit: the server's exit status", "2 usage error"):
+                   "CPU demo default: -1,0,1,2,3", "exit codes: 0 stopped by Ctrl-C or SIGTERM", "2 usage error"):
         assert needle in " ".join(r.stdout.split()), needle
 
 
