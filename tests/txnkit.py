@@ -16,6 +16,10 @@ from conftest import REPO, copy_installed
 from conftest import git as _git
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -30,8 +34,12 @@ def start_stopped(tool: str, *args, stage: str, env: dict | None = None, timeout
     what a SIGKILLed tool leaves there is removed by `kill`."""
     tmp = own_tmp()
     e = dict(os.environ, EAGLEPATCH_STOP_AT=stage, TMPDIR=str(tmp), **(env or {}))
+    # SIGINT at its default, as in a terminal: a suite started in the background of a
+    # non-interactive shell (or under nohup) inherits SIGINT ignored, and Python then keeps it
+    # ignored, so `interrupt` would not interrupt
     proc = subprocess.Popen([*(prefix or []), sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                            preexec_fn=_default_sigint)
     proc.tmp = tmp
     t0 = time.monotonic()
     while _state(proc.pid) != "T":
