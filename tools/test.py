@@ -12,8 +12,9 @@ before pytest starts, each step logged as it goes: the test environment
 (src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py
 (every run without test paths does), also the environment of every series' release and its tiny
 smoke checkpoints. Tests never build one themselves: inside pytest a missing environment is an
-error (EAGLEPATCH_NO_ENV_BUILD). The first full run on a fresh 2-core machine took 47 min and
-left 13 GB in ~/.cache; with the caches in place a run took about 13 min.
+error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-core machine, took
+17 min (the environments 4 min) and left 12 GB in ~/.cache; with the caches in place a run takes
+about 13 min.
 
 pytest runs as `<env python> -m pytest tests ARGS` with PYTHONPATH=src; test paths among the
 arguments replace `tests`.
