@@ -240,3 +240,18 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
     assert "; " in errs[0]
     return errs[0]
 
+
+
+@pytest.fixture
+def small(fast_tmp, release_059) -> Path:
+    """An installed-layout sglang 0.5.9 holding the fixture series' files (real bytes): the fault
+    and safety tests' tree."""
+    return copy_installed(release_059, fast_tmp / "sp", series_files(BASIC))
+
+
+@pytest.fixture
+def small_git(fast_tmp, release_059) -> Path:
+    """A git checkout (tag v0.5.9) holding the fixture series' files."""
+    from txnkit import small_checkout
+
+    return small_checkout(release_059, fast_tmp / "co", series_files(BASIC))

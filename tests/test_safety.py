@@ -28,24 +28,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import BASIC, BASIC_ROOT, REPO, copy_installed, hashes, one_line_error, run_tool, series_files
-from txnkit import git, interrupt, kill, small_checkout, start_stopped
+from conftest import BASIC, BASIC_ROOT, REPO, hashes, one_line_error, run_tool
+from txnkit import apply, git, interrupt, kill, state, start_stopped
 
-from eaglepatch.series import load_series, sha256_bytes
 from eaglepatch.txn import TXN
 
 MODELS = "sglang/srt/models"
 TARGET = "sglang/srt/models/deepseek_v2.py"
 BRANCH = "eaglepatch/sglang-0.5.9"
-
-
-def state(pp: Path, series_dir: Path = BASIC) -> str:
-    seen = set()
-    for rel, h in load_series(series_dir).manifest_files().items():
-        p = pp / rel
-        cur = sha256_bytes(p.read_bytes()) if p.exists() else None
-        seen.add("patched" if cur == h["patched_sha256"] else "upstream" if cur == h["upstream_sha256"] else "other")
-    return seen.pop() if len(seen) == 1 else "mixed"
 
 
 def leftovers(*roots: Path) -> list:
@@ -55,20 +45,6 @@ def leftovers(*roots: Path) -> list:
 def needs_root():
     if os.geteuid() != 0:
         pytest.skip("needs root (chattr, other users, device nodes); CI runs as root")
-
-
-@pytest.fixture
-def small(fast_tmp, release_059) -> Path:
-    return copy_installed(release_059, fast_tmp / "sp", series_files(BASIC))
-
-
-@pytest.fixture
-def small_git(fast_tmp, release_059) -> Path:
-    return small_checkout(release_059, fast_tmp / "co", series_files(BASIC))
-
-
-def apply(tree, *args, env=None):
-    return run_tool("apply", tree, "--series", BASIC, *args, env=env)
 
 
 def run_with_timeout(tool: str, *args, timeout: float = 60, env: dict | None = None):

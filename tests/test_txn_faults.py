@@ -19,24 +19,13 @@ from pathlib import Path
 
 import pytest
 from conftest import BASIC, BASIC_ROOT, REAL, REPO, copy_installed, hashes, one_line_error, run_tool, series_files
-from txnkit import git, interrupt, kill, own_tmp, small_checkout, start_stopped
+from txnkit import apply, git, interrupt, kill, state, own_tmp, small_checkout, start_stopped
 
-from eaglepatch.series import load_series, sha256_bytes
 from eaglepatch.txn import TXN
 
 MODELS = "sglang/srt/models"
 BRANCH = "eaglepatch/sglang-0.5.9"
 SUBJECTS = ["Record the capture layers in DeepseekV2Model", "Add the eagle3_capture hook module"]
-
-
-def state(pp: Path, series_dir: Path = BASIC) -> str:
-    """'upstream' | 'patched' | 'mixed' of the series' target files."""
-    seen = set()
-    for rel, h in load_series(series_dir).manifest_files().items():
-        p = pp / rel
-        cur = sha256_bytes(p.read_bytes()) if p.exists() else None
-        seen.add("patched" if cur == h["patched_sha256"] else "upstream" if cur == h["upstream_sha256"] else "other")
-    return seen.pop() if len(seen) == 1 else "mixed"
 
 
 def leftovers(root: Path) -> list:
@@ -72,21 +61,6 @@ def mounts():
     yield mount
     for p in reversed(done):
         umount(p)
-
-
-@pytest.fixture
-def small(fast_tmp, release_059) -> Path:
-    """An installed-layout sglang 0.5.9 holding the fixture series' files (real bytes)."""
-    return copy_installed(release_059, fast_tmp / "sp", series_files(BASIC))
-
-
-@pytest.fixture
-def small_git(fast_tmp, release_059) -> Path:
-    return small_checkout(release_059, fast_tmp / "co", series_files(BASIC))
-
-
-def apply(tree, *args, env=None):
-    return run_tool("apply", tree, "--series", BASIC, *args, env=env)
 
 
 # ------------------------------------------------------------------------------------------

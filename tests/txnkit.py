@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import REPO, copy_installed
+from conftest import BASIC, REPO, copy_installed, run_tool
 from conftest import git as _git
 
 
@@ -102,3 +102,21 @@ def small_checkout(src: Path, dest: Path, files: list[str], release: str = "0.5.
     git(dest, "commit", "-q", "-m", f"sglang {release}")
     git(dest, "tag", f"v{release}")
     return dest
+
+
+
+def apply(tree, *args, env=None):
+    """tools/apply.py with the fixture series."""
+    return run_tool("apply", tree, "--series", BASIC, *args, env=env)
+
+
+def state(pp: Path, series_dir: Path = BASIC) -> str:
+    """'upstream' | 'patched' | 'mixed' of the series' target files."""
+    from eaglepatch.series import load_series, sha256_bytes
+
+    seen = set()
+    for rel, h in load_series(series_dir).manifest_files().items():
+        p = pp / rel
+        cur = sha256_bytes(p.read_bytes()) if p.exists() else None
+        seen.add("patched" if cur == h["patched_sha256"] else "upstream" if cur == h["upstream_sha256"] else "other")
+    return seen.pop() if len(seen) == 1 else "mixed"

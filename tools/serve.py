@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-dir", type=Path, metavar="DIR",
                     help="EAGLE3_DUMP_DIR, created when missing (required in production; CPU demo default: DIR/dumps)")
     ap.add_argument("--layers", metavar="IDS",
-                    help="EAGLE3_DUMP_LAYERS: EAGLE-3 ids to dump, -1 = embedding output, k = output of layer k, "
-                         "N-1 = the last layer before the final norm (speculators needs it), e.g. --layers=-1,1,29,60 "
-                         "(production default: the model's EAGLE-3 default 1,N/2-1,N-4; CPU demo default: "
+                    help="EAGLE3_DUMP_LAYERS: layer ids to dump, read as the served release reads a draft's (README "
+                         "'Layer ids'; in a list holding -1: -1 = embedding output, k = output of layer k, N-1 = the "
+                         "last layer before the final norm, which speculators needs), e.g. --layers=-1,1,29,60 "
+                         "(production default: upstream's capture indices 2,N/2,N-3; CPU demo default: "
                          f"{','.join(map(str, DEMO_LAYERS))})")
     ap.add_argument("--sglang", type=Path, metavar="ROOT",
                     help="the patched sglang tree to serve (default: production: the installed sglang, which must be "

@@ -94,15 +94,19 @@ def capture_semantics(release: str, patches_root: Path | None = None) -> dict:
     return dict(cs) if isinstance(cs, dict) else {}
 
 
-def release_rule(release: str, unpatched: bool = False, patches_root: Path | None = None) -> str:
-    """The rule the series on ``release`` (or, ``unpatched``, that release itself) reads draft ids by."""
-    m = _manifest(release, patches_root)
-    cs = capture_semantics(release, patches_root)
+def rule_of(release: str, cs: dict, unpatched: bool = False) -> str:
+    """The rule ``capture_semantics`` ``cs`` of ``release`` declares for the series (or, ``unpatched``,
+    for the release itself); a release without one refuses."""
     rule = cs.get("upstream_eagle_id_to_capture_index" if unpatched else "eagle_id_to_capture_index")
-    if m is None or rule not in RULES or cs.get("capture_index_to_hf_index", "identity") != "identity":
+    if rule not in RULES or cs.get("capture_index_to_hf_index", "identity") != "identity":
         raise UsageError(f"no layer-id rule is declared for sglang {release}",
                          "use a release that has a series (patches/sglang-<release>/) or pass --sglang ROOT")
     return rule
+
+
+def release_rule(release: str, unpatched: bool = False, patches_root: Path | None = None) -> str:
+    """The rule the series on ``release`` (or, ``unpatched``, that release itself) reads draft ids by."""
+    return rule_of(release, capture_semantics(release, patches_root), unpatched)
 
 
 def dump_rule(meta: dict) -> str:

@@ -81,10 +81,11 @@ def release_semantics(release: str, patches_root: Path | None = None, unpatched:
     """How sglang ``release`` with the series (or, ``unpatched``, without it) reads draft ids, from
     the release's series manifest (``conventions.release_rule``)."""
     if unpatched:
-        rule = conventions.release_rule(release, unpatched=True, patches_root=patches_root)
+        cs = conventions.capture_semantics(release, patches_root)
+        rule = conventions.rule_of(release, cs, unpatched=True)
         # where upstream captures in DeepseekV2Model.forward's loop (0.5.9: no capture_site recorded,
         # 'model_loop'), index 0 fails (the residual is None at layer 0); in the decoder layers it works
-        site = conventions.capture_semantics(release, patches_root).get("capture_site", "model_loop")
+        site = cs.get("capture_site", "model_loop")
         return Semantics(rule, f"unpatched sglang {release} (series manifest)", series=False,
                          embed_ok=site == "decoder_layer")
     try:
