@@ -743,6 +743,7 @@ def test_engine_shutdown_flushes_before_it_kills_the_scheduler(tmp_path, monkeyp
             """kill the scheduler"""
             order.append("kill")
 
+    (tmp_path / "x.sock").touch()  # the writer's socket is there
     monkeypatch.setenv(control.ENV_CONTROL, str(tmp_path / "x.sock"))
     monkeypatch.setattr(control, "flush", lambda timeout=None: order.append("flush") or {"flushed": True})
     control._engine_hooks(Engine)
@@ -753,3 +754,23 @@ def test_engine_shutdown_flushes_before_it_kills_the_scheduler(tmp_path, monkeyp
     e.shutdown()
     assert order == ["flush", "flush", "kill", "kill"]
     assert Engine.shutdown.__doc__ == "kill the scheduler"
+
+
+def test_the_server_stop_flushes_before_the_process_tree_is_killed(tmp_path, monkeypatch):
+    """SGLang's SIGTERM drains requests and then SIGKILLs the tree through tokenizer_manager's
+    kill_process_tree: the flush comes first; a writer already gone is logged, not waited for."""
+    from types import ModuleType
+
+    order = []
+    tm = ModuleType("tm")
+    tm.kill_process_tree = lambda pid, include_parent=True: order.append(("kill", pid))
+    (tmp_path / "x.sock").touch()
+    monkeypatch.setenv(control.ENV_CONTROL, str(tmp_path / "x.sock"))
+    monkeypatch.setattr(control, "flush", lambda timeout=None: order.append("flush") or {"flushed": True})
+    control._kill_hooks(tm)
+    control._kill_hooks(tm)
+    tm.kill_process_tree(7, include_parent=True)
+    assert order == ["flush", ("kill", 7)]
+    (tmp_path / "x.sock").unlink()
+    tm.kill_process_tree(8)
+    assert order[-1] == ("kill", 8) and order.count("flush") == 1

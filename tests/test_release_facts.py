@@ -40,6 +40,9 @@ def _top(tree: ast.Module) -> dict:
                     out[t.id] = node
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out[node.target.id] = node
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                out[alias.asname or alias.name] = node
     return out
 
 
@@ -120,6 +123,7 @@ def test_every_covered_release_has_what_the_hooks_rely_on(release):
     ("engine", "    def shutdown(self", "    def shut_down(self", "sglang.srt.entrypoints.engine.Engine.shutdown"),
     ("http", "target=_wait_and_warmup", "target=_warmup_later", "lifespan starts the warm-up"),
     ("req", "self.lora_id = lora_id", "self.adapter = lora_id", "Req.lora_id"),
+    ("tm", "    kill_process_tree,\n", "    kill_process_tree as kill_tree,\n", "tokenizer_manager.kill_process_tree"),
 ])
 def test_the_check_reports_a_release_that_lacks_one(tmp_path, what, old, new, reported):
     import shutil
@@ -127,7 +131,7 @@ def test_the_check_reports_a_release_that_lacks_one(tmp_path, what, old, new, re
     root = tmp_path / "tree"
     src = unpacked_release("0.5.9", quiet=True)
     files = {"engine": "sglang/srt/entrypoints/engine.py", "http": "sglang/srt/entrypoints/http_server.py",
-             "req": "sglang/srt/managers/schedule_batch.py"}
+             "req": "sglang/srt/managers/schedule_batch.py", "tm": "sglang/srt/managers/tokenizer_manager.py"}
     for module in list(control.UPSTREAM) + ["sglang.srt.managers.schedule_batch", "sglang.srt.server_args"]:
         rel = module.replace(".", "/") + ".py"
         (root / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -250,7 +250,7 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
     its health probes write nothing; three generate requests (one with the client's own rid,
     two with the same prompt and SGLang's rids) of several new tokens give three files, named
     by their responses' meta_info ids, == HF; POST /eagle3_dump/flush answers once they are on
-    disk; stopping the server (SIGINT) flushes the dump first (its log line)."""
+    disk; stopping the server (SIGTERM, as a supervisor does) flushes the dump first (its log line)."""
     import signal
     import socket
     import subprocess
@@ -319,8 +319,8 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
                 rc.final(f.get_tensor("final"), ref)
         problems += rc.problems()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
+        if proc.poll() is None:  # a supervisor's stop: SIGTERM to the server process
+            os.kill(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:

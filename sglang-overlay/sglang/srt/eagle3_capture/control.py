@@ -12,8 +12,10 @@ workers inherit it and the writer listens there (``ControlServer``). One JSON li
   has been answered, so the directory holds only the users' requests.
 
 ``install_launcher_hooks`` adds, in the launching process: ``Engine.flush_eagle3_dump(timeout)``
-and a flush in ``Engine.shutdown`` (which SIGKILLs the scheduler), and, when the HTTP server is
-in use, ``POST /eagle3_dump/flush``, the warm-up pause, and a flush when the server stops. What
+and a flush in ``Engine.shutdown`` (which SIGKILLs the scheduler), a flush before the tokenizer
+manager kills the process tree (a server's SIGTERM: requests drained, then SIGKILL), and, when
+the HTTP server is in use, ``POST /eagle3_dump/flush``, the warm-up pause, and a flush when
+uvicorn stops. What
 this relies on in upstream code is listed in ``UPSTREAM``; a release where any of it is missing
 refuses the dump at launch.
 """
@@ -43,6 +45,8 @@ UPSTREAM = {
     # lifespan starts the warm-up thread with the module global _wait_and_warmup
     "sglang.srt.entrypoints.http_server": ("app", "lifespan", "_wait_and_warmup"),
     "sglang.srt.model_executor.forward_batch_info": ("ForwardBatch.init_new",),
+    # a server's SIGTERM drains the requests, then kills the process tree through this name
+    "sglang.srt.managers.tokenizer_manager": ("kill_process_tree",),
 }
 SERVER_ARGS = ("tokenizer_worker_num",)  # ServerArgs fields read here (0.5.23: in arg_groups/fields)
 
@@ -159,6 +163,11 @@ def flush(timeout: Optional[float] = None) -> dict:
 
 
 def _flush_quietly(why: str) -> None:
+    path = os.environ.get(ENV_CONTROL)
+    if path and not os.path.exists(path):  # Ctrl-C reaches the scheduler too: it drained and left
+        logger.warning("eagle3 dump: the writer had stopped before %s (a scheduler that exits writes "
+                       "its queue first; one that is killed does not)", why)
+        return
     try:
         reply = flush()
         logger.info("eagle3 dump flushed before %s: %s", why, reply)
@@ -188,6 +197,21 @@ def _engine_hooks(engine_cls) -> None:
     engine_cls._eagle3_hooks = True
 
 
+def _kill_hooks(tokenizer_manager) -> None:
+    """SGLang stops a server on SIGTERM by draining its requests and then killing its process
+    tree (SIGKILL: the scheduler's queue would be lost): flush between the two."""
+    kill = tokenizer_manager.kill_process_tree
+    if getattr(kill, "_eagle3_hooks", False):
+        return
+
+    def kill_process_tree(*args, **kwargs):
+        _flush_quietly("the server stopped")
+        return kill(*args, **kwargs)
+
+    kill_process_tree._eagle3_hooks = True
+    tokenizer_manager.kill_process_tree = kill_process_tree
+
+
 def _http_hooks(http_server) -> None:
     app = http_server.app
     if getattr(app, "_eagle3_hooks", False):
@@ -210,6 +234,8 @@ def _http_hooks(http_server) -> None:
             return JSONResponse({"flushed": False, "error": str(exc)}, status_code=503)
         return JSONResponse(reply)
 
+    # the module's annotations are strings (postponed); FastAPI needs the class to inject the request
+    flush_route.__annotations__ = {"request": Request}
     app.add_api_route(FLUSH_ROUTE, flush_route, methods=["POST"], include_in_schema=False)
 
     inner_lifespan = app.router.lifespan_context
@@ -253,8 +279,10 @@ def install_launcher_hooks(server_args) -> None:
                               f"several processes, and the dump's flush lives in one; use --tokenizer-worker-num 1")
     os.environ[ENV_CONTROL] = new_path()
     from sglang.srt.entrypoints import engine
+    from sglang.srt.managers import tokenizer_manager
 
     missing = [n for n in ("shutdown",) if not callable(getattr(engine.Engine, n, None))]
+    missing += [n for n in ("kill_process_tree",) if not callable(getattr(tokenizer_manager, n, None))]
     http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
     if http_server is not None:
         missing += [n for n in ("app", "lifespan", "_wait_and_warmup") if not hasattr(http_server, n)]
@@ -262,5 +290,6 @@ def install_launcher_hooks(server_args) -> None:
         raise DumpConfigError(f"{ENV_DIR} is set but this sglang lacks {', '.join(missing)}, which the "
                               f"dump's flush needs; use a release the series covers or unset {ENV_DIR}")
     _engine_hooks(engine.Engine)
+    _kill_hooks(tokenizer_manager)
     if http_server is not None:
         _http_hooks(http_server)
