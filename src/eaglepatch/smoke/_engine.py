@@ -251,6 +251,7 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
     two with the same prompt and SGLang's rids) of several new tokens give three files, named
     by their responses' meta_info ids, == HF; POST /eagle3_dump/flush answers once they are on
     disk; stopping the server (SIGTERM, as a supervisor does) flushes the dump first (its log line)."""
+    import shutil
     import signal
     import socket
     import subprocess
@@ -259,6 +260,7 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
     from safetensors import safe_open
 
     directory = work / "dump-http"
+    shutil.rmtree(directory, ignore_errors=True)  # a work dir used before must not count
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
