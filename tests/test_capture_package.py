@@ -774,3 +774,31 @@ def test_the_server_stop_flushes_before_the_process_tree_is_killed(tmp_path, mon
     (tmp_path / "x.sock").unlink()
     tm.kill_process_tree(8)
     assert order[-1] == ("kill", 8) and order.count("flush") == 1
+
+
+def test_releases_that_copy_the_forward_batch_find_requests_by_id(monkeypatch):
+    """0.5.17+: the model may get a dataclasses.replace copy of the ForwardBatch (fields only):
+    the RequestInfo list travels by request id through identity's table, and only once."""
+    import dataclasses
+
+    monkeypatch.setitem(identity._BY_RID, "on", True)
+
+    @dataclasses.dataclass
+    class FB:
+        forward_mode: object
+        rids: list
+
+    class Req:
+        def __init__(self, rid, n):
+            self.rid, self.origin_input_ids, self.lora_id = rid, list(range(n)), None
+            self.input_embeds, self.multimodal_inputs = None, None
+
+    fb = FB(_Mode("EXTEND"), ["a", "b"])
+    identity._attach(fb, SimpleNamespace(reqs=[Req("a", 3), Req("b", 5)]))
+    copy = dataclasses.replace(fb)
+    assert not hasattr(copy, identity.ATTRIBUTE)
+    got = identity.requests_of(copy)
+    assert [(i.rid, i.prompt_len) for i in got] == [("a", 3), ("b", 5)]
+    assert identity.requests_of(copy) is None  # taken once
+    identity._attach(FB(_Mode("DECODE"), ["c"]), SimpleNamespace(reqs=[Req("c", 1)]))
+    assert identity.requests_of(FB(_Mode("EXTEND"), ["c"])) is None  # decode batches carry nothing

@@ -119,6 +119,20 @@ def test_every_covered_release_has_what_the_hooks_rely_on(release):
     assert missing_facts(unpacked_release(release, quiet=True)) == []
 
 
+@pytest.mark.parametrize("release", sorted(available_series()))
+def test_the_declared_request_id_carrier_is_the_release_s(release):
+    """identity.CARRIES_RIDS says, per release, whether ForwardBatch has a rids field (set from
+    the batch's requests): the writer then finds its requests by id, because such releases may
+    hand the model a dataclasses.replace copy of the ForwardBatch."""
+    root = unpacked_release(release, quiet=True)
+    path = _module_path(root, "sglang.srt.model_executor.forward_batch_info")
+    fbi = _top(ast.parse(path.read_text()))["ForwardBatch"]
+    has = "rids" in _class_names(fbi)
+    assert identity.CARRIES_RIDS[release] is has
+    if has:
+        assert "rids=[req.rid for req in batch.reqs]" in path.read_text()
+
+
 @pytest.mark.parametrize("what, old, new, reported", [
     ("engine", "    def shutdown(self", "    def shut_down(self", "sglang.srt.entrypoints.engine.Engine.shutdown"),
     ("http", "target=_wait_and_warmup", "target=_warmup_later", "lifespan starts the warm-up"),

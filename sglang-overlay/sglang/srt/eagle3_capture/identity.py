@@ -10,6 +10,13 @@ a later in-place change of the batch's device tensors (0.5.9 bumps ``orig_seq_le
 ``add_(1)`` when the prefill batch becomes the decode batch) nor the scheduler's later changes to
 the request objects can reach the dump.
 
+Releases that copy the ForwardBatch before the model runs (0.5.17+: the eager runner's
+``dataclasses.replace``, which keeps dataclass fields only) carry the request ids in the
+ForwardBatch's own ``rids`` field: there the RequestInfo list is kept in a small table keyed by
+request id instead, filled in ``init_new`` and emptied when the writer takes it. Which releases
+do is declared in ``CARRIES_RIDS`` and checked against the class at install (and against every
+release's source in tests/test_release_facts.py); a release not declared refuses the dump.
+
 A dump file is named after its request's id (``request_key``), the one the client sent or the one
 SGLang made and returns as ``meta_info["id"]``: two requests never share a file, whatever their
 prompt, image, input embeddings or LoRA adapter.
@@ -20,7 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .release import SERIES_RELEASE
 
 # Request ids the dump never writes: SGLang's own health probes (/health and /health_generate
 # send a generate request with such an id).
@@ -29,6 +40,10 @@ ATTRIBUTE = "_eagle3_requests"  # where the ForwardBatch keeps its requests' Req
 # The scheduler's request attributes ``info`` reads, the same in every covered release
 # (tests/test_release_facts.py checks each release's source).
 REQ_FIELDS = ("rid", "origin_input_ids", "lora_id", "input_embeds", "multimodal_inputs")
+# Whether the release's ForwardBatch has a ``rids`` field (the request ids, copied with the
+# batch) and its model runner may hand the model a copy of the ForwardBatch: per series release.
+CARRIES_RIDS = {"0.5.9": False, "0.5.17": True, "0.5.23": True}
+TABLE_KEPT = 65536  # RequestInfo of prefills not taken yet (a forward that never reached the writer)
 
 
 def request_key(rid: str) -> str:
@@ -79,23 +94,69 @@ def info(req) -> RequestInfo:
     )
 
 
+class _Table:
+    """rid -> RequestInfo of prefills whose ForwardBatch the writer has not seen yet."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.infos: "OrderedDict[str, RequestInfo]" = OrderedDict()
+
+    def put(self, infos: List[RequestInfo]) -> None:
+        with self.lock:
+            for i in infos:
+                self.infos[i.rid] = i
+                self.infos.move_to_end(i.rid)
+            while len(self.infos) > TABLE_KEPT:
+                self.infos.popitem(last=False)
+
+    def take(self, rids) -> Optional[List[RequestInfo]]:
+        with self.lock:
+            if not all(str(r) in self.infos for r in rids):
+                return None
+            return [self.infos.pop(str(r)) for r in rids]
+
+
+_TABLE = _Table()
+_BY_RID: Dict[str, bool] = {}  # "on": whether install chose the table (this release carries rids)
+
+
 def requests_of(forward_batch) -> Optional[List[RequestInfo]]:
+    """The RequestInfo of each request of a prefill ForwardBatch (None: not known)."""
+    if _BY_RID.get("on"):
+        rids = forward_batch.rids
+        return _TABLE.take(rids) if rids is not None else None
     return getattr(forward_batch, ATTRIBUTE, None)
 
 
 def _attach(forward_batch, batch) -> None:
-    mode = getattr(forward_batch, "forward_mode", None)
-    if mode is None or mode.name != "EXTEND":
+    if forward_batch.forward_mode.name != "EXTEND":
         return
-    reqs = getattr(batch, "reqs", None)
-    if reqs is not None:
-        setattr(forward_batch, ATTRIBUTE, [info(r) for r in reqs])
+    reqs = batch.reqs
+    if reqs is None:
+        return
+    infos = [info(r) for r in reqs]
+    if _BY_RID.get("on"):
+        _TABLE.put(infos)
+    else:
+        setattr(forward_batch, ATTRIBUTE, infos)
 
 
 def install() -> None:
     """Wrap ``ForwardBatch.init_new`` (once per process) to attach each prefill's requests."""
+    import dataclasses
+
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from .settings import ENV_DIR, DumpConfigError
+
+    declared = CARRIES_RIDS.get(SERIES_RELEASE)
+    has = "rids" in {f.name for f in dataclasses.fields(ForwardBatch)}
+    if declared is None or declared != has:
+        raise DumpConfigError(
+            f"{ENV_DIR} is set but how sglang {SERIES_RELEASE}'s ForwardBatch carries request ids is "
+            f"{'not declared' if declared is None else 'not as declared'} (identity.CARRIES_RIDS: "
+            f"{declared}; the class has a rids field: {has}); unset {ENV_DIR} or port the series")
+    _BY_RID["on"] = has
     original = ForwardBatch.__dict__["init_new"].__func__
     if getattr(original, "_eagle3_identity", False):
         return
