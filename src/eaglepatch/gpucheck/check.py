@@ -37,6 +37,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -601,7 +602,7 @@ def check_e(state, sglang_pp):
     unpatched = Path(opts.unpatched_parent or opts.site).resolve()
     requests, tokens = 16, 1024
     bench = {"vocab": cfg["vocab_size"], "seed": 1,
-             "prefill": {"requests": requests, "tokens": tokens, "reps": 3},
+             "prefill": {"requests": requests, "tokens": tokens, "reps": 5},
              "decode": {"requests": 32, "prompt": 128, "new_tokens": 128, "reps": 3}}
     engine = dict(BASE_ENGINE, model_path=str(mdir), load_format="dummy", mem_fraction_static=0.8,
                   max_running_requests=32, cuda_graph_bs_decode=[32], context_length=2048)
@@ -627,32 +628,38 @@ def check_e(state, sglang_pp):
         "prefill": bench["prefill"], "decode": bench["decode"], "dump_ids": ids,
         "engines": {k: v.get("bench") for k, v in out.items()}}
 
-    def med(name, part):
+    def reps(name, part):
         try:
-            return out[name]["bench"][part]["median"]
+            return list(out[name]["bench"][part]["tokens_per_s"])
         except (KeyError, TypeError):
             return None
 
-    pre_on, pre_off = med("e-patched-dump", "prefill"), med("e-patched", "prefill")
-    dec_p, dec_u = med("e-patched", "decode"), med("e-unpatched", "decode")
-    for nm, num, den, goal, what in (
-            ("e. prefill tokens/s, dump on / off (hidden 7168)", pre_on, pre_off, 0.95, "prefill"),
-            ("e. decode tokens/s with CUDA graphs, patched / unpatched (hidden 7168)", dec_p, dec_u, 0.99, "decode")):
-        if num is None or den is None:
+    for nm, num_name, den_name, goal, what in (
+            ("e. prefill tokens/s, dump on / off (hidden 7168)", "e-patched-dump", "e-patched", 0.95, "prefill"),
+            ("e. decode tokens/s with CUDA graphs, patched / unpatched (hidden 7168)", "e-patched", "e-unpatched",
+             0.99, "decode")):
+        num, den = reps(num_name, what), reps(den_name, what)
+        if not num or not den:
             errs = "; ".join("%s: %s" % (k, v.get("error")) for k, v in out.items() if not v.get("ok"))
             _add(state, {"name": nm, "passed": False, "figure": "not measured", "detail": errs, "comparisons": [],
                          "facts": {}})
             continue
-        ratio = num / den
-        facts = {"ratio": ratio, "numerator": num, "denominator": den, "goal": goal}
-        detail = "%.0f / %.0f tokens/s (medians of %d reps); goal >= %.2f" % (num, den, bench[what]["reps"], goal)
+
+        # every repetition of the numerator against the denominator's median: the goal holds only
+        # when the worst repetition meets it
+        per_rep = [x / statistics.median(den) for x in num]
+        worst, median = min(per_rep), statistics.median(num) / statistics.median(den)
+        facts = {"ratio_worst": worst, "ratio_median": median, "ratio_per_rep": per_rep, "numerator": num,
+                 "denominator": den, "goal": goal}
+        detail = ("%s tokens/s over %s tokens/s (each rep / the median of the other); per rep %s; worst %.3f, "
+                  "median %.3f; goal: worst >= %.2f" % (["%.0f" % x for x in num], ["%.0f" % x for x in den],
+                                                        ["%.3f" % r for r in per_rep], worst, median, goal))
         if what == "prefill":
             p = out["e-patched-dump"]["bench"]["prefill"]
             facts.update(sustained_on=p.get("sustained"), drain_s=p.get("drain_s"), files=p.get("files"))
-            detail += "; per rep %s; writer drained %.1f s after the last request; %s files" % (
-                ["%.0f" % r for r in p["tokens_per_s"]], p.get("drain_s", -1), p.get("files"))
-        _add(state, {"name": nm, "passed": ratio >= goal, "figure": "ratio %.3f" % ratio, "detail": detail,
-                     "comparisons": [], "facts": facts})
+            detail += "; the flush after the last request took %.2f s" % p.get("drain_s", -1)
+        _add(state, {"name": nm, "passed": worst >= goal, "figure": "worst %.3f, median %.3f" % (worst, median),
+                     "detail": detail, "comparisons": [], "facts": facts})
 
 
 def _patched_files_info(files):
