@@ -201,7 +201,10 @@ def main_http(spec: dict, result: dict, out_path: Path) -> None:
     if spec.get("flush"):
         result["flush"]["files_after_shutdown"] = len(list(Path(spec["flush"]["dir"]).glob("*.safetensors")))
         text = out_path.with_name("launch_server.log").read_text(errors="replace")
-        result["flush"]["flushed_at_stop"] = "eagle3 dump flushed before the server stopped" in text
+        result["flush"]["flushed_at_stop"] = (
+            "flushed by the launcher" if "eagle3 dump flushed before the server stopped" in text else
+            "written by the scheduler as it exited" if "the writer had stopped before the server stopped" in text
+            and "EAGLE3_DUMP_DIR: " in text else None)
 
 
 def main(argv) -> int:

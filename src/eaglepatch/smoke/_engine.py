@@ -245,6 +245,18 @@ def _wait_http(url: str, proc, timeout: float) -> bool:
     return False
 
 
+def stop_flush(log_text: str, written: int):
+    """How a stopped server's log shows its dump was written out: the launcher's flush before
+    SGLang killed the tree, or (releases whose SIGTERM asks the scheduler to exit first) the
+    writer's own drain at its exit; None when neither."""
+    if "eagle3 dump flushed before the server stopped" in log_text:
+        return "flushed by the launcher"
+    if ("the writer had stopped before the server stopped" in log_text
+            and "EAGLE3_DUMP_DIR: %d written" % written in log_text):
+        return "written by the scheduler as it exited"
+    return None
+
+
 def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
     """python -m sglang.launch_server with the dump on, over HTTP: SGLang's warm-up request and
     its health probes write nothing; three generate requests (one with the client's own rid,
@@ -329,10 +341,12 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     text = log_path.read_text()
-    if "eagle3 dump flushed before the server stopped" not in text:
+    stop = stop_flush(text, len(rids))
+    if stop is None:
         problems.append("no flush logged when the server stopped; log tail: %s" % text[-600:])
-    detail = ("warm-up + probes: %d files; 3 requests x %d new tokens -> %d files; flush %.2f s %s; layers %s and "
-              "final: %s" % (len(after_probes), NEW_TOKENS, len(names), flush_s, counts, LAYERS, rc.figure()))
+    detail = ("warm-up + probes: %d files; 3 requests x %d new tokens -> %d files; flush %.2f s %s; at the stop: %s; "
+              "layers %s and final: %s" % (len(after_probes), NEW_TOKENS, len(names), flush_s, counts, stop, LAYERS,
+                                           rc.figure()))
     if problems:
         detail = "; ".join(problems) + " | " + detail
     result(H_NAME, not problems, "max abs diff %.2g" % rc.right, detail)

@@ -437,11 +437,13 @@ class DumpWriter:
         return dict(self.counts(), flushed=True)
 
     def close(self) -> None:
-        if self._control is not None:
+        """Write what is queued, stop answering the control socket, stop the thread (at exit)."""
+        if self._thread is not None and self._thread.is_alive():
+            self.flush()
+        if self._control is not None:  # after the queue is written: a flush in flight is answered
             self._control.close()
             self._control = None
         if self._thread is not None and self._thread.is_alive():
-            self.flush()
             self._queue.put(None)
             self._thread.join()
             for p in list(self._partials.values()):
