@@ -1,7 +1,7 @@
 """Per-request prefill hidden-state dump: one safetensors file per request.
 
-The forward thread only starts device-to-host copies of a prefill's rows into reused (pinned,
-on CUDA) host buffers, on a side stream so that the forward's next kernels do not wait for them;
+The forward thread only starts device-to-host copies of a prefill's rows into one host arena
+allocated at start (page-locked on CUDA; ``staging``), on a side stream so that the forward's next kernels do not wait for them;
 a writer thread waits for the copies, cuts the rows per request and
 writes ``<key>.safetensors`` through a temporary name and a rename, so readers never see a
 partial file. Bytes copied but not yet written are capped (``staging``): at the cap the forward
@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -117,7 +118,8 @@ class DumpWriter:
         self.failed = 0
         self.skipped = 0  # rows of a request whose earlier rows were never seen (not chunking)
         self.dropped = 0  # chunked requests abandoned before their last chunk
-        self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
+        # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
+        self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
         self._partials: Dict[int, _Partial] = {}
         self._abandoned: Dict[int, int] = {}  # slot -> rows still to come of a dropped request
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
@@ -180,6 +182,8 @@ class DumpWriter:
         buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
         host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
         stream = self._side_stream() if any(everything[n].is_cuda for n in copied) else None
+        oversized = buffers and not self.staging.in_arena(buffers[0])  # pageable: the copy is synchronous
+        started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, buf in zip(copied, buffers):
                 src = everything[name]
@@ -188,6 +192,8 @@ class DumpWriter:
                 if src.is_cuda:  # the allocator must not reuse it before the copy is done
                     src.record_stream(stream)
                 host[name] = view
+        if oversized:
+            self.staging.waited(time.perf_counter() - started, "a prefill larger than the arena is copied")
         event = None
         if stream is not None:
             event = torch.cuda.Event()
@@ -344,8 +350,9 @@ class DumpWriter:
             self._thread.join()
             for p in list(self._partials.values()):
                 self._drop(p, "the server stopped before its last chunk")
-            logger.info("%s: %d dumps written, %d failed, %d skipped, %d dropped", ENV_DIR,
-                        self.written, self.failed, self.skipped, self.dropped)
+            self.staging.close()
+            logger.info("%s: %d dumps written, %d failed, %d skipped, %d dropped; %s", ENV_DIR,
+                        self.written, self.failed, self.skipped, self.dropped, self.staging.summary())
 
 
 def _numel(shape) -> int:
