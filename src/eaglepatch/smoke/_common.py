@@ -16,6 +16,7 @@ A_NAME = "a. eagle3 capture [-1,1,3] == HF residual stream [0,2,4 (before the fi
 B_NAME = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
 C_NAME = "c. dump through the Kimi-K2.5 wrapper under chunked prefill (chunk 64, text only) == HF per request"
 D_NAME = "d. greedy tokens and logits identical with the dump on and off"
+DECODE_NAME = "d. decode captures only what a draft needs (dump only: nothing; dump + draft: the draft's layers)"
 G_NAME = "g. Kimi-K2.5 image prompt: ids stored with the placeholder id, rows == HF"
 E_ENGINE_NAME = "e. refused at sglang.Engine start: radix cache on"
 E_LAUNCH_NAME = "e. refused by launch_server: radix cache on"
