@@ -77,7 +77,7 @@ def test_keys_are_sha256_of_the_request_id_and_of_the_ids():
     assert dump_mod.prompt_key(torch.tensor([1, 2, 3])) == dump_mod.prompt_key([1, 2, 3])
 
 
-# ---- the host staging stays bounded --------------------------------------------------------------
+# ---- the host staging: one arena, allocated at start ----------------------------------------------
 
 HIDDEN = 7168
 GIB = 1 << 30
@@ -88,10 +88,34 @@ def _job_sizes(tokens: int) -> list:
     return [tokens * 8] + [tokens * HIDDEN * 2] * 4
 
 
-def _drive(pattern: str, cap: int, jobs: int = 400, seed: int = 0) -> dict:
+class _CountAllocations:
+    """Counts host tensor allocations (torch.empty/zeros/ones, pin_memory) while active."""
+
+    NAMES = ("empty", "zeros", "ones", "empty_like", "zeros_like")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            real = getattr(torch, name)
+            monkeypatch.setattr(torch, name, self._wrap(name, real))
+        real_pin = torch.Tensor.pin_memory
+        monkeypatch.setattr(torch.Tensor, "pin_memory", self._wrap("pin_memory", real_pin))
+
+    def _wrap(self, name, real):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return real(*args, **kwargs)
+        return counted
+
+
+def _span(buf):
+    return buf.data_ptr(), buf.data_ptr() + buf.numel()
+
+
+def _drive(st, pattern: str, jobs: int = 400, seed: int = 0) -> dict:
     """Submit jobs of the pattern's sizes from this thread; a writer thread releases them in
-    order after a short delay. torch.empty does not touch the pages, so GiB-sized buffers cost
-    no memory here."""
+    order after a short delay. Every buffer handed out must lie inside the arena, apart from
+    every other buffer in flight."""
     rng = random.Random(seed)
     if pattern == "random":
         tokens = [rng.randint(1, 16384) for _ in range(jobs)]
@@ -99,10 +123,11 @@ def _drive(pattern: str, cap: int, jobs: int = 400, seed: int = 0) -> dict:
         tokens = sorted(rng.randint(1, 16384) for _ in range(jobs))
     else:  # slowly growing batches
         tokens = [64 + 40 * i for i in range(jobs)]
-    st = staging_mod.HostStaging(cap, pinned=False)
+    cap = st.cap
+    base = st.arena.untyped_storage().data_ptr()
     q: list = []
     cv = threading.Condition()
-    done = []
+    done, live, overlaps = [], {}, []
 
     def writer():
         while True:
@@ -113,19 +138,26 @@ def _drive(pattern: str, cap: int, jobs: int = 400, seed: int = 0) -> dict:
             if item is None:
                 return
             time.sleep(0.0002)
+            with cv:
+                for b in item:
+                    live.pop(b.data_ptr())
             st.release(item)
             done.append(1)
 
     t = threading.Thread(target=writer, daemon=True)
     t.start()
-    biggest = 0
     try:
         for n in tokens:
             sizes = _job_sizes(n)
-            biggest = max(biggest, sum(sizes))
             bufs = st.reserve(sizes)
             assert [b.numel() >= s for b, s in zip(bufs, sizes)] == [True] * len(sizes)
             with cv:
+                for b in bufs:
+                    assert b.untyped_storage().data_ptr() == base  # a view of the arena, no copy
+                    lo, hi = _span(b)
+                    assert base <= lo and hi <= base + cap
+                    overlaps += [(lo, hi) for a, z in live.values() if lo < z and a < hi]
+                    live[lo] = (lo, hi)
                 q.append(bufs)
                 cv.notify()
     finally:
@@ -133,44 +165,128 @@ def _drive(pattern: str, cap: int, jobs: int = 400, seed: int = 0) -> dict:
             q.append(None)
             cv.notify()
         t.join(60)
-    return {"peak_allocated": st.peak_allocated, "peak_in_use": st.peak_in_use, "biggest": biggest,
-            "done": len(done), "in_use_after": st.in_use, "allocated_after": st.allocated}
+    return {"done": len(done), "overlaps": overlaps}
 
 
 @pytest.mark.parametrize("pattern", ["random", "sorted", "growing"])
-def test_staging_is_bounded_by_the_cap(pattern):
+def test_staging_is_one_arena_of_the_cap_and_allocates_nothing_after_start(pattern, monkeypatch):
     cap = 2 * GIB
-    r = _drive(pattern, cap)
-    assert r["done"] == 400 and r["in_use_after"] == 0
-    assert r["peak_in_use"] <= max(cap, r["biggest"])
-    assert r["peak_allocated"] <= max(cap, r["biggest"]), r
-    assert r["allocated_after"] <= cap
+    counter = _CountAllocations(monkeypatch)
+    st = staging_mod.HostStaging(cap, pinned=False)
+    assert counter.calls == ["empty"]  # the arena, at start
+    assert st.arena.untyped_storage().nbytes() == cap and st.allocated == cap
+    counter.calls.clear()
+    r = _drive(st, pattern)
+    assert counter.calls == [], "host tensors allocated on the forward path: %s" % counter.calls[:5]
+    assert r["done"] == 400 and not r["overlaps"]
+    assert st.in_use == 0 and st.queued == 0
+    assert 0 < st.peak_in_use <= cap and st.peak_allocated == cap  # nothing beside the arena
+    assert st.alloc.free_ranges == [(0, cap)]  # every block came back and merged
 
 
-def test_staging_oversized_job_goes_alone_and_is_not_kept():
-    st = staging_mod.HostStaging(1000, pinned=False)
-    a = st.reserve([600])
+def test_arena_allocator_first_fit_merges_and_wraps_around():
+    a = staging_mod.ArenaAllocator(1000)
+    assert [a.alloc(300), a.alloc(300), a.alloc(300)] == [0, 300, 600]
+    assert a.alloc(200) is None  # 100 bytes left at the end
+    a.free(0)
+    assert a.alloc(200) == 0  # wraps around to the front
+    assert a.free_ranges == [(200, 100), (900, 100)]
+    a.free(600)  # merges with the tail
+    assert a.free_ranges == [(200, 100), (600, 400)]
+    assert a.alloc(350) == 600  # first fit: the front hole is too small
+    a.free(300)  # merges with the hole before it
+    assert a.free_ranges == [(200, 400), (950, 50)]
+    assert a.largest_free == 400 and a.free_bytes == 450
+    assert a.alloc(450) is None  # fragmented: 450 bytes free, not in one range
+    a.free(0), a.free(600)
+    assert a.free_ranges == [(0, 1000)] and not a.used
+
+
+def test_arena_allocator_never_overlaps_under_random_use():
+    rng = random.Random(3)
+    size = 1 << 16
+    a = staging_mod.ArenaAllocator(size)
+    owner = [None] * size  # byte -> block offset
+    live = []
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or len(live) > 40):
+            off = live.pop(rng.randrange(len(live)))
+            n = a.free(off)
+            assert all(owner[i] == off for i in range(off, off + n))
+            owner[off:off + n] = [None] * n
+        else:
+            n = rng.randint(1, 5000)
+            off = a.alloc(n)
+            if off is None:  # refused only when no free range is large enough
+                assert a.largest_free < n
+                continue
+            assert all(o is None for o in owner[off:off + n]), "overlap at step %d" % step
+            owner[off:off + n] = [off] * n
+            live.append(off)
+        assert a.free_bytes == owner.count(None)
+        assert all(x[0] + x[1] < y[0] for x, y in zip(a.free_ranges, a.free_ranges[1:]))  # merged
+    for off in live:
+        a.free(off)
+    assert a.free_ranges == [(0, size)]
+
+
+def test_a_forward_waits_only_for_a_full_arena_and_the_wait_is_counted_and_logged(caplog):
+    st = staging_mod.HostStaging(4096, pinned=False)
+    a = st.reserve([1500, 1000])  # 1536 + 1024 bytes of the arena
+    b = st.reserve([1000])
+    assert st.waits == 0 and st.wait_s_total == 0  # these fit: no wait
     got = []
-    t = threading.Thread(target=lambda: got.append(st.reserve([3000])), daemon=True)
+    t = threading.Thread(target=lambda: got.append(st.reserve([1400])), daemon=True)
     t.start()
-    time.sleep(0.2)
-    assert not got, "an oversized job must wait until nothing else is in use"
+    time.sleep(0.3)
+    assert not got, "the arena had no room for 1400 bytes; the forward must wait for the writer"
     st.release(a)
     t.join(5)
-    assert got and st.in_use == 3000 and st.allocated == 3000
-    st.release(got[0])
-    assert st.allocated == 0 and st.in_use == 0
+    assert got and st.in_arena(got[0][0])
+    assert st.waits == 1 and 0.25 <= st.wait_s_max <= st.wait_s_total < 5
+    assert "a forward waited" in caplog.text and "back-pressure" in caplog.text
+    assert "forward waits: 1" in st.summary()
+    st.release(b), st.release(got[0])
+    assert st.alloc.free_ranges == [(0, 4096)]
 
 
-def test_staging_reuses_buffers():
-    st = staging_mod.HostStaging(10_000, pinned=False)
-    a = st.reserve([1000, 10])
-    st.release(a)
-    b = st.reserve([900, 10])
-    assert b[0] is a[0] and b[1] is a[1] and st.allocated == 1010
-    st.release(b)
-    c = st.reserve([400])  # a 1000-byte buffer would waste more than half
-    assert c[0] is not a[0]
+def test_an_oversized_forward_goes_through_pageable_buffers_one_at_a_time():
+    st = staging_mod.HostStaging(1000, pinned=False)
+    a = st.reserve([600])
+    big = st.reserve([3000, 10])  # larger than the whole arena: does not wait for `a`
+    assert st.waits == 0 and st.oversized == 1
+    assert not any(st.in_arena(x) for x in big) and big[0].numel() == 3000
+    assert st.allocated == 1000 + 3072 + 256  # the arena + the oversized rows (aligned)
+    got = []
+    t = threading.Thread(target=lambda: got.append(st.reserve([5000])), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert not got, "a second oversized forward must wait until the first is written"
+    st.release(big)
+    t.join(5)
+    assert got and st.oversized == 2 and st.waits == 1
+    st.release(got[0]), st.release(a)
+    assert st.allocated == 1000 and st.in_use == 0 and st.alloc.free_ranges == [(0, 1000)]
+
+
+def test_a_chunked_request_larger_than_the_cap_is_held_outside_the_arena():
+    st = staging_mod.HostStaging(4096, pinned=False)
+    held = st.try_reserve([8000, 2000], alone=True)  # one request alone may pass the cap
+    assert held is not None and not any(st.in_arena(x) for x in held)
+    assert st.chunk_bytes == 10000 and st.try_reserve([10], alone=False) is None
+    f = st.reserve([4000])  # the forward's arena is untouched by the held rows: no wait
+    assert st.in_arena(f[0]) and st.waits == 0
+    st.release(f)
+    st.release(held, queued=False)
+    assert st.chunk_bytes == 0 and st.in_use == 0 and st.peak_chunk_bytes == 10000
+    assert st.try_reserve([400], alone=False) is not None  # under the cap beside nothing
+
+
+def test_a_rank_that_writes_nothing_holds_no_arena():
+    st = staging_mod.HostStaging(1 << 30, pinned=False, allocate=False)
+    assert st.arena.numel() == 0 and st.allocated == 0 and st.cap == 1 << 30
+    with pytest.raises(RuntimeError, match="no arena"):
+        st.reserve([10])
 
 
 # ---- the writer -----------------------------------------------------------------------------------
@@ -471,30 +587,46 @@ def test_an_abandoned_chunked_request_writes_nothing_and_is_counted(tmp_path, ca
 
 def test_chunked_rows_over_the_cap_never_make_the_forward_wait(tmp_path):
     """Rows held for an unfinished request only the writer frees; they must never make the
-    forward wait (it would wait for ever). The one request being chunked may pass the cap alone
-    (as one oversized forward may); another one that does not fit is dropped and counted."""
+    forward wait. They are held outside the forwards' arena: the one request being chunked may
+    pass the cap alone, another one that does not fit is dropped and counted. The writer is
+    slowed (0.5 s a file) so that a forward waiting for it would show in its time."""
     layers = [1]
     pf = _Prefill([2000, 10, 900], layers, hidden=64)
-    cap = 300_000  # request 0: 2000 rows x 64 x 4 bytes x 2 tensors = 1 MB
-    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, cap, {}, chunked=True)
-    done = threading.Event()
+    per_row = 64 * 4 * 2 + 8  # one layer + final (float32) + the id
+    cap = 1_500_000  # request 0 alone: 2000 rows = 1.04 MB; with request 2 (900 rows) 1.51 MB
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), True, cap, {}, chunked=True)
+    real_write = w._write
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.5)
+        return real_write(*args, **kwargs)
+
+    w._write = slow_write
+    times, done = [], threading.Event()
+
+    def forward(parts):
+        t0 = time.perf_counter()
+        pf.forward(w, parts)
+        times.append(time.perf_counter() - t0)
 
     def run():
-        pf.forward(w, [(0, 0, 0, 500)])
-        pf.forward(w, [(0, 0, 500, 500), (2, 2, 0, 300)])  # a second chunked request: no room
-        pf.forward(w, [(0, 0, 1000, 1000), (2, 2, 300, 300), (1, 1, 0, 10)])
-        pf.forward(w, [(2, 2, 600, 300)])
+        forward([(0, 0, 0, 500)])
+        forward([(0, 0, 500, 500), (2, 2, 0, 300)])  # a second chunked request: no room
+        forward([(0, 0, 1000, 1000), (2, 2, 300, 300), (1, 1, 0, 10)])  # writes 0 and 1: 1 s
+        forward([(2, 2, 600, 300)])  # fits in the arena beside the forward above
         w.flush()
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
-    assert done.wait(30), "the forward waited for rows only the writer could free"
+    assert done.wait(30)
     assert (w.written, w.dropped) == (2, 1)
     pf.check(tmp_path, 0)
     pf.check(tmp_path, 1)
-    biggest_forward = 1310 * 64 * 4 * 2 + 1310 * 8
-    assert w.staging.peak_allocated <= cap + 2000 * (64 * 4 * 2 + 8) + biggest_forward
-    assert w.staging.in_use == 0
+    assert max(times) < 0.25, "a forward waited %.3f s for the writer" % max(times)
+    assert w.staging.waits == 0 and w.staging.wait_s_max == 0, w.staging.summary()
+    assert w.staging.peak_chunk_bytes == 2000 * per_row
+    assert w.staging.peak_allocated == cap + 2000 * per_row  # the arena + request 0's rows
+    assert w.staging.in_use == 0 and w.staging.chunk_bytes == 0
     w.close()
 
 

@@ -202,10 +202,19 @@ def test_c_dump_through_kimi_k25_wrapper_under_chunked_prefill_matches_hf(smoke_
 
 
 def test_d_outputs_identical_with_dump_on_and_off(smoke_groups):
-    (r,) = _select(smoke_groups("runner"), "d.")
+    (r,) = _select(smoke_groups("runner"), _common.D_NAME)
     assert r.passed, _explain([r])
     assert _figure(r) == 0.0
     assert "dump-on run wrote 4 files" in r.detail
+
+
+def test_d_decode_captures_only_what_a_draft_needs(smoke_groups):
+    """A dump-only runner captures the dump's layers in prefill and nothing in decode (so its
+    decode CUDA graphs hold no capture); with a draft, decode captures the draft's layers."""
+    (r,) = _select(smoke_groups("runner"), _common.DECODE_NAME)
+    assert r.passed, _explain([r])
+    assert "'dump only': {'EXTEND': [((0, 2), 2, True)], 'DECODE': [((), 0, False)]}" in r.detail, r.detail
+    assert "'DECODE': [((2,), 1, False)]" in r.detail, r.detail
 
 
 def test_e_refused_before_any_worker_starts(smoke_groups):

@@ -18,6 +18,7 @@ C_NAME = "c. dump through the Kimi-K2.5 wrapper under chunked prefill (chunk 64,
 D_NAME = "d. greedy tokens and logits identical with the dump on and off"
 H_NAME = ("h. launch_server over HTTP with the dump: warm-up and health probes not dumped, one file per "
           "request id, flush endpoint, flushed at stop")
+DECODE_NAME = "d. decode captures only what a draft needs (dump only: nothing; dump + draft: the draft's layers)"
 G_NAME = "g. Kimi-K2.5 image prompts (same text, two images): one file each, ids stored with the placeholder id, rows == HF"
 E_ENGINE_NAME = "e. refused at sglang.Engine start: radix cache on"
 E_LAUNCH_NAME = "e. refused by launch_server: radix cache on"

@@ -7,7 +7,10 @@ a. EAGLE-3 capture through a target ModelRunner whose draft config names ids [-1
    captures device graphs, LogitsProcessorOutput.hidden_states (CaptureHiddenMode.FULL) is
    cat(aux) of the HF residual stream at 0, 2 and 4, and stays so after a
    set_eagle3_layers_to_capture() call with no ids.
-d. Greedy tokens and logits are identical with the dump on (and writing) and off.
+d. Greedy tokens and logits are identical with the dump on (and writing) and off. Then what the
+   layer loop captures per forward mode: a dump-only runner captures the dump's layers (and the
+   final-norm state) in prefill and nothing in decode; a runner with a dump and an EAGLE-3
+   draft captures the draft's layers only in decode.
 g. An image prompt through the real Kimi-K2.5 wrapper (precomputed image embeddings): the dump
    holds and is keyed by the ids with the image placeholder id, and equals HF fed the same
    embeddings.
@@ -29,7 +32,8 @@ import torch
 import _hf
 import _rt
 import tinyconfig
-from _common import A_NAME, D_NAME, E_RUNNER_NAME, G_NAME, Dumping, RowCheck, guarded, log, maxdiff, result
+from _common import (A_NAME, D_NAME, DECODE_NAME, E_RUNNER_NAME, G_NAME, Dumping, RowCheck, guarded, log,
+                     maxdiff, result)
 
 EAGLE_IDS = [-1, 1, 3]
 TOL = 1e-4
@@ -271,6 +275,93 @@ def check_d(ckpt: Path, work: Path) -> None:
     result(D_NAME, not problems, "max abs diff %.2g" % d, detail)
 
 
+class _CaptureSpy:
+    """Per forward of the runner's DeepseekV2Model: its forward mode, ``layers_to_capture`` as the
+    loop reads it, how many states the loop captured (its output's aux part: a list on some
+    releases, one packed [T, K * hidden] tensor on others) and whether the final-norm state was
+    kept."""
+
+    def __init__(self, runner):
+        from sglang.srt.eagle3_capture import capture_target
+
+        self.target = capture_target(runner.model)
+        self.state = self.target._eagle3_capture_state
+        self.forwards = []
+        hidden = self.target.config.hidden_size
+
+        def pre(module, args, kwargs):  # registered after the package's: sees its choice
+            batch = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+            self.forwards.append({"mode": batch.forward_mode.name, "layers": list(module.layers_to_capture),
+                                  "captured": 0, "last": False})
+
+        def post(module, args, kwargs, output):
+            aux = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if aux is not None:
+                self.forwards[-1]["captured"] = len(aux) if isinstance(aux, (list, tuple)) else aux.shape[-1] // hidden
+
+        def after_norm(module, args, output):
+            if self.forwards:
+                self.forwards[-1]["last"] = self.state.last is not None
+
+        self.hooks = [self.target.model.register_forward_pre_hook(pre, with_kwargs=True),
+                      self.target.model.register_forward_hook(post, with_kwargs=True),
+                      self.target.model.norm.register_forward_hook(after_norm)]
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+
+    def by_mode(self):
+        """{mode: sorted set of (layers, captured, last)} over the forwards seen."""
+        out = {}
+        for f in self.forwards:
+            out.setdefault(f["mode"], set()).add((tuple(f["layers"]), f["captured"], f["last"]))
+        return {m: sorted(v) for m, v in out.items()}
+
+
+DECODE_DUMP_LAYERS = [-1, 1, 3]  # capture indices 0, 2 and 4 (= N: the final-norm hook)
+DECODE_DRAFT_IDS = [1]  # capture index 2
+
+
+def check_decode_capture(ckpt: Path, work: Path) -> None:
+    prompts = tinyconfig.prompts()[:3]
+    n = tinyconfig.DEEPSEEK_V3["num_hidden_layers"]
+    draft = work / "draft-decode"
+    _hf.build_draft(draft, DECODE_DRAFT_IDS)
+    runs = {
+        "dump only": ({}, {"EXTEND": [((0, 2), 2, True)], "DECODE": [((), 0, False)]}),
+        "dump + draft %s" % DECODE_DRAFT_IDS: (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft), speculative_num_steps=1,
+                 speculative_eagle_topk=1, speculative_num_draft_tokens=2),
+            {"EXTEND": [((0, 2), 2, True)], "DECODE": [((2,), 1, False)]}),
+    }
+    problems, seen = [], {}
+    for label, (over, want) in runs.items():
+        with Dumping(work / ("dump-decode-%d" % len(seen)), layers=DECODE_DUMP_LAYERS):
+            runner = _rt.make_runner(_rt.server_args(ckpt, **over))
+            spy = _CaptureSpy(runner)
+            try:
+                _rt.greedy(runner, prompts, D_STEPS)
+                spy.state.writer.flush()
+                written = spy.state.writer.written
+            finally:
+                spy.close()
+                _rt.release(runner)
+        got = spy.by_mode()
+        seen[label] = got
+        if got != want:
+            problems.append("%s: per mode (layers_to_capture, states captured, final-norm state kept) %s, "
+                            "want %s" % (label, got, want))
+        if written != len(prompts):
+            problems.append("%s: %d dump files written, want %d" % (label, written, len(prompts)))
+    detail = ("%d-layer model, EAGLE3_DUMP_LAYERS=%s (capture indices 0, 2, %d); prefill + %d decode steps; per "
+              "forward mode (layers_to_capture, states captured, final-norm state kept): %s"
+              % (n, ",".join(map(str, DECODE_DUMP_LAYERS)), n, D_STEPS - 1, seen))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(DECODE_NAME, not problems, "decode capture %s" % ("draft only" if not problems else "WRONG"), detail)
+
+
 G_LAYERS = [-1, 1, 3]
 
 
@@ -367,6 +458,7 @@ def main() -> int:
         guarded(A_NAME)(check_a)(ckpt, work, _hf.Reference(ckpt))
     if "d" in which:
         guarded(D_NAME)(check_d)(ckpt, work)
+        guarded(DECODE_NAME)(check_decode_capture)(ckpt, work)
     if "g" in which:
         guarded(G_NAME)(check_g)(kimi_ckpt, work, _hf.Reference(ckpt))
     if "e" in which:

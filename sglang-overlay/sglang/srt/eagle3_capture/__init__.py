@@ -16,7 +16,9 @@ for every sglang release the series covers (release differences are detected at 
   dump settings under which rows would be incomplete or wrong.
 - ``configure_runner``: configures capture before device graphs are captured (releases that
   set the draft's ids only afterwards) and starts the per-request prefill hidden-state dump
-  when ``EAGLE3_DUMP_DIR`` is set.
+  when ``EAGLE3_DUMP_DIR`` is set. With a dump, a forward pre-hook on the decoder stack picks the
+  capture set per forward: the dump's layers only in plain prefill (EXTEND), elsewhere only the
+  draft's (none without a draft), so decode and its CUDA graphs capture nothing for the dump.
 - ``after_model``: hands captured states to the dump and the EAGLE-3 subset to the logits
   processor (as a list, or as one packed ``[T, K * hidden]`` tensor where the release packs).
 - ``LanguageModelDelegate`` / ``capture_target``: capture and dump through a multimodal
@@ -70,6 +72,8 @@ class CaptureState:
         self.writer = None  # the dump's DumpWriter, None without a dump
         self.last = None  # the residual stream entering the final norm, this forward
         self.last_hook = None
+        self.mode_hook = None  # with a dump: the forward pre-hook that picks the route per forward
+        self.routes = {}  # "extend" (prefill: the dump's and the draft's) / "other" (the draft's)
         self.raw_ids = None  # a multimodal wrapper's prefill ids before it clamps them
         # the routing after_model follows, set by _sync whenever eagle or the writer change:
         self.in_loop: List[int] = []  # indices the layer loop captures, in order
@@ -101,6 +105,8 @@ def _keep_last(state: CaptureState):
     """Forward hook of the final norm: keep the residual stream it normalised (owned)."""
 
     def hook(module, args, kwargs, output):
+        if state.last_index is None:  # this forward's route takes no final-norm capture
+            return
         residual = args[1] if len(args) > 1 else kwargs.get("residual")
         if residual is None:  # norm(x): x itself is the stream
             state.last = args[0].clone()
@@ -115,21 +121,64 @@ def _keep_last(state: CaptureState):
     return hook
 
 
+def _route(indices, num_layers: int, eagle: Optional[List[int]], dump: bool) -> dict:
+    """What the layer loop captures and how after_model routes it, for one set of indices."""
+    in_loop = [i for i in indices if i < num_layers]
+    eagle_order = sorted(set(eagle)) if eagle is not None else None
+    wants_last = num_layers in indices
+    aux_is_eagle = eagle_order == in_loop
+    return {"in_loop": in_loop, "last_index": num_layers if wants_last else None,
+            "eagle_order": eagle_order, "aux_is_eagle": aux_is_eagle,
+            "passthrough": not dump and not wants_last and aux_is_eagle}
+
+
+def _use(model, state: CaptureState, route: dict) -> None:
+    for name, value in route.items():
+        setattr(state, name, value)
+    model.model.layers_to_capture = list(route["in_loop"])
+
+
+def _forward_mode(args, kwargs):
+    """The forward mode's name of a DeepseekV2Model call (forward_batch is its third argument)."""
+    batch = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+    mode = getattr(batch, "forward_mode", None)
+    return getattr(mode, "name", None)
+
+
+def _pick_route(model, state: CaptureState):
+    """Forward pre-hook of DeepseekV2Model (called as a module, so module hooks fire, also while
+    a CUDA graph is recorded): the dump's layers only in EXTEND (plain prefill, all the dump
+    writes); any other forward (decode, verify, idle, draft extend) captures only what the
+    draft needs, so a dump-only server captures nothing there and its decode graphs hold no
+    capture."""
+
+    def hook(module, args, kwargs):
+        mode = _forward_mode(args, kwargs)
+        key = "other" if mode is not None and mode != "EXTEND" else "extend"
+        _use(model, state, state.routes[key])
+
+    return hook
+
+
 def _sync(model, state: CaptureState) -> None:
     num_layers = model.config.num_hidden_layers
     order = state.order()
-    state.in_loop = [i for i in order if i < num_layers]
-    model.model.layers_to_capture = list(state.in_loop)
-    wants_last = num_layers in order
-    state.last_index = num_layers if wants_last else None
-    state.eagle_order = sorted(set(state.eagle)) if state.eagle is not None else None
-    state.aux_is_eagle = state.eagle_order == state.in_loop
-    state.passthrough = state.writer is None and not wants_last and state.aux_is_eagle
+    dump = state.writer is not None
+    state.routes = {"extend": _route(order, num_layers, state.eagle, dump)}
+    if dump:
+        state.routes["other"] = _route(sorted(set(state.eagle or ())), num_layers, state.eagle, False)
+    _use(model, state, state.routes["extend"])
+    wants_last = any(r["last_index"] is not None for r in state.routes.values())
     if wants_last and state.last_hook is None:
         state.last_hook = model.model.norm.register_forward_hook(_keep_last(state), with_kwargs=True)
     elif not wants_last and state.last_hook is not None:
         state.last_hook.remove()
         state.last_hook = None
+    if dump and state.mode_hook is None:
+        state.mode_hook = model.model.register_forward_pre_hook(_pick_route(model, state), with_kwargs=True)
+    elif not dump and state.mode_hook is not None:
+        state.mode_hook.remove()
+        state.mode_hook = None
 
 
 def residual_stream(hidden_states, residual):

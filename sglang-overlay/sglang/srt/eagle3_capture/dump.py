@@ -1,7 +1,7 @@
 """Per-request prefill hidden-state dump: one safetensors file per request.
 
-The forward thread only starts device-to-host copies of a prefill's rows into reused (pinned,
-on CUDA) host buffers, on a side stream so that the forward's next kernels do not wait for them;
+The forward thread only starts device-to-host copies of a prefill's rows into one host arena
+allocated at start (page-locked on CUDA; ``staging``), on a side stream so that the forward's next kernels do not wait for them;
 a writer thread waits for the copies, cuts the rows per request and
 writes ``<key>.safetensors`` through a temporary name (unique across hosts) and a rename, with
 the file fsynced before and the directory after the rename: readers never see a partial file, and
@@ -38,6 +38,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -137,7 +138,8 @@ class DumpWriter:
         self.reprefilled = 0  # prefills again of a request whose file is written (retracted)
         self.paused = False  # set by the control socket: prefills now are not the users'
         self._control = None
-        self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
+        # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
+        self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
         self._partials: Dict[str, _Partial] = {}  # request id -> its rows so far
         self._abandoned: "OrderedDict[str, int]" = OrderedDict()  # rid -> prompt rows of a dropped one
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
@@ -203,6 +205,8 @@ class DumpWriter:
         buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
         host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
         stream = self._side_stream() if any(everything[n].is_cuda for n in copied) else None
+        oversized = buffers and not self.staging.in_arena(buffers[0])  # pageable: the copy is synchronous
+        started = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, buf in zip(copied, buffers):
                 src = everything[name]
@@ -211,6 +215,8 @@ class DumpWriter:
                 if src.is_cuda:  # the allocator must not reuse it before the copy is done
                     src.record_stream(stream)
                 host[name] = view
+        if oversized:
+            self.staging.waited(time.perf_counter() - started, "a prefill larger than the arena is copied")
         event = None
         if stream is not None:
             event = torch.cuda.Event()
@@ -448,7 +454,9 @@ class DumpWriter:
             self._thread.join()
             for p in list(self._partials.values()):
                 self._drop(p, "the server stopped before its last chunk")
-            logger.info("%s: %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()))
+            self.staging.close()
+            logger.info("%s: %s; %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()),
+                        self.staging.summary())
 
 
 def _fsync(path: str) -> None:

@@ -15,7 +15,9 @@ ENV_DIR = "EAGLE3_DUMP_DIR"
 ENV_LAYERS = "EAGLE3_DUMP_LAYERS"
 ENV_FINAL = "EAGLE3_DUMP_FINAL"
 ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
-DEFAULT_MAX_PENDING_MB = 2048
+# the host arena's size: one 30K-token Kimi-K2.5 prefill of 4 layers + final (30000 x 7168 x 2 x 5
+# bytes = 2051 MiB) fits with room beside it for the next forwards (README: sizing the arena)
+DEFAULT_MAX_PENDING_MB = 4096
 
 
 class DumpConfigError(ValueError):

@@ -1,120 +1,277 @@
-"""Host staging for the dump: reusable host buffers under one byte cap.
+"""Host staging for the dump: one host arena, allocated (and page-locked) once, at writer start.
 
-Rows copied off the device wait in host buffers until the writer thread has written them, and
-the rows of a request prefilled in chunks wait until its last chunk. ``HostStaging`` hands out
-those buffers and holds every byte of them to one cap:
+Rows copied off the device wait in host memory until the writer thread has written them, and
+the rows of a request prefilled in chunks wait until its last chunk. ``HostStaging`` holds them:
 
-- ``reserve(sizes, held=0)``, for a forward's rows (the forward thread): one buffer per size
-  (``uint8``, page-locked when ``pinned``), plus ``held`` bytes that need no buffer (host
-  tensors written as they are). It waits while another forward's rows are still queued for
-  the writer and the new total would pass the cap (backpressure: nothing is dropped, the
-  forward waits). With nothing queued it goes through, so bytes that only the writer can free
-  never make the forward wait for ever.
-- ``try_reserve(sizes, alone)``, for a chunked request's rows (the writer thread): the buffers,
-  or None when they do not fit under the cap now (with ``alone``, the one chunked request being
-  held may pass the cap as one oversized forward may); the writer then drops that request.
-- ``release(buffers, held=0, queued=True)`` gives them back for reuse.
+- The arena: ONE ``uint8`` host tensor of ``cap`` bytes allocated when the writer starts. On
+  CUDA it is page-locked with ``cudaHostRegister`` (not through PyTorch's caching host
+  allocator, which rounds each block up to a power of two and never returns it) and
+  unregistered at ``close()``. Nothing is allocated or pinned for a forward after that: a
+  forward's rows get one contiguous block of the arena (first fit over free offset ranges,
+  neighbours merged on release), sliced into one view per tensor.
+- ``reserve(sizes, held=0)`` (the forward thread): views into the arena for a forward's rows,
+  plus ``held`` bytes that need no buffer (host tensors written as they are). When the block
+  does not fit now, the forward waits until the writer has written earlier forwards
+  (back-pressure: nothing is dropped); each wait is timed, counted and logged (rate-limited).
+  A forward's rows never wait for anything else: with the arena empty every forward that fits
+  the cap goes through.
+- A forward larger than the whole arena gets temporary pageable buffers instead (nothing
+  pinned); its device-to-host copy is then synchronous, so that forward waits for its own copy
+  (counted as back-pressure, ``oversized``). One such forward is in flight at a time.
+- ``try_reserve(sizes, alone)`` (the writer thread): pageable buffers for a chunked request's
+  whole rows, outside the arena, so that a request being gathered never takes room a forward
+  needs. Their bytes are held to the same cap; with ``alone`` (no other chunked request held)
+  one request may pass it. None when they do not fit: the writer then drops that request.
+- ``release(buffers, held=0, queued=True)`` gives a forward's block (``queued``) or a chunked
+  request's buffers back.
 
-A free buffer is reused for a size it holds with at most half of it wasted; otherwise a new
-one is allocated, after freeing unused buffers so that the bytes allocated (in use and free)
-stay within the cap. So the staging holds at most the cap, plus one forward's rows when they
-went through with nothing queued, plus the one chunked request held alone.
+Host memory of the dump: the arena (``cap``, pinned on CUDA, constant from start to close),
+plus the rows of chunked requests being gathered (pageable, at most ``cap`` or one request
+alone), plus one oversized forward's rows while it is written (pageable); the pageable parts
+are freed as soon as they are written.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+logger = logging.getLogger(__name__)
 
-def _without(buffers, drop) -> list:
-    """``buffers`` minus ``drop``, by identity (tensors compare by value, element-wise)."""
-    ids = {id(b) for b in drop}
-    return [b for b in buffers if id(b) not in ids]
+ALIGN = 256  # every view starts on a 256-byte boundary of the arena
+LOG_EVERY_S = 30.0  # at most one back-pressure log line per this many seconds
+
+
+def _aligned(n: int) -> int:
+    return (max(int(n), 1) + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ArenaAllocator:
+    """First fit over the free ``(offset, size)`` ranges of ``[0, size)``; no memory of its own.
+
+    ``alloc`` returns an offset or None; ``free`` merges the range back with its neighbours."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+        self.free_ranges: List[Tuple[int, int]] = [(0, self.size)] if self.size else []
+        self.used: Dict[int, int] = {}  # offset -> size of handed-out blocks
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(n for _, n in self.free_ranges)
+
+    @property
+    def largest_free(self) -> int:
+        return max((n for _, n in self.free_ranges), default=0)
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        nbytes = int(nbytes)
+        for i, (off, n) in enumerate(self.free_ranges):
+            if n >= nbytes:
+                if n == nbytes:
+                    del self.free_ranges[i]
+                else:
+                    self.free_ranges[i] = (off + nbytes, n - nbytes)
+                self.used[off] = nbytes
+                return off
+        return None
+
+    def free(self, off: int) -> int:
+        nbytes = self.used.pop(off)
+        ranges = self.free_ranges
+        lo, hi = 0, len(ranges)
+        while lo < hi:  # insertion point by offset
+            mid = (lo + hi) // 2
+            if ranges[mid][0] < off:
+                lo = mid + 1
+            else:
+                hi = mid
+        start, end = off, off + nbytes
+        if lo < len(ranges) and ranges[lo][0] == end:  # merge with the range after
+            end += ranges[lo][1]
+            del ranges[lo]
+        if lo > 0 and ranges[lo - 1][0] + ranges[lo - 1][1] == start:  # and the one before
+            start = ranges[lo - 1][0]
+            del ranges[lo - 1]
+            lo -= 1
+        ranges.insert(lo, (start, end - start))
+        return nbytes
+
+
+def _register(arena: torch.Tensor) -> bool:
+    """Page-lock the arena in place (cudaHostRegister); False, logged, when CUDA refuses."""
+    # 1 = cudaHostRegisterPortable: pinned for every CUDA context of the process
+    err = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1))
+    if err != 0:
+        logger.error("eagle3_capture: page-locking the %d MiB dump arena failed (cudaError %d); its "
+                     "device-to-host copies are synchronous (the forward waits for them). Lower "
+                     "EAGLE3_DUMP_MAX_PENDING_MB or raise the locked-memory limit", arena.numel() >> 20, err)
+        return False
+    return True
 
 
 class HostStaging:
-    def __init__(self, cap_bytes: int, pinned: bool):
+    def __init__(self, cap_bytes: int, pinned: bool, allocate: bool = True):
+        """``allocate=False``: a rank that writes nothing holds no arena (it must not reserve)."""
         self.cap = int(cap_bytes)
-        self.pinned = pinned
-        self.free: List[torch.Tensor] = []
-        self.in_use = 0  # bytes of handed-out buffers + held bytes
-        self.queued = 0  # the part of in_use that forwards reserved (the writer frees it)
-        self.allocated = 0  # bytes of all buffers, free or handed out
-        self.peak_in_use = 0
-        self.peak_allocated = 0
+        # the one allocation of the forward path, made here, at start
+        self.arena = torch.empty(self.cap if allocate else 0, dtype=torch.uint8)
+        self._base = self.arena.data_ptr()
+        self.pinned = bool(pinned) and self.arena.numel() > 0 and _register(self.arena)
+        self.alloc = ArenaAllocator(self.cap)
         self.cond = threading.Condition()
+        self.in_use = 0  # bytes of handed-out arena blocks, oversized buffers and held bytes
+        self.queued = 0  # the part of in_use that forwards reserved (the writer frees it)
+        self.held_bytes = 0  # host tensors of queued forwards written as they are (no buffer)
+        self.chunk_bytes = 0  # pageable rows of chunked requests being gathered
+        self.oversized_in_flight = 0
+        self._oversized_bytes = 0
+        self.peak_in_use = 0
+        self._peak_extra = 0  # peak of chunked + oversized bytes
+        self.peak_chunk_bytes = 0
+        # back-pressure: what the forward thread waited for
+        self.waits = 0
+        self.wait_s_total = 0.0
+        self.wait_s_max = 0.0
+        self.oversized = 0  # forwards larger than the arena, copied through pageable buffers
+        self._last_log = float("-inf")
+        self._closed = False
 
-    # ---- planning (under the lock) ----------------------------------------------------------
-    def _plan(self, sizes: Sequence[int], held: int) -> Tuple[list, list, int]:
-        """([(position, buffer to reuse)], [(position, size to allocate)], bytes in all)."""
-        over_cap = sum(sizes) + held > self.cap
-        free = sorted(self.free, key=lambda b: b.numel())
-        reuse, new = [], []
-        for pos in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-            size = max(int(sizes[pos]), 1)
-            pick = None
-            if not over_cap:
-                pick = next((b for b in free if size <= b.numel() <= 2 * size), None)
-            if pick is None:
-                new.append((pos, size))
-            else:
-                free = _without(free, [pick])
-                reuse.append((pos, pick))
-        need = held + sum(b.numel() for _, b in reuse) + sum(s for _, s in new)
-        return reuse, new, need
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def allocated(self) -> int:
+        """Host bytes the staging holds now: the arena (constant), chunked rows, oversized rows."""
+        return self.arena.numel() + self.chunk_bytes + self._oversized_bytes
 
-    def _take(self, plan, count: int, held: int, queued: bool) -> List[torch.Tensor]:
-        reuse, new, need = plan
-        kept = [b for _, b in reuse]
-        self.free = _without(self.free, kept)
-        new_bytes = sum(s for _, s in new)
-        spare = sorted(self.free, key=lambda b: -b.numel())
-        while spare and self.allocated + new_bytes > self.cap:  # free unused buffers first
-            victim = spare.pop(0)
-            self.free = _without(self.free, [victim])
-            self.allocated -= victim.numel()
-        out: List[Optional[torch.Tensor]] = [None] * count
-        for pos, buf in reuse:
-            out[pos] = buf
-        for pos, size in new:
-            out[pos] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
-        self.allocated += new_bytes
-        self.in_use += need
-        if queued:
-            self.queued += need
+    @property
+    def peak_allocated(self) -> int:
+        return self.arena.numel() + self._peak_extra
+
+    def _peaks(self) -> None:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_chunk_bytes = max(self.peak_chunk_bytes, self.chunk_bytes)
+        self._peak_extra = max(self._peak_extra, self.chunk_bytes + self._oversized_bytes)
+
+    def in_arena(self, buf: torch.Tensor) -> bool:
+        return self._base <= buf.data_ptr() < self._base + self.arena.numel()
+
+    def waited(self, seconds: float, why: str) -> None:
+        """Count (and, rate-limited, log) a forward-thread wait of ``seconds``."""
+        with self.cond:
+            self.waits += 1
+            self.wait_s_total += seconds
+            self.wait_s_max = max(self.wait_s_max, seconds)
+            now = time.monotonic()
+            if now - self._last_log < LOG_EVERY_S:
+                return
+            self._last_log = now
+        logger.warning("EAGLE3_DUMP_DIR: a forward waited %.1f ms for the dump (%s; back-pressure: "
+                       "%d waits, %.1f s in all, max %.1f ms; arena %d MiB). Raise "
+                       "EAGLE3_DUMP_MAX_PENDING_MB or use a faster dump disk",
+                       seconds * 1e3, why, self.waits, self.wait_s_total, self.wait_s_max * 1e3,
+                       self.cap >> 20)
+
+    def summary(self) -> str:
+        return ("arena %d MiB%s, peak %d MiB in use, peak %d MiB of chunked rows; forward waits: %d "
+                "(%.3f s in all, max %.1f ms), %d oversized forwards"
+                % (self.cap >> 20, " pinned" if self.pinned else "", self.peak_in_use >> 20,
+                   self.peak_chunk_bytes >> 20, self.waits, self.wait_s_total, self.wait_s_max * 1e3,
+                   self.oversized))
+
+    # ---- the forward thread ------------------------------------------------------------------
+    def _views(self, off: int, sizes: Sequence[int]) -> List[torch.Tensor]:
+        out = []
+        for size in sizes:  # never empty: an empty view has no address to give back
+            out.append(self.arena[off: off + max(int(size), 1)])
+            off += _aligned(size)
         return out
 
-    # ---- the calls ---------------------------------------------------------------------------
     def reserve(self, sizes: Sequence[int], held: int = 0) -> List[torch.Tensor]:
+        """Buffers for one forward's rows (``sizes`` bytes each); see the module's docstring."""
+        if not sizes:
+            return []
+        if not self.arena.numel():
+            raise RuntimeError("eagle3_capture: this rank's dump staging holds no arena")
+        block = sum(_aligned(s) for s in sizes)
+        start, why = None, "the arena is full of rows not yet written"
         with self.cond:
-            plan = self._plan(sizes, held)
-            while self.queued and self.in_use + plan[2] > self.cap:
-                self.cond.wait()
-                plan = self._plan(sizes, held)
-            return self._take(plan, len(sizes), held, queued=True)
+            if block > self.cap:  # larger than the whole arena: pageable, one at a time
+                while self.oversized_in_flight:
+                    start = start or time.perf_counter()
+                    why = "another prefill larger than the arena is being written"
+                    self.cond.wait()
+                self.oversized += 1
+                self.oversized_in_flight += 1
+                self._oversized_bytes += block
+                out = [torch.empty(max(int(s), 1), dtype=torch.uint8) for s in sizes]
+                if self.oversized == 1:
+                    logger.warning("EAGLE3_DUMP_DIR: a %d MiB prefill is larger than the %d MiB arena "
+                                   "(EAGLE3_DUMP_MAX_PENDING_MB); it goes through pageable memory and "
+                                   "the forward waits for its copy", block >> 20, self.cap >> 20)
+            else:
+                off = self.alloc.alloc(block)
+                while off is None or (self.queued and self.held_bytes + held > self.cap):
+                    if off is not None:
+                        self.alloc.free(off)
+                    start = start or time.perf_counter()
+                    self.cond.wait()
+                    off = self.alloc.alloc(block)
+                out = self._views(off, sizes)
+            self.in_use += block + held
+            self.queued += block + held
+            self.held_bytes += held
+            self._peaks()
+            if start is not None:
+                self.waited(time.perf_counter() - start, why)
+        return out
 
+    # ---- the writer thread -------------------------------------------------------------------
     def try_reserve(self, sizes: Sequence[int], alone: bool = False) -> Optional[List[torch.Tensor]]:
-        """``alone``: nothing else of its kind is held, so it may pass the cap like one oversized
-        forward may (the forward then waits until the writer has caught up)."""
+        """Pageable buffers for a chunked request's rows, or None when they do not fit under the
+        cap beside the other chunked requests held (``alone``: none is, so it may pass it)."""
+        need = sum(max(int(s), 1) for s in sizes)
         with self.cond:
-            plan = self._plan(sizes, 0)
-            if not alone and self.in_use + plan[2] > self.cap:
+            if not alone and self.chunk_bytes + need > self.cap:
                 return None
-            return self._take(plan, len(sizes), 0, queued=False)
+            self.chunk_bytes += need
+            self.in_use += need
+            self._peaks()
+        return [torch.empty(max(int(s), 1), dtype=torch.uint8) for s in sizes]
 
     def release(self, buffers: Sequence[torch.Tensor], held: int = 0, queued: bool = True) -> None:
         with self.cond:
-            nbytes = held + sum(b.numel() for b in buffers)
-            self.in_use -= nbytes
-            if queued:
-                self.queued -= nbytes
-            if self.allocated > self.cap:  # what went through over the cap: let it go
-                self.allocated -= sum(b.numel() for b in buffers)
+            if not queued:  # a chunked request's rows
+                nbytes = sum(b.numel() for b in buffers)
+                self.chunk_bytes -= nbytes
+                self.in_use -= nbytes
             else:
-                self.free.extend(buffers)
+                inside = [b.data_ptr() - self._base for b in buffers if self.in_arena(b)]
+                if inside:
+                    block = self.alloc.free(min(inside))
+                elif buffers:  # an oversized forward's pageable buffers
+                    block = sum(_aligned(b.numel()) for b in buffers)
+                    self._oversized_bytes -= block
+                    self.oversized_in_flight -= 1
+                else:
+                    block = 0
+                self.in_use -= block + held
+                self.queued -= block + held
+                self.held_bytes -= held
             self.cond.notify_all()
+
+    def close(self) -> None:
+        """Unregister the arena's page lock and free it (after the writer has finished with it)."""
+        with self.cond:
+            if self._closed:
+                return
+            self._closed = True
+            if self.pinned:
+                err = int(torch.cuda.cudart().cudaHostUnregister(self._base))
+                if err != 0:
+                    logger.error("eagle3_capture: unregistering the dump arena failed (cudaError %d)", err)
+                self.pinned = False
+            self.arena = torch.empty(0, dtype=torch.uint8)
