@@ -934,3 +934,74 @@ def test_releases_that_copy_the_forward_batch_find_requests_by_id(monkeypatch):
     assert identity.requests_of(copy) is None  # taken once
     identity._attach(FB(_Mode("DECODE"), ["c"]), SimpleNamespace(reqs=[Req("c", 1)]))
     assert identity.requests_of(FB(_Mode("EXTEND"), ["c"])) is None  # decode batches carry nothing
+# ---- launch refusals the release's facts decide -------------------------------------------------
+
+def _args(**kw):
+    base = dict(disable_radix_cache=True, tp_size=1)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_release_facts_decide_the_moe_dense_and_draft_refusals(monkeypatch):
+    assert settings.SERIES_RELEASE in settings.RELEASE_FACTS
+    monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.9")
+    with pytest.raises(settings.DumpConfigError, match=r"--moe-dense-tp-size 1 at --tp-size 2 .*drop --moe-dense-tp-size"):
+        settings.check_server_args(_args(tp_size=2, moe_dense_tp_size=1))
+    with pytest.raises(settings.DumpConfigError, match=r"EAGLE3 with --moe-dense-tp-size 1 at --tp-size 4"):
+        settings.check_draft_args(_args(tp_size=4, moe_dense_tp_size=1, speculative_algorithm="EAGLE3"))
+    settings.check_server_args(_args(tp_size=1, moe_dense_tp_size=1))  # one rank: nothing scattered
+    settings.check_draft_args(_args(tp_size=4, moe_dense_tp_size=1, speculative_algorithm="EAGLE"))  # no capture
+    settings.check_server_args(_args(enable_lora=True, lora_paths=["a=/x"]))  # LoRA is not refused
+    monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.17")
+    settings.check_server_args(_args(tp_size=2, moe_dense_tp_size=1))  # 0.5.17's capture gathers them
+    for algo in ("DFLASH", "dspark"):
+        with pytest.raises(settings.DumpConfigError, match="--speculative-algorithm %s sets the captured layers" % algo.upper()):
+            settings.check_server_args(_args(speculative_algorithm=algo))
+    settings.check_server_args(_args(speculative_algorithm="EAGLE3"))
+    monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.99")
+    with pytest.raises(settings.DumpConfigError, match="no launch-rule facts for sglang 0.5.99"):
+        settings.check_server_args(_args())
+    settings.check_draft_args(_args(speculative_algorithm=None))  # no draft, no dump: nothing to check
+
+
+_NODE_CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from eaglepatch.overlay import import_package
+pkg = import_package("e3c_node")
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
+try:
+    pkg.same_dump_on_every_node(pkg._dump_fingerprint(), None, 2, 1)
+    print("SAME")
+except pkg.DumpConfigError as exc:
+    print("REFUSED " + str(exc))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("second", ["/data/dumps", None, "/other"])
+def test_nodes_of_one_tp_group_must_agree_on_the_dump(tmp_path, second):
+    """Two real gloo ranks (one per "node"): the same settings pass; the dump set on one node only,
+    or set differently, refuses on both with one line naming both nodes' settings."""
+    import os
+    import subprocess
+
+    store = tmp_path / "store"
+    procs = []
+    for rank, d in enumerate(["/data/dumps", second]):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
+        if d is not None:
+            env["EAGLE3_DUMP_DIR"] = d
+        procs.append(subprocess.Popen([sys.executable, "-c", _NODE_CHILD, str(REPO / "src"), str(rank), str(store)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    lines = [o[0].strip() for o in outs]
+    if second == "/data/dumps":
+        assert lines == ["SAME", "SAME"]
+    else:
+        assert all(x.startswith("REFUSED the EAGLE3_DUMP_* variables differ between the nodes") for x in lines), lines
+        assert lines[0] == lines[1] and "node 0: " in lines[0] and "node 1: " in lines[0] and "\n" not in lines[0]
+        assert "set the same EAGLE3_DUMP_DIR" in lines[0]

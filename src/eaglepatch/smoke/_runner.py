@@ -146,7 +146,8 @@ REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, wha
     ("mixed chunk", {"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
     ("two-batch overlap", {"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ("piecewise cuda graph", {"enable_piecewise_cuda_graph": True}, "--enable-piecewise-cuda-graph"),
-    ("prefill cuda graph", {"disable_cuda_graph": False, "cuda_graph_backend_prefill": "full"},
+    ("prefill cuda graph", {"disable_cuda_graph": False, "disable_prefill_cuda_graph": False,
+                            "cuda_graph_backend_prefill": "full"},
      "--disable-prefill-cuda-graph", "prefill_graph"),
     ("dp attention", {"enable_dp_attention": True}, "DP attention"),
     ("attention dp size", {"attn_dp_size": 2}, "DP attention"),
@@ -157,7 +158,22 @@ REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, wha
     ("prefill context parallel", {"enable_prefill_cp": True}, "--enable-prefill-cp"),
     ("nsa prefill context parallel", {"enable_nsa_prefill_context_parallel": True},
      "--enable-nsa-prefill-context-parallel"),
+    ("scattered attention input at tp 2", {"tp_size": 2, "enable_attn_tp_input_scattered": True},
+     "--enable-attn-tp-input-scattered"),
+    ("attention cp size", {"tp_size": 2, "attn_cp_size": 2}, "--attn-cp-size"),
 ]
+# Refusals a release fact decides (settings.RELEASE_FACTS): (label, settings, text, does the
+# release refuse it?); where the fact says no, check_launch must accept the setting.
+FACT_REFUSALS = [
+    ("moe dense tp 1 at tp 2", {"tp_size": 2, "moe_dense_tp_size": 1}, "--moe-dense-tp-size 1",
+     lambda f: f["moe_dense_tp1_scatters_capture"]),
+    ("dflash target", {"speculative_algorithm": "DFLASH"}, "--speculative-algorithm DFLASH",
+     lambda f: "DFLASH" in f["drafts_overwriting_capture"]),
+    ("dspark target", {"speculative_algorithm": "DSPARK"}, "--speculative-algorithm DSPARK",
+     lambda f: "DSPARK" in f["drafts_overwriting_capture"]),
+]
+# Accepted with the dump on: LoRA (dump files name their adapter), on every release.
+ACCEPTED = [("lora", {"enable_lora": True})]
 
 
 def _args_with(ckpt, settings: dict):
@@ -173,50 +189,114 @@ def _args_with(ckpt, settings: dict):
         try:
             return _rt.server_args(ckpt, load_format="dummy", **settings), "constructor"
         except Exception as exc:
-            return None, "read-only (%s) and the constructor refuses it here (%s: %s)" % (
+            refused = "read-only (%s) and the constructor refuses it here (%s: %s)" % (
                 str(read_only)[:80], type(exc).__name__, str(exc)[:160])
+        failed = "no base class has a setter"
+        # the release validates against this CPU (e.g. DFLASH needs CUDA): write past its lock,
+        # as a GPU machine's validated arguments would hold it; the caller checks what reads back
+        sa = _rt.server_args(ckpt, load_format="dummy")
+        for base in type(sa).__mro__[1:]:  # the setter under the release's lock (object's, msgspec.Struct's)
+            setter = base.__dict__.get("__setattr__")
+            if setter is None:
+                continue
+            try:
+                for attr, value in settings.items():
+                    setter(sa, attr, value)
+            except Exception as exc:
+                failed = "%s: %s" % (type(exc).__name__, str(exc)[:120])
+                continue
+            return sa, "forced past the release's CPU validation (%s.__setattr__)" % base.__name__
+        return None, "%s; forcing it failed too (%s)" % (refused, failed)
+
+
+def _exercise(ckpt, probe, label, settings, effect=None):
+    """(ServerArgs carrying ``settings`` as the rules read them, how) or (None, why it cannot be)."""
+    from sglang.srt.eagle3_capture import settings as settings_mod
+    from sglang.srt.eagle3_capture.settings import resolved
+
+    sa, how = _args_with(ckpt, settings)
+    if sa is None:
+        return None, how
+    view = resolved(sa)
+    changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
+    if changed:
+        return None, "this release resolves %s to %s" % (settings, changed)
+    if effect and getattr(settings_mod, "_" + effect)(view) is None:
+        return None, "with these CPU settings the release turns it off (%s)" % (settings,)
+    return sa, how
+
+
+def _launch(sa):
+    """check_launch's verdict: None (accepted) or its one-line message."""
+    from sglang.srt import eagle3_capture
+
+    try:
+        eagle3_capture.check_launch(sa)
+    except SystemExit as exc:
+        return str(exc.code)
+    return None
 
 
 def check_e(ckpt: Path, work: Path) -> None:
     """Every rule at the launch check (what launch_server and Engine run before any worker),
     on this release's real ServerArgs; then one refusal inside ModelRunner init (the second line
-    of defence). A setting this release does not have, refuses by itself on this CPU, or
-    resolves to another value (so it cannot take effect) is logged, not checked."""
+    of defence). A rule whose setting this release lacks must be declared absent in
+    settings.RELEASE_FACTS (and is confirmed absent); any other rule this run cannot exercise
+    FAILS (never a silent skip)."""
     from sglang.srt import eagle3_capture
-    from sglang.srt.eagle3_capture import settings as settings_mod
-    from sglang.srt.eagle3_capture.settings import resolved
+    from sglang.srt.eagle3_capture.settings import SERIES_RELEASE, release_facts
 
+    facts = release_facts()
+    absent = set(facts["absent_fields"])
     dump = work / "dump-refused"
     with Dumping(dump, layers=[-1, 1, 3]):
         probe = _rt.server_args(ckpt, load_format="dummy")
         eagle3_capture.check_launch(probe)  # the control: these CPU settings pass
-        for label, settings, needle, *effect in REFUSALS:
-            missing = [a for a in settings if not hasattr(probe, a)]
-            if missing:
-                log("refusal %r: this release's ServerArgs has no %s" % (label, missing))
+        cases = [(label, st, needle, True, effect) for label, st, needle, *effect in REFUSALS]
+        cases += [(label, st, needle, bool(refuses(facts)), None) for label, st, needle, refuses in FACT_REFUSALS]
+        cases += [(label, st, None, False, None) for label, st in ACCEPTED]
+        for label, st, needle, refuses, effect in cases:
+            kind = "refused at launch" if refuses else "accepted at launch"
+            name = "e. %s: %s" % (kind, label)
+            missing = sorted(a for a in st if not hasattr(probe, a))
+            declared = sorted(a for a in st if a in absent)
+            if missing or declared:
+                ok = missing == declared
+                result("e. not on sglang %s: %s" % (SERIES_RELEASE, label), ok, "absent" if ok else "facts wrong",
+                       "ServerArgs lacks %s; RELEASE_FACTS declares absent %s" % (missing, declared))
                 continue
-            name = "e. refused at launch: %s" % label
-            sa, how = _args_with(ckpt, settings)
+            if not refuses and "speculative_algorithm" in st:  # a draft this release does not have
+                from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+                algo = st["speculative_algorithm"]
+                ok = not hasattr(SpeculativeAlgorithm, algo)
+                result("e. not on sglang %s: %s" % (SERIES_RELEASE, label), ok, "absent" if ok else "facts wrong",
+                       "SpeculativeAlgorithm %s %s; RELEASE_FACTS lists no refusal for it"
+                       % ("lacks" if ok else "has", algo))
+                continue
+            sa, how = _exercise(ckpt, probe, label, st, effect[0] if effect else None)
             if sa is None:
-                log("refusal %r not reachable on this CPU: %s" % (label, how))
+                result(name, False, "not exercised", "cannot set %s on this release's ServerArgs here: %s" % (st, how))
                 continue
-            view = resolved(sa)
-            changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
-            if changed:
-                log("refusal %r not reachable: this release resolves %s to %s" % (label, settings, changed))
-                continue
-            if effect and getattr(settings_mod, "_" + effect[0])(view) is None:
-                log("refusal %r not reachable: with these CPU settings the release turns it off (%s)" % (label, settings))
-                continue
-            try:
-                eagle3_capture.check_launch(sa)
-            except SystemExit as exc:
-                msg = str(exc.code)
-                ok = msg.startswith("error: EAGLE3_DUMP_DIR is set but") and needle in msg and "\n" not in msg
-                result(name, ok, "refused" if ok else "wrong message", "%s (%s)" % (msg[:300], how))
+            msg = _launch(sa)
+            if refuses:
+                ok = (msg is not None and msg.startswith("error: EAGLE3_DUMP_DIR is set but") and needle in msg
+                      and "\n" not in msg)
+                result(name, ok, "refused" if ok else ("passed" if msg is None else "wrong message"),
+                       "%s (%s)" % (msg[:300] if msg else "check_launch accepted %s" % st, how))
             else:
-                result(name, False, "passed", "check_launch accepted %s (%s)" % (settings, how))
+                result(name, msg is None, "accepted" if msg is None else "refused",
+                       "%s (%s)" % (msg[:300] if msg else "check_launch accepted %s" % st, how))
         guarded(E_RUNNER_NAME)(_runner_refusal)(ckpt)
+    # an EAGLE-3 draft at TP > 1 with --moe-dense-tp-size 1, dump off: refused where the fact holds
+    if facts["moe_dense_tp1_scatters_capture"]:
+        st = {"tp_size": 2, "moe_dense_tp_size": 1, "speculative_algorithm": "EAGLE3"}
+        with Dumping(None):
+            sa, how = _exercise(ckpt, None, "draft moe dense", st)
+            msg = _launch(sa) if sa is not None else "not exercised: " + how
+        ok = bool(msg) and msg.startswith("error: --speculative-algorithm EAGLE3 with --moe-dense-tp-size 1")
+        result("e. refused at launch, dump off: EAGLE3 draft with moe dense tp 1 at tp 2", ok,
+               "refused" if ok else "not refused", "%s (%s)" % (msg, st))
     left = sorted(p.name for p in dump.iterdir())
     if left:
         result("e. refusals leave the dump dir empty", False, "%d files" % len(left), ", ".join(left[:5]))

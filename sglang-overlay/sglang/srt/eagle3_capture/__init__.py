@@ -36,6 +36,7 @@ import logging
 from typing import List, Optional
 
 from .settings import (
+    DUMP_VARS,
     SERIES_VERSION,
     check_launch,
     DumpConfigError,
@@ -261,13 +262,59 @@ def _keep_raw_ids(wrapper, state: CaptureState) -> None:
     wrapper.forward = forward
 
 
+def _dump_fingerprint(env=None) -> str:
+    """What this process's EAGLE3_DUMP_* variables say, as one comparable string."""
+    import os
+
+    env = os.environ if env is None else env
+    return repr(sorted((k, env[k].strip()) for k in DUMP_VARS if env.get(k, "").strip()))
+
+
+def same_dump_on_every_node(fingerprint: str, group, world_size: int, ranks_per_node: int) -> None:
+    """Every rank of a tensor-parallel group spanning nodes sends its dump settings to all
+    (``group``: the group's CPU (gloo) process group); settings that differ refuse on every rank,
+    so no node dumps partial rows or waits in a collective the others never join."""
+    import torch.distributed as dist
+
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, fingerprint, group=group)
+    if len(set(everyone)) > 1:
+        nodes = {}
+        for rank, fp in enumerate(everyone):
+            nodes.setdefault(fp, set()).add(rank // max(ranks_per_node, 1))
+        parts = ["node%s %s: %s" % ("s" if len(n) > 1 else "", ",".join(map(str, sorted(n))), fp)
+                 for fp, n in nodes.items()]
+        raise DumpConfigError(
+            "the EAGLE3_DUMP_* variables differ between the nodes of this tensor-parallel group (%s); "
+            "set the same EAGLE3_DUMP_DIR, EAGLE3_DUMP_LAYERS, EAGLE3_DUMP_FINAL and "
+            "EAGLE3_DUMP_MAX_PENDING_MB on every node, or none" % "; ".join(parts))
+
+
+def _check_nodes(runner) -> None:
+    """With ``--nnodes`` > 1 a launch check sees one node only: the TP group compares settings."""
+    from .settings import resolved
+
+    args = resolved(runner.server_args)
+    nnodes = getattr(args, "nnodes", 1) or 1
+    if nnodes <= 1:
+        return
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    same_dump_on_every_node(_dump_fingerprint(), tp.cpu_group, tp.world_size,
+                            max(tp.world_size // nnodes, 1))
+
+
 def configure_runner(runner) -> None:
     """Called by ModelRunner after the model is loaded, before device graphs are captured."""
     configure, ids = _draft_ids_to_configure(runner)
     if configure:
         runner.model.set_eagle3_layers_to_capture(ids)
+    if runner.is_draft_worker:
+        return
+    _check_nodes(runner)  # every rank, dump or not, before any rank may refuse alone
     settings = DumpSettings.from_env()
-    if settings is None or runner.is_draft_worker:
+    if settings is None:
         return
     from .dump import start_dump
 

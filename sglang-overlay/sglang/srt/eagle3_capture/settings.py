@@ -15,6 +15,7 @@ ENV_DIR = "EAGLE3_DUMP_DIR"
 ENV_LAYERS = "EAGLE3_DUMP_LAYERS"
 ENV_FINAL = "EAGLE3_DUMP_FINAL"
 ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
+DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB")
 # the host arena's size: one 30K-token Kimi-K2.5 prefill of 4 layers + final (30000 x 7168 x 2 x 5
 # bytes = 2051 MiB) fits with room beside it for the next forwards (README: sizing the arena)
 DEFAULT_MAX_PENDING_MB = 4096
@@ -202,6 +203,70 @@ def _prefill_graph(args) -> Optional[str]:
     return str(backend)
 
 
+# What the launch rules need to know of each release, in this one place (smoke check e reads it
+# too). A release not listed refuses every launch with a dump or a draft: declare it here when
+# porting the series.
+#   absent_fields: ServerArgs fields some rule reads that the release does not have (the rule
+#       cannot fire there; smoke check e confirms each is absent and fails on any other rule it
+#       cannot exercise).
+#   moe_dense_tp1_scatters_capture: with --moe-dense-tp-size 1 at TP > 1 the dense layers' rows
+#       are scattered across ranks and the release's layer-loop capture does not gather them.
+#   drafts_overwriting_capture: speculative algorithms whose target setup overwrites
+#       layers_to_capture behind the package (and whose CUDA-graph capture then crashes).
+RELEASE_FACTS = {
+    "0.5.9": {
+        "absent_fields": ("disable_prefill_cuda_graph", "cuda_graph_config", "cuda_graph_backend_prefill",
+                          "attn_dp_size", "enable_prefill_cp"),
+        "moe_dense_tp1_scatters_capture": True,
+        "drafts_overwriting_capture": (),
+    },
+    "0.5.17": {
+        "absent_fields": ("enable_piecewise_cuda_graph", "attn_dp_size", "enable_nsa_prefill_context_parallel"),
+        "moe_dense_tp1_scatters_capture": False,
+        "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+    },
+    "0.5.23": {
+        "absent_fields": ("enable_piecewise_cuda_graph", "enable_nsa_prefill_context_parallel"),
+        "moe_dense_tp1_scatters_capture": False,
+        "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+    },
+}
+
+
+def release_facts(release: Optional[str] = None) -> dict:
+    """The launch rules' facts of this series' release; a release without them refuses."""
+    release = SERIES_RELEASE if release is None else release
+    try:
+        return RELEASE_FACTS[release]
+    except KeyError:
+        raise DumpConfigError(
+            f"eagle3_capture declares no launch-rule facts for sglang {release}, so its settings cannot be "
+            f"checked; add sglang {release} to RELEASE_FACTS in sglang/srt/eagle3_capture/settings.py "
+            f"(sglang-overlay/) and regenerate the series"
+        ) from None
+
+
+def _algorithm(args) -> str:
+    value = getattr(args, "speculative_algorithm", None)
+    value = getattr(value, "name", value)
+    return str(value).upper() if value else ""
+
+
+def check_draft_args(args) -> None:
+    """Refuse an EAGLE-3 draft (dump on or off) whose captured rows would be wrong."""
+    args = resolved(args)
+    if _algorithm(args) != "EAGLE3":
+        return
+    facts = release_facts()
+    tp_size = getattr(args, "tp_size", 1) or 1
+    if facts["moe_dense_tp1_scatters_capture"] and tp_size > 1 and getattr(args, "moe_dense_tp_size", None) == 1:
+        raise DumpConfigError(
+            f"--speculative-algorithm EAGLE3 with --moe-dense-tp-size 1 at --tp-size {tp_size}: the dense "
+            f"layers' rows are scattered across ranks and sglang {SERIES_RELEASE}'s capture does not gather "
+            f"them, so the draft would get partial rows; drop --moe-dense-tp-size"
+        )
+
+
 def check_server_args(args) -> None:
     """Refuse server settings under which dumped rows would be incomplete or wrong. Argument
     names differ between releases: each rule reads the names its release has."""
@@ -217,6 +282,8 @@ def check_server_args(args) -> None:
     a2a = arg("moe_a2a_backend", "none")
     a2a = str(getattr(a2a, "value", a2a) or "none")
     graph = _prefill_graph(args)
+    facts = release_facts()
+    algorithm = _algorithm(args)
     rules = [
         (
             not arg("disable_radix_cache", False),
@@ -269,6 +336,16 @@ def check_server_args(args) -> None:
             "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) splits prefill "
             "tokens across ranks; drop it",
         ),
+        (
+            facts["moe_dense_tp1_scatters_capture"] and tp_size > 1 and arg("moe_dense_tp_size") == 1,
+            f"--moe-dense-tp-size 1 at --tp-size {tp_size} scatters the dense layers' rows across ranks "
+            f"and sglang {SERIES_RELEASE}'s capture does not gather them; drop --moe-dense-tp-size",
+        ),
+        (
+            algorithm in facts["drafts_overwriting_capture"],
+            f"--speculative-algorithm {algorithm} sets the captured layers behind the dump (and its CUDA-graph "
+            f"capture crashes with the dump's layers); use EAGLE3 or no draft with the dump, or unset {ENV_DIR}",
+        ),
     ]
     for broken, message in rules:
         if broken:
@@ -313,6 +390,7 @@ def check_launch(server_args) -> None:
     starts or any weight loads: a setting under which the dump would be wrong ends the launch
     with one line (``SystemExit``: no traceback) and a non-zero exit."""
     try:
+        check_draft_args(server_args)
         settings = DumpSettings.from_env()
         if settings is None:
             return
