@@ -258,6 +258,27 @@ def test_dump_identity_is_checked(model, dumps, tmp_path):
     assert check_rows(tmp_path / "out") == N_CONV - 1
 
 
+@in_env
+def test_behind_the_router_every_replica_is_flushed(model, dumps, tmp_path):
+    """SGLang's router (sglang-router, in the CPU env) has no flush route: the client flushes the
+    replicas the router lists. Two stand-ins behind it: the run completes, both were flushed. A
+    replica of an older series (404 at its flush) is named in one line, with the router."""
+    import cpuserver
+
+    with server(dumps) as a, server(dumps) as b:
+        with cpuserver.Router([a.url, b.url], tmp_path / "router.log") as router:
+            p = extract(model, router.url, dumps, tmp_path / "out", "--concurrency", "4")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert f"{router.url} is SGLang's router (2 replicas)" in p.stderr, p.stderr[-3000:]
+        assert a.requests and b.requests and a.flushes >= 1 and b.flushes >= 1
+        assert check_rows(tmp_path / "out") == N_CONV
+    with server(dumps) as a, server(dumps, flush_status=404) as b:
+        with cpuserver.Router([a.url, b.url], tmp_path / "router2.log") as router:
+            p = extract(model, router.url, dumps, tmp_path / "out2")
+    one_line(p, f"{b.url}/eagle3_dump/flush", f"behind the router {router.url}", "404", "upgrade")
+    assert not (tmp_path / "out2").exists()
+
+
 # ---- provenance -----------------------------------------------------------------------------------
 
 @in_env

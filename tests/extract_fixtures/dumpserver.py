@@ -79,10 +79,8 @@ class DumpServer(LoopbackServer):
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_GET(self):
-                if self.path == "/get_model_info":
-                    return self._reply(200, {"model_path": server.model_path, "is_generation": True})
-                self._reply(404, {"detail": "Not Found"})
+            def do_GET(self):  # /get_model_info, and what SGLang's router asks (/health, /server_info, ...)
+                self._reply(200, {"model_path": server.model_path, "is_generation": True})
 
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
