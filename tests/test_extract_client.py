@@ -183,6 +183,8 @@ def test_files_written_at_once_need_no_flush(model, dumps, tmp_path):
         p = extract(model, [a.url, b.url], dumps, tmp_path / "out", "--concurrency", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert (a.flushes, b.flushes) == (1, 1)
+    servers = json.loads((tmp_path / "out" / "manifest.json").read_text())["last_run"]["servers"]
+    assert [s["flushes"] for s in servers] == [1, 1], servers
     assert check_rows(tmp_path / "out") == N_CONV
 
 

@@ -389,8 +389,8 @@ class Extractor:
         retried = client.retried
         last_run = {"wall_s": round(wall, 3), "extracted": len(ok), "failed": len(failed), "skipped": len(skipped),
                     "bad_dumps_rejected": self.bad_dumps, "request_retries": retried, "stale_samples_removed": removed,
-                    "servers": [{"url": u, "answered": n, "put_aside": a}
-                                for u, n, a in zip(client.urls, client.answered, client.put_aside)]}
+                    "servers": [{"url": u, "answered": n, "put_aside": a, "flushes": f}
+                                for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)]}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
         if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
             if o.format == "speculators":
