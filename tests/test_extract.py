@@ -1005,8 +1005,8 @@ def test_client_round_robin_puts_aside_and_back():
     with Server() as a, Server() as b:
         lines = []
         c = SGLangClient([a.url, b.url], retries=1, backoff=0.01, cooldown=0.5, log=lines.append)
-        for _ in range(6):
-            assert c.generate([0, 5, 6]) == {"text": "x"}
+        # the answer and the index of the server that gave it
+        assert [c.generate([0, 5, 6], rid=f"r{n}") for n in range(6)] == [({"text": "x"}, n % 2) for n in range(6)]
         assert (a.hits, b.hits) == (3, 3) and c.retried == 0
         b.fail = True
         for _ in range(4):
@@ -1025,7 +1025,7 @@ def test_client_round_robin_puts_aside_and_back():
             c.generate([0, 5, 6])
         assert (a.hits, b.hits) == (10, 7) and c.retried == 4
         a.fail = b.fail = False
-        c.generate([0, 5, 6], server=1)  # pinned (the run's probe): that server only, aside or not
+        assert c.generate([0, 5, 6], server=1)[1] == 1  # pinned (the run's probe): that server only, aside or not
         assert (a.hits, b.hits) == (10, 8)
 
 
