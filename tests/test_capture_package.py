@@ -29,6 +29,8 @@ pkg = import_package("e3c_under_test")
 settings = sys.modules["e3c_under_test.settings"]
 staging_mod = __import__("e3c_under_test.staging", fromlist=["HostStaging"])
 dump_mod = __import__("e3c_under_test.dump", fromlist=["DumpWriter"])
+identity = sys.modules["e3c_under_test.identity"]
+control = __import__("e3c_under_test.control", fromlist=["ControlServer"])
 
 
 # ---- settings and conventions ------------------------------------------------------------------
@@ -68,10 +70,11 @@ def test_settings_from_env():
             settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_DIR="/d"))
 
 
-def test_dump_key_is_sha256_of_the_ids():
-    assert dump_mod.dump_key([1, 2, 3]) == hashlib.sha256(b"1,2,3").hexdigest()
-    assert dump_mod.dump_key(torch.tensor([1, 2, 3])) == dump_mod.dump_key([1, 2, 3])
-    assert dump_mod.dump_key([1, 2, 3]) != dump_mod.dump_key([1, 2, 4])
+def test_keys_are_sha256_of_the_request_id_and_of_the_ids():
+    assert dump_mod.request_key("r-1") == hashlib.sha256(b"r-1").hexdigest()
+    assert dump_mod.request_key("r-1") != dump_mod.request_key("r-2")
+    assert dump_mod.prompt_key([1, 2, 3]) == hashlib.sha256(b"1,2,3").hexdigest()
+    assert dump_mod.prompt_key(torch.tensor([1, 2, 3])) == dump_mod.prompt_key([1, 2, 3])
 
 
 # ---- the host staging stays bounded --------------------------------------------------------------
@@ -178,9 +181,11 @@ class _Mode:
 
 
 class _Batch:
-    """The ForwardBatch fields the writer reads (slots and full lengths for chunked prefill)."""
+    """The ForwardBatch fields the writer reads, and the requests ``identity`` attaches to a
+    prefill's ForwardBatch (``rids``; ``totals``: each prompt's length)."""
 
-    def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND", slots=None, totals=None):
+    def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND", slots=None, totals=None, rids=None,
+                 infos=None, orig_seq_lens=None):
         self.forward_mode = _Mode(mode)
         self.input_ids = ids
         self.extend_seq_lens_cpu = list(seq_lens)
@@ -188,8 +193,12 @@ class _Batch:
         n = len(seq_lens)
         self.req_pool_indices = torch.tensor(slots if slots is not None else list(range(n)))
         pre = self.extend_prefix_lens_cpu
-        self.orig_seq_lens = torch.tensor(totals if totals is not None else
-                                          [a + b for a, b in zip(pre, seq_lens)], dtype=torch.int32)
+        totals = totals if totals is not None else [a + b for a, b in zip(pre, seq_lens)]
+        # what SGLang's device tensor of full lengths holds when the writer would read it
+        self.orig_seq_lens = torch.tensor(orig_seq_lens if orig_seq_lens is not None else totals, dtype=torch.int32)
+        rids = rids if rids is not None else [f"r{i}" for i in range(n)]
+        self._eagle3_requests = infos if infos is not None else [
+            identity.RequestInfo(rid, int(t)) for rid, t in zip(rids, totals)]
 
 
 def _idx(layer_ids):
@@ -216,7 +225,7 @@ def test_writer_splits_requests_and_skips_what_it_cannot_write(tmp_path):
     w.submit(_Batch(ids[:3], [3], mode="DECODE"), cap, fin)  # decode writes nothing
     w.flush()
     files = sorted(p.name for p in tmp_path.iterdir())
-    keys = [dump_mod.dump_key(ids[:3].tolist()), dump_mod.dump_key(ids[8:].tolist())]
+    keys = [dump_mod.request_key("r0"), dump_mod.request_key("r2")]
     assert files == sorted(k + ".safetensors" for k in keys)
     assert (w.written, w.skipped, w.failed) == (2, 1, 0)
     with safe_open(str(tmp_path / (keys[1] + ".safetensors")), "pt") as f:
@@ -225,7 +234,8 @@ def test_writer_splits_requests_and_skips_what_it_cannot_write(tmp_path):
             assert torch.equal(f.get_tensor(f"layer.{k}"), cap[k + 1][8:])
         assert torch.equal(f.get_tensor("final"), fin[8:])
         meta = f.metadata()
-    assert meta["key"] == keys[1] and meta["num_tokens"] == "4"
+    assert meta["key"] == keys[1] and meta["num_tokens"] == "4" and meta["rid"] == "r2"
+    assert meta["prompt_key"] == dump_mod.prompt_key(ids[8:].tolist())
     w.close()
 
 
@@ -397,15 +407,23 @@ class _Prefill:
             for k in self.layers:
                 lay[k].append(req["layers"][k][a:a + n])
         batch = _Batch(torch.cat(ids), [n for *_, n in parts], [a for _, _, a, _ in parts],
-                       slots=[s for _, s, _, _ in parts], totals=[len(self.reqs[r]["ids"]) for r, *_ in parts])
+                       slots=[s for _, s, _, _ in parts], totals=[len(self.reqs[r]["ids"]) for r, *_ in parts],
+                       rids=[self.rid(r) for r, *_ in parts])
         captured = {k + 1: torch.cat(v) for k, v in lay.items()}
         writer.submit(batch, captured, torch.cat(fin))
+
+    @staticmethod
+    def rid(r) -> str:
+        return f"req-{r}"
+
+    def path(self, directory, r):
+        return directory / (dump_mod.request_key(self.rid(r)) + ".safetensors")
 
     def check(self, directory, r):
         from safetensors import safe_open
 
         req = self.reqs[r]
-        path = directory / (dump_mod.dump_key(req["ids"].tolist()) + ".safetensors")
+        path = self.path(directory, r)
         with safe_open(str(path), "pt") as f:
             assert torch.equal(f.get_tensor("input_ids"), req["ids"])
             if "final" in f.keys():
@@ -445,7 +463,7 @@ def test_an_abandoned_chunked_request_writes_nothing_and_is_counted(tmp_path, ca
     w.flush()
     assert (w.written, w.dropped) == (1, 2)
     pf.check(tmp_path, 2)
-    assert [p.name for p in tmp_path.iterdir()] == [dump_mod.dump_key(pf.reqs[2]["ids"].tolist()) + ".safetensors"]
+    assert [p for p in tmp_path.iterdir()] == [pf.path(tmp_path, 2)]
     assert "not dumped" in caplog.text
     assert w.staging.in_use == 0
     w.close()
@@ -497,11 +515,11 @@ def test_image_pad_values_are_stored_as_the_placeholder_id(tmp_path):
     w.submit(_Batch(clamped, [7]), {2: torch.randn(7, 4)}, None)  # no ids from before the clamp
     w.flush()
     names = sorted(p.name for p in tmp_path.iterdir())
-    want = sorted(dump_mod.dump_key(x) + ".safetensors" for x in (text.tolist(), processor_ids))
+    want = sorted(dump_mod.request_key(r) + ".safetensors" for r in ("r0", "r1"))
     assert names == want and w.failed == 1
-    with safe_open(str(tmp_path / (dump_mod.dump_key(processor_ids) + ".safetensors")), "pt") as f:
+    with safe_open(str(tmp_path / (dump_mod.request_key("r1") + ".safetensors")), "pt") as f:
         assert f.get_tensor("input_ids").tolist() == processor_ids
-    assert dump_mod.dump_key(clamped.tolist()) + ".safetensors" not in names
+        assert f.metadata()["prompt_key"] == dump_mod.prompt_key(processor_ids)
     w.close()
 
 
@@ -519,3 +537,240 @@ def test_dump_files_are_readable_by_other_users_whatever_the_umask(tmp_path):
         os.umask(old)
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o644, oct(files[0].stat().st_mode)
+
+
+# ---- request identity, lost data, durability (issue 19) ---------------------------------------------
+
+def _read(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_requests_that_share_a_prompt_image_text_or_adapter_never_share_a_file(tmp_path):
+    """The same ids from different requests (identical prompts in one batch, two images padded to
+    the same placeholder ids, input_embeds placeholders, two LoRA adapters): one file each, named
+    by the request id, recording what tells them apart."""
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {}, placeholder_id=1000, vocab_size=1024)
+    same = torch.tensor([5, 6, 7, 8])
+    infos = [identity.RequestInfo("a", 4), identity.RequestInfo("b", 4),
+             identity.RequestInfo("img-1", 4, mm_hashes=(11,)), identity.RequestInfo("img-2", 4, mm_hashes=(22,)),
+             identity.RequestInfo("emb", 4, input_embeds=True),
+             identity.RequestInfo("lora-x", 4, lora_id="x"), identity.RequestInfo("lora-y", 4, lora_id="y")]
+    n = len(infos)
+    rows = torch.randn(4 * n, 4)
+    w.submit(_Batch(same.repeat(n), [4] * n, infos=infos), {2: rows}, None, input_ids=same.repeat(n))
+    w.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(i.key + ".safetensors" for i in infos)
+    for j, info in enumerate(infos):
+        got, meta = _read(tmp_path / (info.key + ".safetensors"))
+        assert torch.equal(got["layer.1"], rows[4 * j: 4 * j + 4])
+        assert meta["rid"] == info.rid and meta["lora_id"] == info.lora_id
+        assert json.loads(meta["mm_hashes"]) == list(info.mm_hashes)
+        assert meta["input_source"] == ("input_embeds" if info.input_embeds else "input_ids")
+        assert meta["prompt_key"] == dump_mod.prompt_key(same.tolist())
+    w.close()
+
+
+def test_lengths_the_scheduler_bumps_in_place_do_not_lose_the_request(tmp_path):
+    """0.5.9 bumps orig_seq_lens (add_(1)) when the prefill batch becomes the decode batch, while
+    the side-stream copy of it may still be queued: the writer must not read it. Here the batch's
+    device lengths hold the bumped values the late copy reads; the prompts' own lengths are whole."""
+    layers = [1]
+    pf = _Prefill([100, 20], layers)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 20, {}, chunked=True)
+    ids = torch.cat([pf.reqs[0]["ids"][:64], pf.reqs[1]["ids"]])
+    cap = {2: torch.cat([pf.reqs[0]["layers"][1][:64], pf.reqs[1]["layers"][1]])}
+    fin = torch.cat([pf.reqs[0]["final"][:64], pf.reqs[1]["final"]])
+    w.submit(_Batch(ids, [64, 20], rids=[pf.rid(0), pf.rid(1)], totals=[100, 20], orig_seq_lens=[101, 21]), cap, fin)
+    pf.forward(w, [(0, 0, 64, 36)])
+    w.flush()
+    assert (w.written, w.dropped, w.failed) == (2, 0, 0)
+    pf.check(tmp_path, 0)
+    pf.check(tmp_path, 1)
+    w.close()
+
+
+def test_a_retracted_request_prefilled_again_costs_no_other_request_its_file(tmp_path):
+    """A request retracted under memory pressure is prefilled again, prompt and generated tokens,
+    in chunks: its file (from the first prefill) stays as it was, it is not written again, and the
+    ordinary request batched after it is written."""
+    layers = [1]
+    pf = _Prefill([10, 4, 4], layers)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 20, {}, chunked=True)
+    pf.forward(w, [(0, 0, 0, 10)])  # the first prefill of request 0: written
+    w.flush()
+    first = pf.path(tmp_path, 0).read_bytes()
+    # prefilled again: 10 prompt + 3 generated tokens over two chunks; request 1 rides the second
+    g = torch.Generator().manual_seed(5)
+    again = {"ids": torch.cat([pf.reqs[0]["ids"], torch.tensor([7, 8, 9])]),
+             "layers": {1: torch.randn(13, 16, generator=g)}, "final": torch.randn(13, 16, generator=g)}
+    pf.reqs.append(again)
+    re = len(pf.reqs) - 1
+
+    def forward(parts, rids):
+        ids = torch.cat([pf.reqs[r]["ids"][a:a + n] for r, a, n in parts])
+        cap = {2: torch.cat([pf.reqs[r]["layers"][1][a:a + n] for r, a, n in parts])}
+        fin = torch.cat([pf.reqs[r]["final"][a:a + n] for r, a, n in parts])
+        totals = [10 if r == re else len(pf.reqs[r]["ids"]) for r, _, _ in parts]
+        w.submit(_Batch(ids, [n for *_, n in parts], [a for _, a, _ in parts], totals=totals, rids=rids), cap, fin)
+
+    forward([(re, 0, 8)], [pf.rid(0)])
+    forward([(re, 8, 5), (1, 0, 4)], [pf.rid(0), pf.rid(1)])
+    forward([(2, 0, 4)], [pf.rid(2)])
+    w.flush()
+    assert pf.path(tmp_path, 0).read_bytes() == first
+    pf.check(tmp_path, 1)
+    pf.check(tmp_path, 2)
+    assert (w.written, w.failed, w.reprefilled) == (3, 0, 1)
+    w.close()
+
+
+def test_one_bad_request_costs_only_its_own_file(tmp_path, monkeypatch, caplog):
+    """Anything wrong with one request's rows (here: its prompt length is longer than the rows the
+    chunk holds can ever fill) is that request's failure; the others of the forward are written."""
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+    ids, cap, fin = _states([3, 4, 5], [1])
+    real_write = w._write
+
+    def write(rows, req):
+        if req.rid == "r1":
+            raise RuntimeError("boom")
+        return real_write(rows, req)
+
+    monkeypatch.setattr(w, "_write", write)
+    w.submit(_Batch(ids, [3, 4, 5]), cap, fin)
+    w.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(dump_mod.request_key(r) + ".safetensors" for r in ("r0", "r2"))
+    assert w.failed == 1 and "request r1" in caplog.text
+    w.close()
+
+
+def test_health_probes_and_warmup_are_not_dumped(tmp_path):
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+    ids, cap, fin = _states([3, 4], [1])
+    w.submit(_Batch(ids, [3, 4], rids=["HEALTH_CHECK_1733", "user"]), cap, fin)
+    w.paused = True  # the HTTP server's warm-up
+    w.submit(_Batch(ids, [3, 4], rids=["warm-1", "warm-2"]), cap, fin)
+    w.paused = False
+    w.flush()
+    assert [p.name for p in tmp_path.iterdir()] == [dump_mod.request_key("user") + ".safetensors"]
+    assert (w.written, w.probes, w.warmup) == (1, 1, 2)
+    w.close()
+
+
+def test_a_prefill_without_request_ids_writes_nothing(tmp_path, caplog):
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+    ids, cap, fin = _states([3, 4], [1])
+    batch = _Batch(ids, [3, 4])
+    batch._eagle3_requests = None
+    w.submit(batch, cap, fin)
+    w.flush()
+    assert list(tmp_path.iterdir()) == [] and w.failed == 2 and "without their request ids" in caplog.text
+    w.close()
+
+
+def test_files_are_fsynced_before_and_after_the_rename_with_names_unique_across_hosts(tmp_path, monkeypatch):
+    import os
+
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        calls.append(("rename", os.path.basename(a)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    for host in ("node-a", "node-b"):  # two replicas writing into one shared directory
+        monkeypatch.setattr(dump_mod, "HOST", host)
+        w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+        ids, cap, fin = _states([3], [1])
+        w.submit(_Batch(ids, [3], rids=[f"request-on-{host}"]), cap, fin)
+        w.flush()
+        w.close()
+    renames = [c[1] for c in calls if c[0] == "rename"]
+    assert len(renames) == 2 and "node-a" in renames[0] and "node-b" in renames[1]
+    assert all(n.endswith(".tmp") for n in renames)
+    assert calls[:3] == [("fsync", str(tmp_path / renames[0])), ("rename", renames[0]), ("fsync", str(tmp_path))]
+
+
+def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
+    """A write that takes time (a slow disk): the flush answers after the file is there, over the
+    real control socket, and reports the counts; pause and resume travel the same way."""
+    import safetensors.torch as st
+
+    real = st.save_file
+
+    def slow(*a, **kw):
+        time.sleep(0.6)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(st, "save_file", slow)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+    path = str(tmp_path / "c.sock")
+    server = control.ControlServer(w, path)
+    try:
+        ids, cap, fin = _states([3], [1])
+        w.submit(_Batch(ids, [3], rids=["slow"]), cap, fin)
+        reply = control.call("flush", 30, path=path)
+        assert (tmp_path / (dump_mod.request_key("slow") + ".safetensors")).exists()
+        assert reply["flushed"] is True and reply["written"] == 1
+        assert control.call("pause", 5, path=path)["paused"] is True and w.paused
+        assert control.call("resume", 5, path=path)["paused"] is False and not w.paused
+        monkeypatch.setattr(st, "save_file", lambda *a, **kw: time.sleep(3))
+        w.submit(_Batch(ids, [3], rids=["slower"]), cap, fin)
+        with pytest.raises(control.FlushError, match="did not catch up within 0.5 s"):
+            control.call("flush", 0.5, path=path)
+    finally:
+        server.close()
+        w.flush()
+        w.close()
+    with pytest.raises(control.FlushError, match="did not answer"):
+        control.call("flush", 1, path=path)
+
+
+def test_engine_shutdown_flushes_before_it_kills_the_scheduler(tmp_path, monkeypatch):
+    order = []
+
+    class Engine:
+        def shutdown(self):
+            """kill the scheduler"""
+            order.append("kill")
+
+    (tmp_path / "x.sock").touch()  # the writer's socket is there
+    monkeypatch.setenv(control.ENV_CONTROL, str(tmp_path / "x.sock"))
+    monkeypatch.setattr(control, "flush", lambda timeout=None: order.append("flush") or {"flushed": True})
+    control._engine_hooks(Engine)
+    control._engine_hooks(Engine)  # once only
+    e = Engine()
+    assert e.flush_eagle3_dump() == {"flushed": True}
+    e.shutdown()
+    e.shutdown()
+    assert order == ["flush", "flush", "kill", "kill"]
+    assert Engine.shutdown.__doc__ == "kill the scheduler"
+
+
+def test_the_server_stop_flushes_before_the_process_tree_is_killed(tmp_path, monkeypatch):
+    """SGLang's SIGTERM drains requests and then SIGKILLs the tree through tokenizer_manager's
+    kill_process_tree: the flush comes first; a writer already gone is logged, not waited for."""
+    from types import ModuleType
+
+    order = []
+    tm = ModuleType("tm")
+    tm.kill_process_tree = lambda pid, include_parent=True: order.append(("kill", pid))
+    (tmp_path / "x.sock").touch()
+    monkeypatch.setenv(control.ENV_CONTROL, str(tmp_path / "x.sock"))
+    monkeypatch.setattr(control, "flush", lambda timeout=None: order.append("flush") or {"flushed": True})
+    control._kill_hooks(tm)
+    control._kill_hooks(tm)
+    tm.kill_process_tree(7, include_parent=True)
+    assert order == ["flush", ("kill", 7)]
+    (tmp_path / "x.sock").unlink()
+    tm.kill_process_tree(8)
+    assert order[-1] == ("kill", 8) and order.count("flush") == 1

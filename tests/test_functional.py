@@ -197,7 +197,8 @@ def test_b_dump_through_engine_matches_hf(smoke_groups):
 def test_c_dump_through_kimi_k25_wrapper_under_chunked_prefill_matches_hf(smoke_groups):
     (r,) = _select(smoke_groups("engine"), "c.")
     _passed_and_discriminating(r)
-    assert "lengths [64, 3, 17, 129, 200, 311, 45]" in r.detail  # one chunk exactly, several, mixed
+    # one chunk exactly, several, mixed; the last prompt sent twice; 3 new tokens each
+    assert "lengths [64, 3, 17, 129, 200, 311, 45, 45]" in r.detail and "of 3 new tokens" in r.detail
 
 
 def test_d_outputs_identical_with_dump_on_and_off(smoke_groups):
@@ -224,7 +225,15 @@ def test_e_every_rule_refused_at_launch_and_in_the_runner(smoke_groups):
 def test_g_image_prompt_ids_and_rows(smoke_groups):
     (r,) = _select(smoke_groups("runner"), "g.")
     _passed_and_discriminating(r)
-    assert "clamped to 1023" in r.detail and "placeholder 1000" in r.detail
+    assert "clamped to 1023" in r.detail and "placeholder 1000" in r.detail and "files 3" in r.detail
+
+
+def test_h_launch_server_dump_over_http(smoke_groups):
+    """Warm-up and health probes write nothing, one file per request id (the client's own and
+    SGLang's), the flush endpoint, and the flush at a server stop."""
+    (r,) = _select(smoke_groups("engine"), "h.")
+    _passed_and_discriminating(r)
+    assert "warm-up + probes: 0 files" in r.detail and "-> 3 files" in r.detail
 
 
 # ---- the reference check itself --------------------------------------------------------------

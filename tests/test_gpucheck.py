@@ -25,6 +25,7 @@ from eaglepatch.gpucheck.static import check_tree
 TOL = criterion.TOL
 N = models.CHECK_MODEL["num_hidden_layers"]
 DUMP_IDS = models.dump_ids(N)  # check c's dump: [-1, 1, 2, N-1]
+RIDS = [str(i) for i in range(len(models.BATCHES["small"]))]  # the one-batch module names its requests 0, 1, ...
 
 
 @pytest.fixture(scope="session")
@@ -154,19 +155,19 @@ def test_dump_verdict_and_its_failures(cpu_capture, small, check_ckpt):
     meta = {"format": "eagle3-dump/1", "final": "post_norm", "architecture": "DeepseekV3ForCausalLM",
             "dtype": "float32", "tp_size": "1", "model_path": str(check_ckpt)}
     ids = DUMP_IDS
-    v = R.check_dump("c", cpu_capture / "dump", ps, refs, ids, meta)
+    v = R.check_dump("c", cpu_capture / "dump", ps, refs, ids, meta, RIDS)
     assert v.passed, v.detail
     skipped_norm = [dict(r, final=r["layer.%d" % (N - 1)]) for r in refs]
-    assert not R.check_dump("c", cpu_capture / "dump", ps, skipped_norm, ids, meta).passed
+    assert not R.check_dump("c", cpu_capture / "dump", ps, skipped_norm, ids, meta, RIDS).passed
     for d in (1, -1):  # every id read one layer off (N-1 one down, -1 one up where there is no neighbour)
         shifted = [dict(r, **{"layer.%d" % k: r[_off("layer.%d" % k, d)] for k in ids}) for r in refs]
-        assert not R.check_dump("c", cpu_capture / "dump", ps, shifted, ids, meta).passed
-    assert "eagle3_layer_ids" in R.check_dump("c", cpu_capture / "dump", ps, refs, [-1, 1, 2], meta).detail
-    assert "tp_size" in R.check_dump("c", cpu_capture / "dump", ps, refs, ids, dict(meta, tp_size="2")).detail
+        assert not R.check_dump("c", cpu_capture / "dump", ps, shifted, ids, meta, RIDS).passed
+    assert "eagle3_layer_ids" in R.check_dump("c", cpu_capture / "dump", ps, refs, [-1, 1, 2], meta, RIDS).detail
+    assert "tp_size" in R.check_dump("c", cpu_capture / "dump", ps, refs, ids, dict(meta, tp_size="2"), RIDS).detail
     extra = cpu_capture / "dump" / "stray.safetensors"
     shutil.copy(next((cpu_capture / "dump").glob("*.safetensors")), extra)
     try:
-        assert "unexpected files" in R.check_dump("c", cpu_capture / "dump", ps, refs, ids, meta).detail
+        assert "unexpected files" in R.check_dump("c", cpu_capture / "dump", ps, refs, ids, meta, RIDS).detail
     finally:
         extra.unlink()
 
@@ -264,7 +265,7 @@ def test_run_comparison_fails_on_shifted_ids_and_a_skipped_norm(cpu_capture, sma
     with the final norm skipped (or applied to the last layer's output), fails."""
     ps, refs = small
     n = N
-    dumps = R.dump_states(cpu_capture / "dump", ps)
+    dumps = R.dump_states(cpu_capture / "dump", RIDS)
     drafts = R.draft_prefill_inputs(R.load_records(cpu_capture / "spy"), ps, models.EAGLE_IDS)
     assert all(set(d) == {"input_ids", "layer.-1", "layer.1", "layer.2", "layer.3", "final"} for d in dumps)
     assert all(set(d) == {"layer.-1", "layer.1", "layer.2"} for d in drafts)
@@ -293,7 +294,7 @@ def test_run_comparison_between_real_runs(cpu_capture, small):
     the spy's capture): equal runs pass; the run with every layer holding its neighbour's rows, or
     with N-1 and final swapped (a skipped norm), fails in every compared row."""
     ps, _ = small
-    dumps = R.dump_states(cpu_capture / "dump", ps)
+    dumps = R.dump_states(cpu_capture / "dump", RIDS)
     drafts = R.draft_prefill_inputs(R.load_records(cpu_capture / "spy"), ps, models.EAGLE_IDS)
     v = R.compare_runs("d", drafts, dumps)  # what the target handed the draft == what it dumped
     assert v.passed and len(v.comparisons) == len(ps) * len(models.EAGLE_IDS), v.detail
@@ -408,12 +409,15 @@ def test_orchestrator_and_worker_on_cpu(cpu_capture, tmp_path):
     0.5.9, dump on, spy on), generates, and the orchestrator judges the files against the float32
     reference and writes the results JSON and the log bundle."""
     out, logs = tmp_path / "r.json", tmp_path / "logs.tar.gz"
-    r = run_tool("gpucheck", "--cpu", "--checks", "c", "--package-parent", cpu_capture / "tree",
+    r = run_tool("gpucheck", "--cpu", "--checks", "cg", "--package-parent", cpu_capture / "tree",
                  "--dump-ids=-1,1,2", "--new-tokens", "2", "--work", tmp_path / "w", "--out", out, "--logs", logs)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
-    assert res["passed"] and [x["name"][:2] for x in res["results"]] == ["c."]
+    assert res["passed"] and [x["name"][:2] for x in res["results"]] == ["c.", "g."], res["results"]
     assert res["results"][0]["facts"] == {"files": 7, "requests": 7}
+    g = res["results"][1]["facts"]  # chunked prefill 256 (the 311-token prompt in two chunks), 8 new tokens
+    assert g["files"] == g["requests"] == 8
+    assert g["flush"]["files_at_flush"] == g["flush"]["files_after_shutdown"] == 8
     assert res["stages"]["D"]["ok"] and res["stages"]["D"]["sglang"]["file"].startswith(str(cpu_capture / "tree"))
     import tarfile
 

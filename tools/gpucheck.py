@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
-    ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched)")
+    ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on)")
     ap.add_argument("--out", type=Path, default=Path("gpucheck-results.json"), help="results JSON")
     ap.add_argument("--logs", type=Path, help="also write the engine logs as one .tar.gz")
     ap.add_argument("--work", type=Path, default=Path("/tmp/eaglepatch-gpucheck"), help="scratch directory")

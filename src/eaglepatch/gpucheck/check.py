@@ -19,6 +19,10 @@ Checks (issue 12, item 3), on CUDA with bf16 and CUDA graphs:
   id not 1: capture indices, the same layers as ``EAGLE_IDS``) served on the patched and on the
   unpatched sglang: both feed it the reference's rows in prefill and graph-replayed verify, and
   the same rows and tokens as each other.
+- g. the dump in production settings (issue 19): a dump-only engine (no draft) with chunked prefill
+  on, several new tokens per request and one prompt sent twice, with the overlap scheduler off and
+  on; the flush, then the shutdown: one file per request id, all on disk at the flush, each ==
+  the reference (on CPU: overlap off only).
 - e. throughput at hidden 7168 (``models.THROUGHPUT_MODEL``, dummy weights): prefill tokens/s with
   the dump on vs off, and decode tokens/s with CUDA graphs, patched vs unpatched, as ratios of
   engines run one after the other in this one run.
@@ -46,8 +50,8 @@ from . import models
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1]
 SPY = HERE / "spy"
-CHECKS = "abcdef"
-TP1_CHECKS = "abcef"
+CHECKS = "abcdefg"
+TP1_CHECKS = "abcefg"
 # Environment the lent machines set (NVLink multicast off); kept for every process the check starts.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STAGE_MAX_S = 420
@@ -112,8 +116,9 @@ def preflight(opts: Options) -> dict:
     except ImportError:
         raise UsageError("torch is not installed", "run the check where PyTorch with CUDA is installed")
     if opts.cpu:
-        if set(opts.checks) - set("c"):
-            raise UsageError("--cpu runs check c only (EAGLE-3 serving and graphs need CUDA)", "pass --checks c")
+        if set(opts.checks) - set("cg"):
+            raise UsageError("--cpu runs checks c and g only (EAGLE-3 serving and graphs need CUDA)",
+                             "pass --checks c or cg")
         if opts.package_parent is None:
             raise UsageError("--cpu needs --package-parent (a tree patched with the smoke patches)",
                              "pass --package-parent DIR")
@@ -289,7 +294,16 @@ def _engine_kwargs(opts: Options, ckpt: Path, draft: Path | None, tp: int = 1, e
 
 
 def _runs(batches: dict, new_tokens: int) -> list:
-    return [{"name": b, "prompts": p, "max_new_tokens": new_tokens} for b, p in batches.items()]
+    """One generate call per batch; every request carries its own id (the dump file's name)."""
+    return [{"name": b, "prompts": p, "max_new_tokens": new_tokens, "rids": rids_of(b, p)} for b, p in batches.items()]
+
+
+def rids_of(batch: str, prompts) -> list:
+    return ["gpucheck-%s-%d" % (batch, i) for i in range(len(prompts))]
+
+
+def _all_rids(prompts: dict) -> list:
+    return [r for b, p in prompts.items() for r in rids_of(b, p)]
 
 
 def _add(state: State, verdict) -> None:
@@ -408,10 +422,9 @@ def stage_dump_engine(state, ck, draft, sglang_pp, prompts, name, tp=1, emulate=
         spy["EAGLEPATCH_SPY_PROBE"] = ",".join(str(i) for i in range(models.CHECK_MODEL["num_hidden_layers"]))
     dump = {"EAGLE3_DUMP_DIR": dump_dir, "EAGLE3_DUMP_LAYERS": ",".join(str(k) for k in ids),
             "EAGLE3_DUMP_FINAL": "1"}
-    n_req = sum(len(p) for p in prompts.values())
     spec = {"engine": _engine_kwargs(opts, ck, draft, tp=tp, emulate=emulate),
             "runs": _runs(prompts, opts.new_tokens),
-            "wait_files": {"dir": str(dump_dir), "count": n_req, "timeout_s": 120}}
+            "flush": {"dir": str(dump_dir), "timeout_s": 120}}
     res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy=spy, dump=dump, cpu=opts.cpu))
     recs = R.load_records(spy_dir) if res.get("ok") else []
     if res.get("ok"):
@@ -432,7 +445,7 @@ def evaluate_c(state, ck, dump_dir, ids, prompts, refs) -> None:
     all_prompts = [p for b in prompts.values() for p in b]
     all_refs = [r for b in prompts for r in refs[b]]
     meta = dict(_dump_meta(1, "float32" if state.opts.cpu else "bfloat16"), model_path=str(ck))
-    _add(state, R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta))
+    _add(state, R.check_dump(C_NAME, dump_dir, all_prompts, all_refs, ids, meta, _all_rids(prompts)))
 
 
 def check_d(state, ck, draft, sglang_pp, prompts, refs):
@@ -445,7 +458,7 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
     if not base.get("ok"):
         _failed_stage(state, ["d. TP=1 baseline for TP=2"], base)
         return
-    base_states = R.dump_states(base_dir, ps)
+    base_states = R.dump_states(base_dir, _all_rids(small))
     base_draft = R.draft_prefill_inputs(base_recs, ps, models.EAGLE_IDS)
     for name, emulate in (("T2", False), ("T2e", True)):
         tag = "TP=2, fusion off" if not emulate else "TP=2, deferred MLP all-reduce (the fusion's data flow)"
@@ -457,8 +470,8 @@ def check_d(state, ck, draft, sglang_pp, prompts, refs):
             _failed_stage(state, names, res)
             continue
         meta = dict(_dump_meta(2), model_path=str(ck))
-        _add(state, R.check_dump(names[0], dump_dir, ps, rs, ids, meta))
-        _add(state, R.compare_runs(names[1], R.dump_states(dump_dir, ps), base_states))
+        _add(state, R.check_dump(names[0], dump_dir, ps, rs, ids, meta, _all_rids(small)))
+        _add(state, R.compare_runs(names[1], R.dump_states(dump_dir, _all_rids(small)), base_states))
         outputs = res["runs"][0]["output_ids"]
         v = R.check_draft(names[2], recs, ps, outputs, lambda toks: ref_states(state, ck, toks), models.EAGLE_IDS)
         release_reference(state)
@@ -519,6 +532,63 @@ def check_f(state, ck, sglang_pp, prompts, refs):
         d["passed"] = d["passed"] and same_tokens
         d["figure"] = "%s; rows bit for bit equal: %s; tokens equal: %s" % (d["figure"], bitwise, same_tokens)
         _add(state, d)
+
+
+G_CHUNK = 256  # --chunked-prefill-size of check g: most prompts of both batches span several chunks
+G_NEW_TOKENS = 8
+
+
+def g_name(overlap: bool, http: bool = False) -> str:
+    return ("g. dump-only %s, overlap scheduler %s, chunked prefill %d, %d new tokens, one prompt sent "
+            "twice: one file per request == reference, all on disk at the flush, kept through the %s"
+            % ("launch_server over HTTP" if http else "sglang.Engine", "on" if overlap else "off", G_CHUNK,
+               G_NEW_TOKENS, "stop (SIGTERM)" if http else "shutdown"))
+
+
+def check_g(state, ck, sglang_pp, prompts, refs):
+    """Production settings for the dump (issue 19): no draft, chunked prefill, several new tokens
+    (the prefill batch becomes a decode batch), the overlap scheduler off and on; the flush, then
+    the shutdown; every request's file (by request id) against the reference."""
+    from . import records as R
+
+    opts = state.opts
+    batches = {b: list(p) for b, p in prompts.items()}
+    first = next(iter(batches))
+    batches[first] = batches[first] + [batches[first][-1]]  # the same prompt twice in one call
+    brefs = {b: list(r) for b, r in refs.items()}
+    brefs[first] = brefs[first] + [brefs[first][-1]]
+    ids = opts.dump_ids or models.dump_ids(models.CHECK_MODEL["num_hidden_layers"])
+    dump = {"EAGLE3_DUMP_LAYERS": ",".join(str(k) for k in ids), "EAGLE3_DUMP_FINAL": "1"}
+    all_prompts = [p for b in batches.values() for p in b]
+    all_refs = [r for b in brefs.values() for r in b]
+    modes = [(False, False)] if opts.cpu else [(False, False), (True, False), (True, True)]
+    for overlap, http in modes:
+        name = "G-overlap-" + ("on" if overlap else "off") + ("-http" if http else "")
+        dump_dir = Path(opts.work) / "dump" / name
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        dump_dir.mkdir(parents=True)
+        engine = dict(_engine_kwargs(opts, ck, None), chunked_prefill_size=G_CHUNK,
+                      disable_overlap_schedule=not overlap)
+        spec = {"engine": engine, "runs": _runs(batches, G_NEW_TOKENS), "flush": {"dir": str(dump_dir), "timeout_s": 120},
+                "http": http}
+        res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, dump=dict(dump, EAGLE3_DUMP_DIR=dump_dir),
+                                                       cpu=opts.cpu))
+        if not res.get("ok"):
+            _failed_stage(state, [g_name(overlap, http)], res)
+            continue
+        meta = dict(_dump_meta(1, "float32" if opts.cpu else "bfloat16"), model_path=str(ck))
+        v = R.check_dump(g_name(overlap, http), dump_dir, all_prompts, all_refs, ids, meta, _all_rids(batches)).as_dict()
+        f = res.get("flush") or {}
+        n = len(all_prompts)
+        counts = f.get("counts") or {}
+        flushed = f.get("files_at_flush") == n and f.get("files_after_shutdown") == n and counts.get("written") == n
+        if http:
+            flushed = flushed and bool(f.get("flushed_at_stop"))
+        v["facts"].update(flush=f)
+        v["detail"] = "flush after %.2f s: %s files at the flush, %s after the shutdown, counts %s | %s" % (
+            f.get("s", -1), f.get("files_at_flush"), f.get("files_after_shutdown"), counts, v["detail"])
+        v["passed"] = v["passed"] and flushed
+        _add(state, v)
 
 
 def check_e(state, sglang_pp):
@@ -625,7 +695,7 @@ def run_check(opts: Options) -> dict:
     if problems:
         raise RefusedError("the sglang under test lacks what the check needs: " + "; ".join(problems),
                            "run the check on the release it was written for (0.5.17) or update eaglepatch.gpucheck.spy")
-    if set(opts.checks) & set("abcd"):
+    if set(opts.checks) & set("abcdg"):
         from .reference import build_checkpoint, write_config_only
 
         mroot = Path(opts.work) / "models"
@@ -643,6 +713,8 @@ def run_check(opts: Options) -> dict:
             check_d(state, ck, draft, sglang_pp, prompts, refs)
         if "f" in opts.checks and not opts.cpu:
             check_f(state, ck, sglang_pp, prompts, refs)
+        if "g" in opts.checks:
+            check_g(state, ck, sglang_pp, prompts, refs)
     if "e" in opts.checks:
         check_e(state, sglang_pp)
     write_results(state)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..extract.dumps import BadDump, dump_key, load_dump
+from ..extract.dumps import BadDump, load_dump
 from .criterion import TOL, compare, merge
 
 
@@ -209,14 +209,25 @@ def check_draft(name: str, records, prompts, outputs, ref_fn: Callable, ids, tol
                    dict(draft_stats, verify_graph=verify_graph, verify_eager=verify_eager))
 
 
-def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, tol: float = TOL) -> Verdict:
-    """One file per request, nothing else in the directory, every state vs the reference.
+def request_key(rid) -> str:
+    """A dump file's key: sha256 of its request id (written here, not taken from the series)."""
+    import hashlib
+
+    return hashlib.sha256(str(rid).encode("utf-8")).hexdigest()
+
+
+def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict, rids, tol: float = TOL) -> Verdict:
+    """One file per request (``rids``: each request's id), nothing else in the directory, every
+    state vs the reference.
 
     Each file is read and checked by ``extract.dumps.load_dump`` (format, key, input_ids, token
     count, HF indices, tensor set with ``final``, shapes, dtypes); on top: the stored ids are
-    ``ids``, the metadata matches ``expect_meta`` and names the sglang and series versions."""
+    ``ids``, the metadata names the request id, matches ``expect_meta`` and names the sglang and
+    series versions."""
     directory = Path(directory)
-    keys = [dump_key(p) for p in prompts]
+    keys = [request_key(r) for r in rids]
+    if len(set(keys)) != len(keys):
+        raise ValueError("check_dump: request ids repeat: %s" % list(rids))
     names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
     want = {k + ".safetensors" for k in keys}
     problems = []
@@ -229,19 +240,20 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
     comps = []
     tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | {"final"}
     hidden = expect_meta.get("hidden_size")
-    for i, (ids_, key) in enumerate(zip(prompts, keys)):
+    for i, (ids_, key, rid) in enumerate(zip(prompts, keys, rids)):
         path = directory / (key + ".safetensors")
         if not path.is_file():
             continue
         try:
-            d = load_dump(path, ids_, hidden_size=int(hidden) if hidden is not None else None, need_final=True)
+            d = load_dump(path, ids_, hidden_size=int(hidden) if hidden is not None else None, need_final=True,
+                          key=key)
         except BadDump as exc:
             problems.append("request %d: %s" % (i, exc))
             continue
         if d.layer_ids != list(ids):
             problems.append("request %d: metadata eagle3_layer_ids=%s, want %s" % (i, d.layer_ids, list(ids)))
             continue
-        for mk, mv in expect_meta.items():
+        for mk, mv in dict(expect_meta, rid=str(rid)).items():
             if d.meta.get(mk) != mv:
                 problems.append("request %d: metadata %s=%r, want %r" % (i, mk, d.meta.get(mk), mv))
         for mk in ("sglang_version", "series_version"):
@@ -259,13 +271,13 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
                    {"files": len(names), "requests": len(keys)})
 
 
-def dump_states(directory: Path, prompts) -> list[dict]:
+def dump_states(directory: Path, rids) -> list[dict]:
     """{tensor name: tensor} of each request's dump (missing files give {})."""
     from safetensors.torch import load_file
 
     out = []
-    for p in prompts:
-        path = Path(directory) / (dump_key(p) + ".safetensors")
+    for r in rids:
+        path = Path(directory) / (request_key(r) + ".safetensors")
         out.append(load_file(str(path)) if path.is_file() else {})
     return out
 
@@ -336,5 +348,5 @@ def check_probe(name: str, records, prompts, refs, tol: float = TOL) -> tuple[Ve
     return v_unfixed, v_fixed
 
 
-__all__ = ["dump_key", "load_records", "hook_notes", "Verdict", "check_capture", "check_draft", "check_dump",
+__all__ = ["request_key", "load_records", "hook_notes", "Verdict", "check_capture", "check_draft", "check_dump",
            "dump_states", "compare_runs", "draft_prefill_inputs", "check_probe", "extend_requests"]

@@ -1,10 +1,12 @@
 """One sglang.Engine for the GPU check, in its own process (``python -m eaglepatch.gpucheck.worker SPEC OUT``).
 
 SPEC (JSON): ``engine`` (sglang.Engine keyword arguments), ``runs`` (each ``name``, ``prompts``
-(token id lists), ``max_new_tokens``: one generate call, greedy), optional ``bench`` (prefill and
-decode throughput, see ``bench``), optional ``wait_files`` ({"dir", "count", "timeout_s"}: wait
-for the dump writer before shutting down). OUT (JSON): ``ok``, ``error``, ``sglang`` (version,
-file), ``start_s``, per run ``output_ids`` and ``wall_s``, ``bench``. Progress goes to stderr.
+(token id lists), ``max_new_tokens``, optional ``rids``: one generate call, greedy), optional
+``bench`` (prefill and decode throughput, see ``bench``), optional ``flush`` ({"dir",
+"timeout_s"}: ``engine.flush_eagle3_dump`` after the runs, then the shutdown, then the files in
+``dir`` are counted: what a flush-then-shutdown leaves). OUT (JSON): ``ok``, ``error``, ``sglang``
+(version, file), ``start_s``, per run ``output_ids``, ``rids`` (each response's meta_info id) and
+``wall_s``, ``bench``, ``flush``. Progress goes to stderr.
 Runs under the python and PYTHONPATH the check chose (the patched or the upstream sglang).
 """
 
@@ -30,26 +32,27 @@ def _greedy(n: int) -> dict:
     return {"temperature": 0.0, "max_new_tokens": int(n), "ignore_eos": True}
 
 
-def generate(engine, prompts, new_tokens):
-    out = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=_greedy(new_tokens))
+def generate(engine, prompts, new_tokens, rids=None, with_rids=False):
+    kw = {"rid": list(rids)} if rids else {}
+    out = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=_greedy(new_tokens), **kw)
     if isinstance(out, dict):
         out = [out]
-    ids = []
+    ids, got = [], []
     for o in out:
         if "output_ids" not in o:
             raise RuntimeError("generate returned no output_ids (keys %s)" % sorted(o))
         ids.append([int(t) for t in o["output_ids"]])
-    return ids
+        got.append(o.get("meta_info", {}).get("id"))
+    if rids and got != list(rids):
+        raise RuntimeError("responses name request ids %s, sent %s" % (got[:4], list(rids)[:4]))
+    return (ids, got) if with_rids else ids
 
 
-def wait_files(directory: str, count: int, timeout_s: float) -> float:
-    """Seconds until ``count`` .safetensors files are in ``directory`` (-1 on timeout)."""
+def flush_dump(engine, timeout_s: float = 300) -> dict:
+    """The series' flush: every request prefilled so far is on disk when it returns."""
     t = time.monotonic()
-    while time.monotonic() - t < timeout_s:
-        if len(list(Path(directory).glob("*.safetensors"))) >= count:
-            return time.monotonic() - t
-        time.sleep(0.05)
-    return -1.0
+    counts = engine.flush_eagle3_dump(timeout=timeout_s)
+    return {"s": round(time.monotonic() - t, 3), "counts": counts}
 
 
 def bench(engine, spec: dict) -> dict:
@@ -65,7 +68,7 @@ def bench(engine, spec: dict) -> dict:
 
         generate(engine, batch(), 1)  # warm-up
         if spec.get("dump_dir"):
-            wait_files(spec["dump_dir"], p["requests"], 120)
+            flush_dump(engine)
         rates, t_all = [], time.monotonic()
         for _ in range(p["reps"]):
             b = batch()
@@ -77,8 +80,7 @@ def bench(engine, spec: dict) -> dict:
                "sustained": p["reps"] * p["requests"] * p["tokens"] / wall,
                "tokens": p["reps"] * p["requests"] * p["tokens"]}
         if spec.get("dump_dir"):
-            want = (p["reps"] + 1) * p["requests"]
-            res["drain_s"] = wait_files(spec["dump_dir"], want, 300)
+            res["drain_s"] = flush_dump(engine)["s"]
             res["files"] = len(list(Path(spec["dump_dir"]).glob("*.safetensors")))
             for f in Path(spec["dump_dir"]).glob("*.safetensors"):
                 f.unlink()
@@ -102,6 +104,106 @@ def bench(engine, spec: dict) -> dict:
     return out
 
 
+def _cli(kwargs: dict) -> list:
+    out = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, (list, tuple)):
+            out += [flag] + [str(x) for x in v]
+        elif v is not False and v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+class HttpServer:
+    """``python -m sglang.launch_server`` with the spec's engine arguments, driven over HTTP the
+    way a client does (/generate, the series' /eagle3_dump/flush); stopped with SIGTERM."""
+
+    def __init__(self, kwargs: dict, log_path: Path):
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = "http://127.0.0.1:%d" % self.port
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port)] + _cli(kwargs)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        import requests
+
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("launch_server exited %s; see %s" % (self.proc.returncode, log_path))
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise RuntimeError("launch_server was not healthy within 400 s")
+
+    def generate(self, prompts, rids, new_tokens):
+        import requests
+
+        body = {"input_ids": [list(p) for p in prompts], "rid": list(rids), "sampling_params": _greedy(new_tokens)}
+        r = requests.post(self.url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        out = r.json()
+        got = [o["meta_info"]["id"] for o in out]
+        if got != list(rids):
+            raise RuntimeError("responses name request ids %s, sent %s" % (got[:4], list(rids)[:4]))
+        return [[int(t) for t in o["output_ids"]] for o in out], got
+
+    def flush(self, timeout_s):
+        import requests
+
+        t = time.monotonic()
+        r = requests.post(self.url + "/eagle3_dump/flush", json={"timeout": timeout_s}, timeout=timeout_s + 30)
+        if r.status_code != 200:
+            raise RuntimeError("flush: HTTP %d %s" % (r.status_code, r.text[:300]))
+        return {"s": round(time.monotonic() - t, 3), "counts": r.json()}
+
+    def stop(self):
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def main_http(spec: dict, result: dict, out_path: Path) -> None:
+    """The spec's runs through launch_server over HTTP; the flush, then the stop (SIGTERM)."""
+    t = time.monotonic()
+    server = HttpServer(spec["engine"], out_path.with_name("launch_server.log"))
+    result["start_s"] = round(time.monotonic() - t, 1)
+    try:
+        for run in spec.get("runs", []):
+            t = time.monotonic()
+            ids, rids = server.generate(run["prompts"], run["rids"], run["max_new_tokens"])
+            result["runs"].append({"name": run["name"], "output_ids": ids, "rids": rids,
+                                   "wall_s": round(time.monotonic() - t, 3)})
+        f = spec.get("flush")
+        if f:
+            result["flush"] = server.flush(f.get("timeout_s", 300))
+            result["flush"]["files_at_flush"] = len(list(Path(f["dir"]).glob("*.safetensors")))
+    finally:
+        result["stop_rc"] = server.stop()
+    if spec.get("flush"):
+        result["flush"]["files_after_shutdown"] = len(list(Path(spec["flush"]["dir"]).glob("*.safetensors")))
+        text = out_path.with_name("launch_server.log").read_text(errors="replace")
+        result["flush"]["flushed_at_stop"] = "eagle3 dump flushed before the server stopped" in text
+
+
 def main(argv) -> int:
     spec_path, out_path = Path(argv[1]), Path(argv[2])
     spec = json.loads(spec_path.read_text())
@@ -118,6 +220,10 @@ def main(argv) -> int:
 
         result["sglang"] = {"version": getattr(sglang, "__version__", "?"), "file": sglang.__file__}
         say("sglang %s from %s" % (result["sglang"]["version"], sglang.__file__))
+        if spec.get("http"):
+            main_http(spec, result, out_path)
+            result["ok"] = True
+            return 0
         t = time.monotonic()
         engine = sglang.Engine(**spec["engine"])
         result["start_s"] = round(time.monotonic() - t, 1)
@@ -125,16 +231,21 @@ def main(argv) -> int:
         flush()
         for run in spec.get("runs", []):
             t = time.monotonic()
-            ids = generate(engine, run["prompts"], run["max_new_tokens"])
+            ids, rids = generate(engine, run["prompts"], run["max_new_tokens"], run.get("rids"), with_rids=True)
             wall = time.monotonic() - t
-            result["runs"].append({"name": run["name"], "output_ids": ids, "wall_s": round(wall, 3)})
+            result["runs"].append({"name": run["name"], "output_ids": ids, "rids": rids, "wall_s": round(wall, 3)})
             say("run %s: %d requests in %.2f s" % (run["name"], len(ids), wall))
             flush()
         if spec.get("bench"):
             result["bench"] = bench(engine, spec["bench"])
-        w = spec.get("wait_files")
-        if w:
-            result["files_after_s"] = wait_files(w["dir"], w["count"], w.get("timeout_s", 120))
+        f = spec.get("flush")
+        if f:
+            result["flush"] = flush_dump(engine, f.get("timeout_s", 300))
+            result["flush"]["files_at_flush"] = len(list(Path(f["dir"]).glob("*.safetensors")))
+            say("flush: %s" % result["flush"])
+            engine.shutdown()
+            engine = None
+            result["flush"]["files_after_shutdown"] = len(list(Path(f["dir"]).glob("*.safetensors")))
         result["ok"] = True
     except BaseException as exc:  # the orchestrator reads the error from OUT
         result["error"] = "%s: %s" % (type(exc).__name__, exc)

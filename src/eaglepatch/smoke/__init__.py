@@ -44,7 +44,7 @@ GROUPS = ("runner", "engine")
 # expected result names per worker group: a group that dies early still reports every check
 EXPECTED = {
     "runner": [_common.A_NAME, _common.D_NAME, _common.G_NAME, _common.E_RUNNER_NAME],
-    "engine": [_common.B_NAME, _common.C_NAME, _common.E_ENGINE_NAME, _common.E_LAUNCH_NAME],
+    "engine": [_common.B_NAME, _common.C_NAME, _common.H_NAME, _common.E_ENGINE_NAME, _common.E_LAUNCH_NAME],
 }
 IMPORT_EXPECTED = [
     "import sglang.srt.eagle3_capture",

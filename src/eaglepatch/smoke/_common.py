@@ -16,7 +16,9 @@ A_NAME = "a. eagle3 capture [-1,1,3] == HF residual stream [0,2,4 (before the fi
 B_NAME = "b. dump through sglang.Engine (DeepSeek-V3) == HF per request"
 C_NAME = "c. dump through the Kimi-K2.5 wrapper under chunked prefill (chunk 64, text only) == HF per request"
 D_NAME = "d. greedy tokens and logits identical with the dump on and off"
-G_NAME = "g. Kimi-K2.5 image prompt: ids stored with the placeholder id, rows == HF"
+H_NAME = ("h. launch_server over HTTP with the dump: warm-up and health probes not dumped, one file per "
+          "request id, flush endpoint, flushed at stop")
+G_NAME = "g. Kimi-K2.5 image prompts (same text, two images): one file each, ids stored with the placeholder id, rows == HF"
 E_ENGINE_NAME = "e. refused at sglang.Engine start: radix cache on"
 E_LAUNCH_NAME = "e. refused by launch_server: radix cache on"
 E_RUNNER_NAME = "e. refused in ModelRunner init too (radix cache on)"

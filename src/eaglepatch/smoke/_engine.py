@@ -29,16 +29,21 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, Dumping, RowCheck, guarded, log, result
+from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, H_NAME, Dumping, RowCheck, guarded, log, result
 
 LAYERS = [-1, 1, 3]  # 3: the last layer's output before the final norm
 TOL = 1e-4
-FILE_TIMEOUT_S = 120
+NEW_TOKENS = 3  # > 1: the prefill batch becomes a decode batch (0.5.9 bumps its lengths in place)
 
 ENGINE_ARGS = dict(CPU_SERVER_ARGS, log_level="error")
 
 
-def dump_key(ids) -> str:
+def request_key(rid) -> str:
+    """The dump file key of a request: sha256 of its request id (written here, not imported)."""
+    return hashlib.sha256(str(rid).encode("utf-8")).hexdigest()
+
+
+def prompt_key(ids) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
@@ -67,33 +72,26 @@ def generate(engine, prompts, new_tokens):
     return out
 
 
-def wait_files(directory: Path, keys, timeout=FILE_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    want = {k: directory / (k + ".safetensors") for k in keys}
-    while time.monotonic() < deadline:
-        if all(p.exists() for p in want.values()):
-            return want, True
-        time.sleep(0.2)
-    return want, False
-
-
-def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
+def check_dump(name, directory: Path, prompts, refs, arch, ckpt, rids, flushed) -> None:
+    """``rids``: each request's id as the responses' meta_info name it; ``flushed``: what the
+    Engine's flush returned (every file is on disk when it returns: nothing is waited for)."""
     from safetensors import safe_open
 
-    keys = [dump_key(p) for p in prompts]
-    want, complete = wait_files(directory, keys)
+    keys = [request_key(r) for r in rids]
+    want = {k: directory / (k + ".safetensors") for k in keys}
     problems = []
-    if not complete:
-        missing = [k[:12] for k, p in want.items() if not p.exists()]
-        problems.append("missing %d of %d files after %d s: %s" % (len(missing), len(keys), FILE_TIMEOUT_S, missing))
-    time.sleep(0.5)  # let a late extra file (a bug) show up
+    if len(set(keys)) != len(keys):
+        problems.append("two requests share a request id: %s" % rids)
+    missing = [k[:12] for k, p in want.items() if not p.exists()]
+    if missing:
+        problems.append("missing %d of %d files right after the flush (%s): %s" % (len(missing), len(keys), flushed, missing))
     names = sorted(p.name for p in directory.iterdir())
     extra = [n for n in names if n not in {k + ".safetensors" for k in keys}]
     if extra:
         problems.append("unexpected files in the dump dir: %s" % extra[:6])
     rc = RowCheck(TOL)
     checked = 0
-    for ids, key, ref in zip(prompts, keys, refs):
+    for ids, key, ref, rid in zip(prompts, keys, refs, rids):
         path = want[key]
         if not path.exists():
             continue
@@ -110,6 +108,11 @@ def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
         want_meta = {
             "format": "eagle3-dump/1",
             "key": key,
+            "rid": rid,
+            "prompt_key": prompt_key(ids),
+            "input_source": "input_ids",
+            "lora_id": "",
+            "mm_hashes": [],
             "eagle3_layer_ids": LAYERS,
             "hf_hidden_state_indices": [k + 1 for k in LAYERS],
             "final": "post_norm",
@@ -142,8 +145,9 @@ def check_dump(name, directory: Path, prompts, refs, arch, ckpt) -> None:
         rc.final(tensors["final"], ref)
         checked += 1
     problems += rc.problems()
-    detail = ("%d requests (lengths %s) in one generate call; %d files checked; layers %s and final: %s"
-              % (len(prompts), [len(p) for p in prompts], checked, LAYERS, rc.figure()))
+    detail = ("%d requests (lengths %s, two of them the same prompt) in one generate call of %d new tokens "
+              "each; flush %s; %d files checked; layers %s and final: %s"
+              % (len(prompts), [len(p) for p in prompts], NEW_TOKENS, flushed, checked, LAYERS, rc.figure()))
     if problems:
         detail = "; ".join(problems) + " | " + detail
     result(name, not problems, "max abs diff %.2g" % rc.right, detail)
@@ -227,6 +231,113 @@ def check_e_launch_server(ckpt: Path, work: Path) -> None:
     result(E_LAUNCH_NAME, ok, "exit %d in %.0f s" % (proc.returncode, wall), detail)
 
 
+def _wait_http(url: str, proc, timeout: float) -> bool:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
+    """python -m sglang.launch_server with the dump on, over HTTP: SGLang's warm-up request and
+    its health probes write nothing; three generate requests (one with the client's own rid,
+    two with the same prompt and SGLang's rids) of several new tokens give three files, named
+    by their responses' meta_info ids, == HF; POST /eagle3_dump/flush answers once they are on
+    disk; stopping the server (SIGTERM, as a supervisor does) flushes the dump first (its log line)."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+
+    import requests
+    from safetensors import safe_open
+
+    directory = work / "dump-http"
+    shutil.rmtree(directory, ignore_errors=True)  # a work dir used before must not count
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = "http://127.0.0.1:%d" % port
+    kw = dict(ENGINE_ARGS, model_path=str(ckpt), log_level="info")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + _cli(kw)
+    log_path = work / "launch-server-h.log"
+    problems, rc = [], RowCheck(TOL)
+    with dumping(directory), open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                start_new_session=True)
+    try:
+        if not _wait_http(url + "/health", proc, 600):
+            raise RuntimeError("launch_server did not become healthy (exit %s); log tail: %s"
+                               % (proc.poll(), log_path.read_text()[-1500:]))
+        flush = requests.post(url + "/eagle3_dump/flush", json={"timeout": 60}, timeout=90)
+        after_warmup = sorted(p.name for p in directory.iterdir())
+        for probe in ("/health_generate", "/health"):
+            requests.get(url + probe, timeout=120)
+        requests.post(url + "/eagle3_dump/flush", json={}, timeout=90)
+        after_probes = sorted(p.name for p in directory.iterdir())
+        if flush.status_code != 200 or not flush.json().get("flushed"):
+            problems.append("flush after start: HTTP %d %s" % (flush.status_code, flush.text[:200]))
+        if after_warmup or after_probes:
+            problems.append("files before any user request: %d after the warm-up, %d after /health_generate "
+                            "and /health" % (len(after_warmup), len(after_probes)))
+        sent = [prompts[0], prompts[1], prompts[1]]
+        sp = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+        bodies = [{"input_ids": list(sent[0]), "sampling_params": sp, "rid": "smoke-h-own-rid"},
+                  {"input_ids": list(sent[1]), "sampling_params": sp},
+                  {"input_ids": list(sent[2]), "sampling_params": sp}]
+        rids = []
+        for body in bodies:
+            r = requests.post(url + "/generate", json=body, timeout=300)
+            r.raise_for_status()
+            rids.append(r.json()["meta_info"]["id"])
+        t0 = time.monotonic()
+        flush = requests.post(url + "/eagle3_dump/flush", json={"timeout": 60}, timeout=90)
+        flush_s = time.monotonic() - t0
+        counts = flush.json() if flush.status_code == 200 else {}
+        names = sorted(p.name for p in directory.iterdir())
+        want = sorted(request_key(r) + ".safetensors" for r in rids)
+        if rids[0] != "smoke-h-own-rid":
+            problems.append("meta_info id %r, want the rid the client sent" % rids[0])
+        if names != want:
+            problems.append("files %s after the flush, want one per request %s" % ([n[:12] for n in names], rids))
+        for ids, rid in zip(sent, rids):
+            path = directory / (request_key(rid) + ".safetensors")
+            if not path.exists():
+                continue
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("rid") != rid or f.get_tensor("input_ids").tolist() != list(ids):
+                    problems.append("%s: rid %r / ids differ from the request" % (rid, meta.get("rid")))
+                ref = refs[prompts.index(ids)]
+                for k in LAYERS:
+                    rc.layer(f.get_tensor("layer.%d" % k), ref, k)
+                rc.final(f.get_tensor("final"), ref)
+        problems += rc.problems()
+    finally:
+        if proc.poll() is None:  # a supervisor's stop: SIGTERM to the server process
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log_path.read_text()
+    if "eagle3 dump flushed before the server stopped" not in text:
+        problems.append("no flush logged when the server stopped; log tail: %s" % text[-600:])
+    detail = ("warm-up + probes: %d files; 3 requests x %d new tokens -> %d files; flush %.2f s %s; layers %s and "
+              "final: %s" % (len(after_probes), NEW_TOKENS, len(names), flush_s, counts, LAYERS, rc.figure()))
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    result(H_NAME, not problems, "max abs diff %.2g" % rc.right, detail)
+
+
 CHUNK = 64  # --chunked-prefill-size of check f: below most prompt lengths
 
 
@@ -239,11 +350,11 @@ def chunk_order(prompts):
 
 def main() -> int:
     ds_ckpt, kimi_ckpt, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c", "e"]
+    which = sys.argv[4].split(",") if len(sys.argv) > 4 else ["b", "c", "h", "e"]
     work.mkdir(parents=True, exist_ok=True)
     prompts = tinyconfig.prompts()
     refs = None
-    if set(which) & {"b", "c"}:
+    if set(which) & {"b", "c", "h"}:
         log("HF reference for %d prompts" % len(prompts))
         ref = _hf.Reference(ds_ckpt)
         refs = [ref.run(p) for p in prompts]
@@ -256,12 +367,15 @@ def main() -> int:
         def run():
             directory = work / subdir
             sent = order(prompts) if order else prompts
+            sent = sent + [sent[-1]]  # the same prompt twice in one call: two requests, two files
             sent_refs = [refs[prompts.index(p)] for p in sent]
             with dumping(directory):
                 engine = start_engine(ckpt, **engine_kw)
             try:
-                generate(engine, sent, 1)
-                check_dump(name, directory, sent, sent_refs, architecture, ckpt)
+                out = generate(engine, sent, NEW_TOKENS)
+                flushed = engine.flush_eagle3_dump(timeout=120)
+                rids = [o["meta_info"]["id"] for o in out]
+                check_dump(name, directory, sent, sent_refs, architecture, ckpt, rids, flushed)
             finally:
                 engine.shutdown()
 
@@ -273,6 +387,8 @@ def main() -> int:
         assert any(len(p) == CHUNK for p in prompts) and sum(len(p) > CHUNK for p in prompts) >= 3
         dump_check(C_NAME, kimi_ckpt, "KimiK25ForConditionalGeneration", "dump-kimi", order=chunk_order,
                    enable_multimodal=False, chunked_prefill_size=CHUNK)
+    if "h" in which:
+        guarded(H_NAME)(check_h)(ds_ckpt, work, prompts, refs)
     if "e" in which:
         # last: a failed start leaves this process in a state not worth reusing
         log("starting an Engine and launch_server with the dump on and the radix cache on (must be refused)")

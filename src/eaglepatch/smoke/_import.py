@@ -52,7 +52,7 @@ def symbols(hooks_file):
     for owner, names in [
         (ec, ["residual_stream", "set_eagle3_layers", "configure_runner", "after_model",
               "LanguageModelDelegate", "capture_target", "DumpConfigError", "SERIES_VERSION"]),
-        (dump, ["DumpWriter", "start_dump", "dump_key"]),
+        (dump, ["DumpWriter", "start_dump", "request_key", "prompt_key"]),
         (settings, ["DumpSettings", "check_server_args", "ENV_DIR", "ENV_LAYERS", "ENV_FINAL", "ENV_MAX_PENDING_MB"]),
     ]:
         for n in names:
@@ -74,8 +74,10 @@ def symbols(hooks_file):
     owned = ec.residual_stream(h, None)
     if not torch.equal(owned, h) or owned.data_ptr() == h.data_ptr():
         problems.append("residual_stream(h, None) is not an owned copy of h")
-    if dump.dump_key([1, 2, 3]) != hashlib.sha256(b"1,2,3").hexdigest():
-        problems.append("dump_key([1,2,3]) is not sha256('1,2,3')")
+    if hasattr(dump, "prompt_key") and dump.prompt_key([1, 2, 3]) != hashlib.sha256(b"1,2,3").hexdigest():
+        problems.append("prompt_key([1,2,3]) is not sha256('1,2,3')")
+    if hasattr(dump, "request_key") and dump.request_key("r-1") != hashlib.sha256(b"r-1").hexdigest():
+        problems.append("request_key('r-1') is not sha256('r-1')")
     nlines = sum(len(v) for v in hooks.values())
     result("import: series symbols and hooks present", not problems, "%d problems" % len(problems),
            "; ".join(problems) or "eagle3_capture %s; %d series lines found in %d upstream modules"

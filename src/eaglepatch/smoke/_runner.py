@@ -20,6 +20,7 @@ The runner is built and driven through the release's own one-batch benchmark mod
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -273,7 +274,7 @@ def check_d(ckpt: Path, work: Path) -> None:
 G_LAYERS = [-1, 1, 3]
 
 
-def _image_request(wrapper, H):
+def _image_request(wrapper, H, seed=7):
     """An image prompt as sglang's multimodal processor hands it over: the placeholder id once per
     image token, the image as precomputed embeddings; padded by the real wrapper."""
     from array import array
@@ -282,7 +283,7 @@ def _image_request(wrapper, H):
 
     ph = wrapper.config.media_placeholder_token_id
     ids = tinyconfig.prompts()[1][:6] + [ph] * 5 + tinyconfig.prompts()[0]
-    emb = 0.05 * torch.randn(5, H, generator=torch.Generator().manual_seed(7))
+    emb = 0.05 * torch.randn(5, H, generator=torch.Generator().manual_seed(seed))
     item = sb.MultimodalDataItem(modality=sb.Modality.IMAGE, offsets=[(6, 10)], precomputed_embeddings=emb,
                                  format=sb.MultimodalInputFormat.PRECOMPUTED_EMBEDDING)
     mm = sb.MultimodalInputs(mm_items=[item], im_token_id=ph)
@@ -295,24 +296,28 @@ def _image_request(wrapper, H):
 
 
 def check_g(kimi_ckpt: Path, work: Path, ref) -> None:
-    """An image prompt and a text prompt in one prefill through the real Kimi-K2.5 wrapper with
-    the dump on: the image prompt's file is keyed by and holds the ids with the placeholder id
-    (not the pad values, not the clamped vocab - 1), and its rows equal HF fed the same image
-    embeddings; no file carries the clamped ids."""
+    """Two image prompts with the same text and the same number of image tokens but different
+    images, and a text prompt, in one prefill through the real Kimi-K2.5 wrapper with the dump
+    on: one file per request (named by its request id), each holding the ids with the
+    placeholder id (not the pad values, not the clamped vocab - 1) and rows equal to HF fed that
+    request's image; the two image files differ in rows and in their recorded image hashes."""
     from safetensors import safe_open
 
     from sglang.srt.eagle3_capture import capture_target
-    from sglang.srt.eagle3_capture.dump import dump_key
+    from sglang.srt.eagle3_capture.dump import request_key
 
     dump = work / "dump-image"
     with Dumping(dump, layers=G_LAYERS):
         runner = _rt.make_runner(_rt.server_args(kimi_ckpt, enable_multimodal=True))
     try:
         H = tinyconfig.DEEPSEEK_V3["hidden_size"]
-        ids, padded, mm, image = _image_request(runner.model, H)
+        ids, padded, mm, image = _image_request(runner.model, H, seed=7)
+        ids2, padded2, mm2, image2 = _image_request(runner.model, H, seed=8)
         text = tinyconfig.prompts()[2]
-        reqs = _rt.requests([padded, text])
+        reqs = _rt.requests([padded, padded2, text])
         reqs[0].multimodal_inputs = mm
+        reqs[1].multimodal_inputs = mm2
+        rids = [r.rid for r in reqs]
         with torch.no_grad():
             _rt.bench().extend(reqs, runner)
         _rt.clear(runner)
@@ -320,28 +325,32 @@ def check_g(kimi_ckpt: Path, work: Path, ref) -> None:
     finally:
         _rt.release(runner)
     vocab = tinyconfig.DEEPSEEK_V3["vocab_size"]
-    clamped = [min(t, vocab - 1) for t in padded]
     files = sorted(p.name for p in dump.iterdir())
     problems, rc = [], RowCheck(TOL)
-    if sorted(files) != sorted(dump_key(x) + ".safetensors" for x in (ids, text)):
-        problems.append("files %s, want the keys of the processor ids and of the text prompt%s"
-                        % ([f[:12] for f in files],
-                           " (one is keyed by the CLAMPED ids)" if dump_key(clamped) + ".safetensors" in files else ""))
-    for prompt, img in ((ids, image), (text, None)):
-        path = dump / (dump_key(prompt) + ".safetensors")
+    want = [request_key(r) + ".safetensors" for r in rids]
+    if ids != ids2 or padded == padded2:
+        problems.append("the two image prompts must share their processor ids and differ in pad values")
+    if files != sorted(want):
+        problems.append("files %s, want one per request id %s" % ([f[:12] for f in files], rids))
+    hashes = []
+    for name, prompt, img in zip(want, (ids, ids2, text), (image, image2, None)):
+        path = dump / name
         if not path.exists():
             continue
         with safe_open(str(path), "pt") as f:
             got = {k: f.get_tensor(k) for k in f.keys()}
+            hashes.append(json.loads((f.metadata() or {}).get("mm_hashes", "null")))
         if got["input_ids"].tolist() != list(prompt):
             problems.append("stored ids %s..., want %s..." % (got["input_ids"].tolist()[4:12], list(prompt)[4:12]))
         r = ref.run(prompt, image=img)
         for k in G_LAYERS:
             rc.layer(got["layer.%d" % k], r, k)
         rc.final(got["final"], r)
+    if len(hashes) == 3 and not (hashes[0] and hashes[1] and hashes[0] != hashes[1] and hashes[2] == []):
+        problems.append("recorded image hashes %s: want two different non-empty lists and [] for text" % hashes)
     problems += rc.problems()
-    pads = sorted({t for t in padded if t >= vocab})
-    detail = ("image prompt of %d tokens (%d image tokens, placeholder %d, pad value %s, clamped to %d) and a "
+    pads = sorted({t for t in padded + padded2 if t >= vocab})
+    detail = ("two image prompts of %d tokens (%d image tokens, placeholder %d, pad values %s, clamped to %d) and a "
               "%d-token text prompt in one prefill; files %d; layers %s and final: %s"
               % (len(ids), len(image[1]), mm.im_token_id, pads, vocab - 1, len(text), len(files), G_LAYERS, rc.figure()))
     if problems:

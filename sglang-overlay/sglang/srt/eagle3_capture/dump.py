@@ -3,33 +3,45 @@
 The forward thread only starts device-to-host copies of a prefill's rows into reused (pinned,
 on CUDA) host buffers, on a side stream so that the forward's next kernels do not wait for them;
 a writer thread waits for the copies, cuts the rows per request and
-writes ``<key>.safetensors`` through a temporary name and a rename, so readers never see a
-partial file. Bytes copied but not yet written are capped (``staging``): at the cap the forward
-waits (backpressure).
+writes ``<key>.safetensors`` through a temporary name (unique across hosts) and a rename, with
+the file fsynced before and the directory after the rename: readers never see a partial file, and
+a node crash leaves either the whole file or none. Bytes copied but not yet written are capped
+(``staging``): at the cap the forward waits (backpressure).
+
+Identity (``identity``): each row belongs to a request of the scheduler, taken from its ``Req``
+objects before the forward runs; the file is ``<sha256 of the request id>.safetensors`` and holds
+the prompt's rows only (``len(origin_input_ids)``). Requests whose id SGLang gives its health
+probes, and every prefill while the HTTP server runs SGLang's warm-up (``control``), are not
+dumped. A request retracted under memory pressure is prefilled again (prompt and the tokens
+generated so far): its file, written at its first prefill, is kept and not written again.
 
 Chunked prefill: a request longer than the chunk size is prefilled over several forwards
-(``extend_prefix_lens`` = rows already prefilled; its slot ``req_pool_indices`` stays the same;
-``orig_seq_lens`` is its full length). The writer gathers a request's rows chunk by chunk and
-writes the file once its last chunk is in: the same file as an unchunked prefill. A request
-whose chunks cannot all be captured (aborted or retracted between chunks, a chunk missing, no
-room under the cap for its rows) writes nothing and is counted (``dropped``) and logged.
+(``extend_prefix_lens`` = rows already prefilled). The writer gathers a request's rows chunk by
+chunk (by request id) and writes the file once its last prompt row is in: the same file as an
+unchunked prefill. A request whose chunks cannot all be captured (aborted or retracted between
+chunks, a chunk missing, no room under the cap for its rows) writes nothing and is counted
+(``dropped``) and logged.
 
-A failed write (a full disk, say) is logged with its key and counted; the temporary file is
-removed and later requests are written again once space returns.
+One request's problem is that request's: anything that goes wrong with its rows or its file is
+logged with its request id and counted (``failed``), and the other requests of the forward are
+written. A failed write (a full disk, say) removes its temporary file; later requests are written
+again once space returns.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import queue
+import socket
 import threading
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
@@ -48,32 +60,36 @@ from .settings import (
     resolved,
     text_config,
 )
+from .identity import RequestInfo, prompt_key, request_key, requests_of
 from .staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "eagle3-dump/1"
 FILE_MODE = 0o644  # dump files: a shared dump directory's readers may run as other users
+ABANDONED_KEPT = 4096  # dropped chunked requests whose later chunks are still skipped
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def dump_key(token_ids: Sequence[int]) -> str:
-    """File key of a request: sha256 of its prompt token ids written as '1,2,3'."""
-    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
+__all__ = ["DumpWriter", "prompt_key", "request_key", "start_dump"]
+HOST = socket.gethostname()
 
 
 @dataclass
 class _Span:
-    """One request's rows in a prefill forward."""
+    """One request's prompt rows in a prefill forward."""
 
     start: int  # first row in the forward
-    length: int  # rows in this forward
+    length: int  # prompt rows in this forward
     prefix: int  # rows of the request prefilled before (chunked prefill)
-    slot: Optional[int] = None  # req_pool_indices entry: the request across its chunks
-    total: int = 0  # the request's full length
+    req: RequestInfo
+
+    @property
+    def total(self) -> int:
+        return self.req.prompt_len
 
 
 @dataclass
@@ -83,14 +99,13 @@ class _Job:
     held: int
     event: object
     spans: List[_Span]
-    lookup: Optional[Dict[str, torch.Tensor]] = None  # host copies of slots and full lengths
 
 
 @dataclass
 class _Partial:
     """A chunked request's rows so far (writer thread only)."""
 
-    slot: int
+    req: RequestInfo
     total: int
     tensors: Dict[str, torch.Tensor]  # name -> host rows [total, ...]
     buffers: list
@@ -117,9 +132,14 @@ class DumpWriter:
         self.failed = 0
         self.skipped = 0  # rows of a request whose earlier rows were never seen (not chunking)
         self.dropped = 0  # chunked requests abandoned before their last chunk
+        self.probes = 0  # SGLang's health probes, never dumped
+        self.warmup = 0  # requests prefilled while paused (the HTTP server's warm-up)
+        self.reprefilled = 0  # prefills again of a request whose file is written (retracted)
+        self.paused = False  # set by the control socket: prefills now are not the users'
+        self._control = None
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available())
-        self._partials: Dict[int, _Partial] = {}
-        self._abandoned: Dict[int, int] = {}  # slot -> rows still to come of a dropped request
+        self._partials: Dict[str, _Partial] = {}  # request id -> its rows so far
+        self._abandoned: "OrderedDict[str, int]" = OrderedDict()  # rid -> prompt rows of a dropped one
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._stream = None
         self._thread = None
@@ -129,6 +149,13 @@ class DumpWriter:
             )
             self._thread.start()
             atexit.register(self.close)
+
+    def start_control(self) -> None:
+        """Listen for flush and warm-up calls from the launching process (``control``)."""
+        from .control import start_server
+
+        if self.enabled:
+            self._control = start_server(self)
 
     def _side_stream(self):
         """The stream the device-to-host copies run on: after the forward's kernels so far (it
@@ -153,7 +180,7 @@ class DumpWriter:
         # Only plain prefill: decode, idle, mixed and speculative forwards write nothing.
         if not self.enabled or forward_batch.forward_mode.name != "EXTEND":
             return
-        spans = self._spans(forward_batch)
+        spans = self._spans(forward_batch, requests_of(forward_batch))
         if not spans:
             return
         if self.placeholder_id is not None and input_ids is None:
@@ -167,15 +194,11 @@ class DumpWriter:
             sources[name] = captured[index]
         if self.final:
             sources["final"] = final
-        lookup_src = {}
-        totals = getattr(forward_batch, "orig_seq_lens", None)
-        if self.chunked and totals is not None:  # small device tensors, copied with the rows
-            lookup_src = {"slots": forward_batch.req_pool_indices, "totals": totals}
         # Host tensors of this forward are fresh (captures are owned copies, the final state is
         # a new norm output) and nothing writes them later: they are written without a copy.
         # Device tensors (and the ids, which the scheduler reuses) go through host buffers.
-        everything = dict(sources, **{"@" + k: v for k, v in lookup_src.items()})
-        copied = [n for n, t in everything.items() if t.is_cuda or n == "input_ids" or n.startswith("@")]
+        everything = sources
+        copied = [n for n, t in everything.items() if t.is_cuda or n == "input_ids"]
         held = sum(_nbytes(t) for n, t in everything.items() if n not in copied)
         buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
         host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
@@ -192,23 +215,34 @@ class DumpWriter:
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        lookup = {k[1:]: v for k, v in host.items() if k.startswith("@")} or None
-        tensors = {k: v for k, v in host.items() if not k.startswith("@")}
-        self._queue.put(_Job(tensors, buffers, held, event, spans, lookup))
+        self._queue.put(_Job(host, buffers, held, event, spans))
 
-    def _spans(self, forward_batch) -> List[_Span]:
+    def _spans(self, forward_batch, reqs: Optional[List[RequestInfo]]) -> List[_Span]:
+        """The prompt rows of each request this prefill forward carries (forward thread)."""
         lengths = [int(n) for n in forward_batch.extend_seq_lens_cpu]
         prefixes = [int(n) for n in (forward_batch.extend_prefix_lens_cpu or [0] * len(lengths))]
+        if reqs is None or len(reqs) != len(lengths):
+            self.failed += len(lengths)
+            logger.error("%s: a prefill of %d requests came without their request ids (%s); not dumped",
+                         ENV_DIR, len(lengths), "none" if reqs is None else f"{len(reqs)} ids")
+            return []
         spans, start = [], 0
-        for length, prefix in zip(lengths, prefixes):
-            if prefix and not self.chunked:
+        for length, prefix, req in zip(lengths, prefixes, reqs):
+            first = prefix == 0
+            if req.skipped:
+                self.probes += first
+            elif self.paused:
+                self.warmup += first
+            elif prefix >= req.prompt_len:
+                pass  # generated tokens prefilled again after a retraction: not prompt rows
+            elif prefix and not self.chunked:
                 self.skipped += 1
                 logger.error(
-                    "%s: a request with %d tokens prefilled before was not dumped "
-                    "(its rows would be incomplete)", ENV_DIR, prefix,
+                    "%s: request %s came with %d tokens prefilled before; not dumped "
+                    "(its rows would be incomplete)", ENV_DIR, req.rid, prefix,
                 )
             else:
-                spans.append(_Span(start, length, prefix, total=prefix + length))
+                spans.append(_Span(start, min(length, req.prompt_len - prefix), prefix, req))
             start += length
         return spans
 
@@ -219,6 +253,10 @@ class DumpWriter:
             if job is None:
                 self._queue.task_done()
                 return
+            if isinstance(job, threading.Event):  # a flush: every job before it is done
+                job.set()
+                self._queue.task_done()
+                continue
             try:
                 if job.event is not None:
                     job.event.synchronize()
@@ -232,48 +270,57 @@ class DumpWriter:
 
     def _gather(self, job: _Job) -> None:
         """Write the requests this forward completes; keep the rows of unfinished ones."""
-        if job.lookup is not None:
-            slots = job.lookup["slots"].tolist()
-            totals = job.lookup["totals"].tolist()
-            for i, span in enumerate(job.spans):
-                span.slot, span.total = int(slots[i]), max(int(totals[i]), span.prefix + span.length)
         for p in self._partials.values():
             p.seen = False
         for span in job.spans:
             rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()}
-            partial = self._partials.get(span.slot) if span.slot is not None else None
-            if span.prefix == 0:
-                self._abandoned.pop(span.slot, None)
+            try:
+                self._take(span, rows)
+            except Exception:  # this request's problem: the others of the forward are written
+                self.failed += 1
+                partial = self._partials.pop(span.req.rid, None)
                 if partial is not None:
-                    self._drop(partial, "its slot started another request")
-                if span.length >= span.total:
-                    self._write(rows, span.length)
-                else:
-                    self._start(span, rows)
-                continue
-            if span.slot in self._abandoned:  # the rest of a request already counted as dropped
-                if span.prefix + span.length >= span.total:
-                    del self._abandoned[span.slot]
-                continue
-            if partial is not None and partial.filled != span.prefix:
-                self._drop(partial, "a chunk is missing")
-                continue
-            if partial is None:
-                self._abandon(span.slot, span.total, "rows %d..%d came without its earlier rows"
-                              % (span.prefix, span.prefix + span.length), span.prefix + span.length)
-                continue
-            for name, t in rows.items():
-                partial.tensors[name][span.prefix: span.prefix + span.length].copy_(t)
-            partial.filled += span.length
-            partial.seen = True
-            if partial.filled >= partial.total:
-                del self._partials[partial.slot]
-                try:
-                    self._write(partial.tensors, partial.total)
-                finally:
                     self.staging.release(partial.buffers, queued=False)
+                logger.exception("%s: request %s (key %s) was not dumped; %d failed so far",
+                                 ENV_DIR, span.req.rid, span.req.key, self.failed)
         for p in [p for p in self._partials.values() if not p.seen]:
             self._drop(p, "its next chunk did not come (aborted or retracted)")
+
+    def _take(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
+        rid = span.req.rid
+        partial = self._partials.get(rid)
+        if span.prefix == 0:
+            self._abandoned.pop(rid, None)
+            if partial is not None:
+                self._drop(partial, "it was prefilled again from its start (retracted)")
+            if span.length >= span.total:
+                self._write(rows, span.req)
+            else:
+                self._start(span, rows)
+            return
+        if rid in self._abandoned:  # the rest of a request already counted as dropped
+            if span.prefix + span.length >= span.total:
+                del self._abandoned[rid]
+            return
+        if partial is None:
+            if self._written_before(span.req):  # retracted, prefilled again in chunks
+                return
+            self._abandon(span.req, "rows %d..%d came without its earlier rows"
+                          % (span.prefix, span.prefix + span.length), span.prefix + span.length)
+            return
+        if partial.filled != span.prefix:
+            self._drop(partial, "a chunk is missing")
+            return
+        for name, t in rows.items():
+            partial.tensors[name][span.prefix: span.prefix + span.length].copy_(t)
+        partial.filled += span.length
+        partial.seen = True
+        if partial.filled >= partial.total:
+            del self._partials[rid]
+            try:
+                self._write(partial.tensors, partial.req)
+            finally:
+                self.staging.release(partial.buffers, queued=False)
 
     def _start(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
         shapes = {n: (span.total,) + tuple(t.shape[1:]) for n, t in rows.items()}
@@ -281,71 +328,133 @@ class DumpWriter:
         # the one request being chunked may pass the cap alone, as one oversized forward may
         buffers = self.staging.try_reserve(sizes, alone=not self._partials)
         if buffers is None:
-            self._abandon(span.slot, span.total, "its rows do not fit under %d MiB with the others "
-                          "pending; raise EAGLE3_DUMP_MAX_PENDING_MB" % (self.staging.cap >> 20), span.length)
+            self._abandon(span.req, "its rows do not fit under %d MiB with the others pending; raise "
+                          "EAGLE3_DUMP_MAX_PENDING_MB" % (self.staging.cap >> 20), span.length)
             return
         tensors = {}
         for (name, shape), buf in zip(shapes.items(), buffers):
             t = rows[name]
             tensors[name] = buf[: _numel(shape) * t.element_size()].view(t.dtype).view(shape)
             tensors[name][: span.length].copy_(t)
-        self._partials[span.slot] = _Partial(span.slot, span.total, tensors, buffers, filled=span.length)
+        self._partials[span.req.rid] = _Partial(span.req, span.total, tensors, buffers, filled=span.length)
 
     def _drop(self, partial: _Partial, why: str) -> None:
-        self._partials.pop(partial.slot, None)
+        self._partials.pop(partial.req.rid, None)
         self.staging.release(partial.buffers, queued=False)
-        self._abandon(partial.slot, partial.total, why, partial.filled)
+        self._abandon(partial.req, why, partial.filled)
 
-    def _abandon(self, slot, total: int, why: str, rows_seen: int) -> None:
+    def _abandon(self, req: RequestInfo, why: str, rows_seen: int) -> None:
         """Count a chunked request that will not be written; its later chunks are skipped."""
         self.dropped += 1
-        if slot is not None and rows_seen < total:
-            self._abandoned[slot] = total
-        logger.error("%s: a %d-token request prefilled in chunks is not dumped (%d of its rows seen; "
-                     "its key needs all its ids): %s; %d dropped so far", ENV_DIR, total, rows_seen,
+        if rows_seen < req.prompt_len:
+            self._abandoned[req.rid] = req.prompt_len
+            while len(self._abandoned) > ABANDONED_KEPT:  # requests that never came back
+                self._abandoned.popitem(last=False)
+        logger.error("%s: request %s (%d prompt tokens, prefilled in chunks) is not dumped (%d of its "
+                     "rows seen): %s; %d dropped so far", ENV_DIR, req.rid, req.prompt_len, rows_seen,
                      why, self.dropped)
 
-    def _write(self, rows: Dict[str, torch.Tensor], length: int) -> None:
+    def _path(self, req: RequestInfo) -> str:
+        return os.path.join(self.directory, f"{req.key}.safetensors")
+
+    def _written_before(self, req: RequestInfo, key_of_prompt: Optional[str] = None) -> bool:
+        """Whether this request's file is there already (a retracted request prefilled again,
+        or a client's retry of the same request): it is kept. A file of the same request id
+        with another prompt is replaced (logged): a request id names one request."""
+        path = self._path(req)
+        if not os.path.exists(path):
+            return False
+        if key_of_prompt is not None:
+            from safetensors import safe_open
+
+            try:
+                with safe_open(path, "pt") as f:
+                    before = (f.metadata() or {}).get("prompt_key")
+            except Exception:  # unreadable: write it again
+                return False
+            if before != key_of_prompt:
+                logger.warning("%s: request id %s came again with another prompt; its file %s is replaced",
+                               ENV_DIR, req.rid, path)
+                return False
+        self.reprefilled += 1
+        return True
+
+    def _write(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
         from safetensors.torch import save_file
 
+        length = req.prompt_len
         ids = rows["input_ids"][:length].to(torch.int64)
         if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
             ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
-        key = dump_key(ids.tolist())
+        pkey = prompt_key(ids.tolist())
+        if self._written_before(req, pkey):
+            return
         out = {"input_ids": ids}
         for name, host in rows.items():
             if name != "input_ids":
                 out[name] = host[:length]
-        metadata = dict(self.metadata, key=key, num_tokens=str(length))
-        path = os.path.join(self.directory, f"{key}.safetensors")
-        tmp = os.path.join(self.directory, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        key = req.key
+        metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
+        path = self._path(req)
+        tmp = os.path.join(self.directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             save_file(out, tmp, metadata=metadata)
             os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
+            _fsync(tmp)
             os.replace(tmp, path)
+            _fsync(self.directory)
             self.written += 1
         except Exception as exc:  # a full or vanished disk must not stop serving
             self.failed += 1
-            logger.error("%s: dump %s failed (%s); %d failed so far", ENV_DIR, key, exc, self.failed)
+            logger.error("%s: dump of request %s (key %s) failed (%s); %d failed so far", ENV_DIR,
+                         req.rid, key, exc, self.failed)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+    def counts(self) -> Dict[str, int]:
+        return {"written": self.written, "failed": self.failed, "dropped": self.dropped,
+                "skipped": self.skipped, "probes": self.probes, "warmup": self.warmup,
+                "reprefilled": self.reprefilled, "pending_chunked": len(self._partials)}
 
     def flush(self) -> None:
         """Wait until every submitted forward is written, failed, or held as a partial request."""
         if self.enabled:
             self._queue.join()
 
+    def flush_report(self, timeout: float) -> dict:
+        """Wait (at most ``timeout`` seconds) until every forward submitted before the call is
+        written or counted; the counts. Rows of a chunked request whose last chunk has not run
+        are held, not flushed: its prefill is not over, so it has not been answered either."""
+        if not self.enabled:
+            return dict(self.counts(), flushed=True)
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout):
+            return dict(self.counts(), flushed=False,
+                        error=f"the dump writer did not catch up within {timeout:g} s")
+        return dict(self.counts(), flushed=True)
+
     def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._thread is not None and self._thread.is_alive():
             self.flush()
             self._queue.put(None)
             self._thread.join()
             for p in list(self._partials.values()):
                 self._drop(p, "the server stopped before its last chunk")
-            logger.info("%s: %d dumps written, %d failed, %d skipped, %d dropped", ENV_DIR,
-                        self.written, self.failed, self.skipped, self.dropped)
+            logger.info("%s: %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _numel(shape) -> int:
@@ -416,6 +525,11 @@ def start_dump(runner, target, settings: DumpSettings):
         placeholder_id=placeholder,
         vocab_size=text_config(hf_config).vocab_size,
     )
+    if writer.enabled:
+        from . import identity
+
+        identity.install()  # each prefill's requests, taken before its forward runs
+        writer.start_control()
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, ENV_LAYERS,

@@ -6,7 +6,7 @@ every release and detects release differences at run time.
 """
 
 SERIES_RELEASE = "0.5.9"
-SERIES_VERSION = "0.5.9-3"
+SERIES_VERSION = "0.5.9-4"
 # How unpatched sglang SERIES_RELEASE maps EAGLE-3 draft-config ids to capture indices:
 # "plus_one" (id k -> k + 1) or "plus_one_if_first_is_one" (k + 1 only when the first id is 1).
 UPSTREAM_EAGLE_ID_MAPPING = "plus_one"

@@ -319,5 +319,8 @@ def check_launch(server_args) -> None:
         check_model(getattr(hf_config, "architectures", None) or [],
                     text_config(hf_config).num_hidden_layers, settings)
         check_directory(settings.directory)
+        from .control import install_launcher_hooks
+
+        install_launcher_hooks(server_args)
     except DumpConfigError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -1,0 +1,144 @@
+"""What the series' hooks outside its hunks rely on in upstream code, checked against the real
+source of every release a series covers: the names ``control.UPSTREAM`` and
+``identity.REQ_FIELDS`` declare, and the shapes the hooks assume (``ForwardBatch.init_new(cls,
+batch, model_runner, ...)``, the batch's ``reqs``, ``lifespan`` starting the warm-up through the
+module global ``_wait_and_warmup``, the health probes' request-id prefix). The control: the same
+check on a release's source with one of them renamed reports exactly that one."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch.fetch import unpacked_release  # noqa: E402
+from eaglepatch.overlay import import_package  # noqa: E402
+from eaglepatch.series import available_series  # noqa: E402
+
+pkg = import_package("e3c_facts")
+control = __import__("e3c_facts.control", fromlist=["UPSTREAM"])
+identity = __import__("e3c_facts.identity", fromlist=["REQ_FIELDS"])
+
+
+def _module_path(root: Path, module: str) -> Path:
+    return root / (module.replace(".", "/") + ".py")
+
+
+def _top(tree: ast.Module) -> dict:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    out[t.id] = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = node
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                out[alias.asname or alias.name] = node
+    return out
+
+
+def _class_names(cls: ast.ClassDef) -> set:
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def _self_attributes(fn: ast.FunctionDef) -> set:
+    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self" and isinstance(n.ctx, ast.Store)}
+
+
+def missing_facts(root: Path) -> list:
+    """The facts this release's source lacks (an empty list: all hold)."""
+    missing = []
+    trees = {}
+    for module, names in control.UPSTREAM.items():
+        path = _module_path(root, module)
+        tree = trees[module] = ast.parse(path.read_text())
+        top = _top(tree)
+        for name in names:
+            owner, _, attr = name.partition(".")
+            if owner not in top:
+                missing.append(f"{module}.{owner}")
+            elif attr and (not isinstance(top[owner], ast.ClassDef) or attr not in _class_names(top[owner])):
+                missing.append(f"{module}.{name}")
+    fbi = _top(trees["sglang.srt.model_executor.forward_batch_info"]).get("ForwardBatch")
+    init_new = next((n for n in getattr(fbi, "body", []) if isinstance(n, ast.FunctionDef) and n.name == "init_new"), None)
+    if init_new is not None:
+        params = [a.arg for a in init_new.args.args[:3]]
+        decorated = any(isinstance(d, ast.Name) and d.id == "classmethod" for d in init_new.decorator_list)
+        if params != ["cls", "batch", "model_runner"] or not decorated:
+            missing.append(f"ForwardBatch.init_new(cls, batch, model_runner) as a classmethod (got {params})")
+        if "batch.reqs" not in ast.unparse(init_new) and not _batch_has_reqs(root):
+            missing.append("the batch ForwardBatch.init_new takes holds reqs")
+    http = _top(trees["sglang.srt.entrypoints.http_server"])
+    lifespan = http.get("lifespan")
+    if lifespan is not None and "_wait_and_warmup" not in {n.id for n in ast.walk(lifespan) if isinstance(n, ast.Name)}:
+        missing.append("lifespan starts the warm-up through the module global _wait_and_warmup")
+    app = http.get("app")
+    if app is not None and "lifespan=lifespan" not in ast.unparse(app).replace(" ", ""):
+        missing.append("app = FastAPI(lifespan=lifespan)")
+    src = _module_path(root, "sglang.srt.entrypoints.http_server").read_text()
+    consts = root / "sglang/srt/constants.py"
+    if not ('rid = f"HEALTH_CHECK_' in src or (consts.exists() and 'HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"' in consts.read_text())):
+        missing.append("health probes' request ids start with HEALTH_CHECK")
+    fields = [root / "sglang/srt/server_args.py"] + sorted((root / "sglang/srt/arg_groups/fields").glob("*.py"))
+    declared = "".join(p.read_text() for p in fields if p.exists())
+    missing += [f"ServerArgs.{f}" for f in control.SERVER_ARGS if f"    {f}:" not in declared]
+    sb = _top(ast.parse((root / "sglang/srt/managers/schedule_batch.py").read_text()))
+    req_init = next((n for n in sb["Req"].body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    assigned = _self_attributes(req_init) if req_init else set()
+    missing += [f"Req.{f}" for f in identity.REQ_FIELDS if f not in assigned]
+    if "hash" not in _class_names(sb["MultimodalDataItem"]):
+        missing.append("MultimodalDataItem.hash")
+    if "mm_items" not in _class_names(sb["MultimodalInputs"]):
+        missing.append("MultimodalInputs.mm_items")
+    return missing
+
+
+def _batch_has_reqs(root: Path) -> bool:
+    sb = _top(ast.parse((root / "sglang/srt/managers/schedule_batch.py").read_text()))
+    return all("reqs" in _class_names(sb[c]) for c in ("ScheduleBatch", "ModelWorkerBatch") if c in sb)
+
+
+@pytest.mark.parametrize("release", sorted(available_series()))
+def test_every_covered_release_has_what_the_hooks_rely_on(release):
+    assert missing_facts(unpacked_release(release, quiet=True)) == []
+
+
+@pytest.mark.parametrize("what, old, new, reported", [
+    ("engine", "    def shutdown(self", "    def shut_down(self", "sglang.srt.entrypoints.engine.Engine.shutdown"),
+    ("http", "target=_wait_and_warmup", "target=_warmup_later", "lifespan starts the warm-up"),
+    ("req", "self.lora_id = lora_id", "self.adapter = lora_id", "Req.lora_id"),
+    ("tm", "    kill_process_tree,\n", "    kill_process_tree as kill_tree,\n", "tokenizer_manager.kill_process_tree"),
+])
+def test_the_check_reports_a_release_that_lacks_one(tmp_path, what, old, new, reported):
+    import shutil
+
+    root = tmp_path / "tree"
+    src = unpacked_release("0.5.9", quiet=True)
+    files = {"engine": "sglang/srt/entrypoints/engine.py", "http": "sglang/srt/entrypoints/http_server.py",
+             "req": "sglang/srt/managers/schedule_batch.py", "tm": "sglang/srt/managers/tokenizer_manager.py"}
+    for module in list(control.UPSTREAM) + ["sglang.srt.managers.schedule_batch", "sglang.srt.server_args"]:
+        rel = module.replace(".", "/") + ".py"
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, root / rel)
+    target = root / files[what]
+    text = target.read_text()
+    assert old in text
+    target.write_text(text.replace(old, new))
+    got = missing_facts(root)
+    assert len(got) == 1 and reported in got[0], got
