@@ -226,6 +226,17 @@ def test_a_server_without_the_flush_endpoint_is_refused(model, dumps, tmp_path):
 
 
 @in_env
+def test_a_server_still_warming_up_is_refused(model, dumps, tmp_path):
+    """SGLang answers /get_model_info during its warm-up but /health 503, and the series dumps no
+    request sent before the warm-up ends: refused in one line naming the server, before any request."""
+    with server(dumps) as s:
+        s.health = 503
+        p = extract(model, s.url, dumps, tmp_path / "out")
+    one_line(p, f"the server at {s.url} is starting", "warm-up", "fired up and ready to roll")
+    assert s.requests == [] and not (tmp_path / "out").exists()
+
+
+@in_env
 def test_a_server_writing_elsewhere_is_named_after_the_flush(model, dumps, tmp_path):
     """The probe's file is still missing after the flush (the server dumps into another directory):
     one line naming the server, the rid and the key, at once."""

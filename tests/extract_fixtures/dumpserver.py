@@ -19,7 +19,8 @@ whose rows a sample holds. ``meta`` overrides metadata fields (another model, dt
 the prefill), ``"lose"`` (answered, never written), ``"rid"`` / ``"prompt"`` / ``"embeds"`` (written
 with another rid, another prompt key, ``input_source=input_embeds``), or a dict (written with those
 metadata fields). ``requests`` lists (rid,
-prompt key) of every ``/generate``, ``flushes`` counts flush calls.
+prompt key) of every ``/generate``, ``flushes`` counts flush calls; ``health`` is the status of
+``GET /health`` (503: SGLang during its warm-up, whose requests are not dumped).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class DumpServer(LoopbackServer):
         self.states = states or (lambda ids: {k: expected_rows(ids, k, hidden_size) for k in self.layers}
                                  | {"final": expected_rows(ids, 99, hidden_size)})
         self.model_path = model_path
+        self.health = 200  # /health's status (SGLang: 503 while its warm-up runs)
         self.plan: dict[str, list] = {}
         self.requests: list = []
         self.flushes = 0
@@ -80,6 +82,8 @@ class DumpServer(LoopbackServer):
                 self.wfile.write(body)
 
             def do_GET(self):  # /get_model_info, and what SGLang's router asks (/health, /server_info, ...)
+                if self.path.startswith("/health") and server.health != 200:
+                    return self._reply(server.health, None)
                 self._reply(200, {"model_path": server.model_path, "is_generation": True})
 
             def do_POST(self):

@@ -98,8 +98,8 @@ class SGLangClient:
         return self._session(i).get(self.urls[i] + "/get_model_info", timeout=timeout)
 
     def check_reachable(self) -> None:
-        """Every server answers ``/get_model_info`` with JSON, in order; a usage error names the first
-        that does not."""
+        """Every server answers ``/get_model_info`` with JSON and is past its warm-up (``/health`` not
+        503), in order; a usage error names the first that is not."""
         for i, url in enumerate(self.urls):
             fix = "start it (python -m sglang.launch_server ...) or fix --server"
             if len(self.urls) > 1:
@@ -116,6 +116,14 @@ class SGLangClient:
             except ValueError:
                 raise UsageError(f"{url}/get_model_info did not answer JSON",
                                  "point --server at an SGLang server or router (http://HOST:PORT)") from None
+            try:  # SGLang answers 503 while its warm-up runs (requests before its end are not dumped)
+                starting = self._session(i).get(url + "/health", timeout=min(self.timeout, 30)).status_code == 503
+            except requests.RequestException:
+                starting = False
+            if starting:
+                raise UsageError(f"the server at {url} is starting or stopping (its /health answers 503); requests "
+                                 f"sent before its warm-up ends are not dumped",
+                                 "wait until its log says 'The server is fired up and ready to roll!' and rerun")
 
     def alive(self) -> bool:
         """Whether any server answers ``/get_model_info``."""
