@@ -1082,11 +1082,11 @@ def test_a_request_failing_on_every_server_is_retried_then_listed(assets, server
     that is up (to all of them when none is); conv-003 is tried on both servers per --retries and
     --max-attempts, then listed as failed with no file; conv-006 is extracted. The rerun completes
     conv-003 and the dataset is exact."""
-    from eaglepatch.extract.dumps import prompt_key as dump_key
+    from eaglepatch.extract.dumps import prompt_key
     from eaglepatch.extract.writers import sample_rel
     from faultproxy import FaultProxy
 
-    k = {cid: dump_key(e.input_ids) for cid, e in expected.items()}
+    k = {cid: prompt_key(e.input_ids) for cid, e in expected.items()}
     out = assets.root / "out-every-server"
     with FaultProxy(server.url, server.dump_dir) as p1, FaultProxy(server.url, server.dump_dir) as p2:
         for px in (p1, p2):

@@ -35,9 +35,6 @@ def prompt_key(token_ids) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
 
 
-dump_key = prompt_key  # the name the series before issue 19 gave its files (gpucheck still reads those)
-
-
 def new_rid() -> str:
     """A request id of this client's own: one per sample, sent with every try of it on any server."""
     return RID_PREFIX + uuid.uuid4().hex
