@@ -3,8 +3,9 @@ says (``tools/serve.py --cpu-demo``: the tiny DeepSeek-V3 checkpoint with a tiny
 tokenizer), the README's 'Extract training data' commands as written, 25 conversations of the
 suite's own (24 with assistant turns, one without), both dataset formats checked against Hugging Face
 ``output_hidden_states`` on the same weights, rerun, kill + resume, an edited input, injected
-faults (through a loopback proxy in front of the real server), a sample whose loss mask cannot be
-built, the one-line errors, and the guard on the result.
+faults (through a loopback proxy in front of the real server), a dump of another model (the run
+stops, the dataset resumes), a sample whose loss mask cannot be built, the one-line errors, and the
+guard on the result.
 
 The consumers read what was extracted with their own code: speculators 0.9.0 (ArrowDataset,
 CollateFn + shift_batch, a forward and loss of its Eagle3 draft, targets built from the last slot
@@ -390,11 +391,14 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     man = json.loads((out / "manifest.json").read_text())
     assert man["series_version"] == server.series_version and man["sglang_release"].startswith("0.5.9")
     assert man["bytes"] == sum(x.stat().st_size for x in f)
-    # used dumps were removed (the server's warm-up and health-check dumps are not ours)
-    from eaglepatch.extract.dumps import dump_key
+    # used dumps were removed: each sample's file, named by sha256 of its own rid
+    from eaglepatch.extract.dumps import RID_PREFIX, rid_key
 
+    recs = [r for r in records(out) if r.get("file")]
+    assert len({r["rid"] for r in recs}) == N_CONV and all(r["rid"].startswith(RID_PREFIX) for r in recs)
+    assert all(r["key"] == rid_key(r["rid"]) for r in recs)
     left = {x.stem for x in server.dump_dir.glob("*.safetensors")}
-    assert not left & {dump_key(e.input_ids) for e in expected.values()}
+    assert not left & {r["key"] for r in recs}
     assert "summary: 24 extracted" in p.stderr
     FIGURES["specforge"] = {"max_abs_diff_vs_hf": worst, "wall_s": round(p.wall, 2), "tokens": man["tokens"],
                             "summary": [x for x in p.stderr.splitlines() if x.startswith("summary:")][0]}
@@ -847,12 +851,13 @@ def test_a_sample_whose_mask_cannot_be_built_fails_alone(assets, server, tmp_pat
 def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server, reference, expected):
     """A proxy in front of the real server truncates one dump, puts a NaN in another, rewrites a
     third's ids and answers 503 once: the samples are retried and the dataset is exact; a sample
-    whose every attempt is bad is listed as failed and has no file."""
-    from eaglepatch.extract.dumps import dump_key
+    whose every attempt is bad is listed as failed and has no file. Every try of a sample carries
+    the sample's one rid, so the rejected files have the name of the sample's recorded key."""
+    from eaglepatch.extract.dumps import prompt_key
     from faultproxy import FaultProxy
 
     ids = {cid: e.input_ids for cid, e in expected.items()}
-    k = {cid: dump_key(v) for cid, v in ids.items()}
+    k = {cid: prompt_key(v) for cid, v in ids.items()}
     out = assets.root / "out-faults"
     with FaultProxy(server.url, server.dump_dir) as proxy:
         proxy.plan = {k["conv-000"]: ["truncate"], k["conv-003"]: ["nan"], k["conv-004"]: ["ids"],
@@ -863,9 +868,10 @@ def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server
     assert p.returncode == 1, p.stderr[-3000:]
     assert len(log) == 7
     err = p.stderr
-    assert f"{k['conv-000']}.safetensors: truncated or corrupt" in err
-    assert f"{k['conv-003']}.safetensors: layer.1 holds 1 non-finite values" in err
-    assert f"{k['conv-004']}.safetensors: metadata key" in err or "input_ids differ" in err
+    key = {r["id"]: r["key"] for r in records(out)}
+    assert f"bad dump from {proxy.url}: {key['conv-000']}.safetensors: truncated or corrupt" in err, err[-3000:]
+    assert f"{key['conv-003']}.safetensors: layer.1 holds 1 non-finite values" in err
+    assert f"{key['conv-004']}.safetensors: input_ids differ" in err
     assert "1 request retries" in err and "6 bad dumps rejected" in err
     man = json.loads((out / "manifest.json").read_text())
     assert man["failed_ids"] == ["conv-009"] and man["samples"] == N_CONV - 1
@@ -877,6 +883,35 @@ def test_bad_dumps_and_transient_failures_never_enter_the_dataset(assets, server
     p = extract(assets, server, out, "--format", "specforge")
     assert p.returncode == 0 and "summary: 1 extracted" in p.stderr, p.stderr[-2000:]
     check_dataset(out, "specforge", reference, expected)
+
+
+@in_env
+def test_a_dump_of_another_model_stops_the_run_and_the_dataset_resumes(assets, server, reference, expected, tmp_path):
+    """The real server's dumps, one of them rewritten by a proxy as another checkpoint's
+    (``model_path``): the run stops in one line naming the field, both values and the server it came
+    from, before that sample is written; the rerun on the server completes an exact dataset, whose
+    manifest records the dumps' provenance."""
+    from eaglepatch.extract.dumps import prompt_key
+    from faultproxy import FaultProxy
+
+    k = {cid: prompt_key(e.input_ids) for cid, e in expected.items()}
+    out = tmp_path / "o"
+    with FaultProxy(server.url, server.dump_dir) as proxy:
+        proxy.plan = {k["conv-004"]: [{"model_path": "/elsewhere/other-checkpoint"}]}
+        p = extract(assets, server, out, "--concurrency", "1", url=proxy.url)
+    assert p.returncode == 2, p.stderr[-3000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+    assert "model_path='/elsewhere/other-checkpoint'" in line and f"from {proxy.url}" in line, line
+    served = json.loads((out / ".extract-settings.json").read_text())["dump_meta"]["model_path"]
+    assert f"model_path={served!r}" in line and "new --out" in line, line
+    done = [r["id"] for r in records(out)]
+    assert done and "conv-004" not in done and len(done) < N_CONV
+    p = extract(assets, server, out)
+    assert p.returncode == 0 and f"{len(done)} already done" in p.stderr, p.stderr[-3000:]
+    check_dataset(out, "specforge", reference, expected)
+    prov = json.loads((out / "manifest.json").read_text())["dump_provenance"]
+    assert prov["model_path"] == served and prov["series_version"] == server.series_version, prov
+    assert prov["eagle3_layer_ids"] == LAYERS and prov["hf_hidden_state_indices"] == [x + 1 for x in LAYERS]
 
 
 # ---- many servers: a second replica, the router, a replica killed mid-run -----------------------
@@ -970,8 +1005,8 @@ def test_client_round_robin_puts_aside_and_back():
     with Server() as a, Server() as b:
         lines = []
         c = SGLangClient([a.url, b.url], retries=1, backoff=0.01, cooldown=0.5, log=lines.append)
-        for _ in range(6):
-            assert c.generate([0, 5, 6]) == {"text": "x"}
+        # the answer and the index of the server that gave it
+        assert [c.generate([0, 5, 6], rid=f"r{n}") for n in range(6)] == [({"text": "x"}, n % 2) for n in range(6)]
         assert (a.hits, b.hits) == (3, 3) and c.retried == 0
         b.fail = True
         for _ in range(4):
@@ -990,7 +1025,7 @@ def test_client_round_robin_puts_aside_and_back():
             c.generate([0, 5, 6])
         assert (a.hits, b.hits) == (10, 7) and c.retried == 4
         a.fail = b.fail = False
-        c.generate([0, 5, 6], server=1)  # pinned (the run's probe): that server only, aside or not
+        assert c.generate([0, 5, 6], server=1)[1] == 1  # pinned (the run's probe): that server only, aside or not
         assert (a.hits, b.hits) == (10, 8)
 
 
@@ -1047,11 +1082,11 @@ def test_a_request_failing_on_every_server_is_retried_then_listed(assets, server
     that is up (to all of them when none is); conv-003 is tried on both servers per --retries and
     --max-attempts, then listed as failed with no file; conv-006 is extracted. The rerun completes
     conv-003 and the dataset is exact."""
-    from eaglepatch.extract.dumps import dump_key
+    from eaglepatch.extract.dumps import prompt_key
     from eaglepatch.extract.writers import sample_rel
     from faultproxy import FaultProxy
 
-    k = {cid: dump_key(e.input_ids) for cid, e in expected.items()}
+    k = {cid: prompt_key(e.input_ids) for cid, e in expected.items()}
     out = assets.root / "out-every-server"
     with FaultProxy(server.url, server.dump_dir) as p1, FaultProxy(server.url, server.dump_dir) as p2:
         for px in (p1, p2):
@@ -1206,16 +1241,17 @@ def test_guard_on_the_extracted_dataset(assets, server, tmp_path):
     for extra in ([], ["--release", "0.5.9"], ["--sglang", server.pp]):
         p = guard("--draft-config", cfg, "--dataset", out, *extra)
         assert p.returncode == 0, p.stdout + p.stderr
-    # a dump file is accepted as the dataset side too (one of the server's, for ids of our own)
+    # a dump file is accepted as the dataset side too (one of the server's, for ids and a rid of our own)
     import requests
 
-    from eaglepatch.extract.dumps import dump_key, dump_path, wait_for
+    from eaglepatch.extract.dumps import dump_path, new_rid, rid_key
 
-    ids = [0, 11, 12, 13]
-    assert requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+    ids, rid = [0, 11, 12, 13], new_rid()
+    assert requests.post(server.url + "/generate", json={"input_ids": ids, "rid": rid, "sampling_params": {
         "max_new_tokens": 1}}, timeout=120).status_code == 200
-    dump = dump_path(server.dump_dir, dump_key(ids))
-    assert wait_for(dump, 60), dump
+    assert requests.post(server.url + "/eagle3_dump/flush", json={}, timeout=120).json()["flushed"] is True
+    dump = dump_path(server.dump_dir, rid_key(rid))
+    assert dump.is_file(), dump
     assert guard("--draft-config", draft(AUX), "--dataset", dump).returncode == 0
     # the guard needs no torch (README: '.[guard]'): with torch unimportable it reads the dataset and the dump
     for ds in (out, dump):

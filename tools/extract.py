@@ -46,7 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
     ap.add_argument("--concurrency", type=int, default=4,
                     help="requests in flight, over all servers (give each replica several)")
-    ap.add_argument("--dump-timeout", type=float, default=60.0, help="seconds to wait for a dump file")
+    ap.add_argument("--dump-timeout", type=float, default=60.0,
+                    help="seconds a server may take to flush its dumps to disk (POST /eagle3_dump/flush, sent when "
+                         "a request's file is not there once it answered)")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for /generate")
     ap.add_argument("--retries", type=int, default=5, help="retries of transient HTTP failures per request")
     ap.add_argument("--max-attempts", type=int, default=3, help="attempts per sample (bad or missing dumps)")

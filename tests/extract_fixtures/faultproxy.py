@@ -1,13 +1,15 @@
 """A loopback HTTP proxy in front of a real SGLang server that injects faults on request.
 
-``FaultProxy(upstream, dump_dir)`` forwards every request. ``plan`` maps a dump key (sha256 of
-the prompt ids, as the server names the dump) to a list of actions, used one per request with
-that key; when the list runs out, requests pass untouched:
+``FaultProxy(upstream, dump_dir)`` forwards every request (the flush too). ``plan`` maps a prompt
+key (sha256 of the prompt ids written "1,2,3", the dumps' ``prompt_key``) to a list of actions,
+used one per request with that prompt; when the list runs out, requests pass untouched:
 
 - ``"503"``: answer HTTP 503 without forwarding (a transient failure);
-- ``"truncate"``: forward, wait for the real dump, cut it to half its size, then answer;
-- ``"nan"``: forward, wait for the real dump, rewrite it with a NaN in ``layer.1``, then answer;
-- ``"ids"``: forward, wait for the real dump, rewrite it with ``input_ids`` shifted by one.
+- ``"truncate"``: forward, flush the server, cut the request's dump (``sha256(rid)``) to half its
+  size, then answer;
+- ``"nan"``: forward, flush, rewrite the dump with a NaN in ``layer.1``, then answer;
+- ``"ids"``: forward, flush, rewrite the dump with ``input_ids`` shifted by one;
+- a dict: forward, flush, rewrite the dump with those metadata fields (another model, dtype, ...).
 
 Because the proxy answers only after tampering, the client deterministically sees the bad file.
 ``log`` lists (key, action) in order.
@@ -19,7 +21,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -32,15 +33,7 @@ def _key(ids) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
-def _wait(path: Path, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > end:
-            raise TimeoutError(path)
-        time.sleep(0.01)
-
-
-def _rewrite(path: Path, how: str) -> None:
+def _rewrite(path: Path, how) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -52,6 +45,8 @@ def _rewrite(path: Path, how: str) -> None:
         t["layer.1"][0, 0] = float("nan")
     elif how == "ids":
         t["input_ids"] = t["input_ids"] + 1
+    elif isinstance(how, dict):
+        meta = dict(meta, **how)
     tmp = path.with_name("." + path.name + ".proxy.tmp")
     save_file(t, str(tmp), metadata=meta)
     os.replace(tmp, path)
@@ -85,7 +80,8 @@ class FaultProxy(LoopbackServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 action = None
                 if self.path == "/generate":
-                    ids = json.loads(body).get("input_ids") or []
+                    req = json.loads(body)
+                    ids, rid = req.get("input_ids") or [], req.get("rid") or ""
                     key = _key(ids)
                     with proxy.lock:
                         todo = proxy.plan.get(key)
@@ -97,8 +93,10 @@ class FaultProxy(LoopbackServer):
                 r = requests.post(proxy.upstream + self.path, data=body, timeout=600,
                                   headers={"Content-Type": "application/json"})
                 if action is not None:
-                    path = proxy.dump_dir / f"{key}.safetensors"
-                    _wait(path)
+                    assert rid, "a tampered request must carry its rid (the client sends one)"
+                    f = requests.post(proxy.upstream + "/eagle3_dump/flush", json={}, timeout=120)
+                    assert f.status_code == 200, f.text
+                    path = proxy.dump_dir / (hashlib.sha256(rid.encode()).hexdigest() + ".safetensors")
                     if action == "truncate":
                         data = path.read_bytes()
                         path.write_bytes(data[: len(data) // 2])

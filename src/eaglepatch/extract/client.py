@@ -2,8 +2,8 @@
 
 A server is a patched SGLang replica or SGLang's router (``sglang-router``) in front of replicas;
 every server must write its dumps into the one directory the client reads (a shared filesystem
-when they run on other machines). The dump key is content-addressed, so it does not matter which
-server prefilled a request.
+when they run on other machines). Every request carries the client's own ``rid`` and its dump is
+named by sha256 of it, so it does not matter which server prefilled a request.
 
 Spreading and failover, kept simple:
 
@@ -19,9 +19,16 @@ Spreading and failover, kept simple:
 - Any other HTTP error (the request itself is wrong) raises ``RequestError`` without a retry.
 - ``generate(ids, server=i)`` sends to server ``i`` only (the run's probe of each server).
 
-A request retried elsewhere after a server died mid-prefill may have been prefilled twice; both
-replicas write the same key through a temporary name and a rename, so the file is whole either way,
-and the run writes the sample once.
+A request retried elsewhere after a server died mid-prefill may have been prefilled twice; it
+carries the same rid both times, both replicas write the same file through a temporary name and a
+rename, so the file is whole either way, and the run writes the sample once.
+
+Flush (``flush``): ``POST /eagle3_dump/flush`` returns once every request the server prefilled
+before it is on disk. Behind SGLang's router, which has no such route (it answers 404), every
+replica the router lists (``GET /workers``) is flushed. Flushes of one server are coalesced: a
+caller whose answer came before a flush of that server started, and that flush succeeded, is
+covered by it and sends none. A server (or replica) answering 404 runs a series without the flush:
+``NoFlush``.
 """
 
 from __future__ import annotations
@@ -44,11 +51,20 @@ class RequestError(Exception):
     """The server refused the request (non-transient HTTP error)."""
 
 
+class NoFlush(Exception):
+    """A server (or a replica behind the router) without ``POST /eagle3_dump/flush``; the message
+    names its URL."""
+
+
+FLUSH = "/eagle3_dump/flush"
+
+
 class SGLangClient:
     def __init__(self, urls, timeout: float = 300.0, retries: int = 5, backoff: float = 0.5, cooldown: float = 30.0,
-                 log=None):
+                 log=None, flush_timeout: float = 60.0):
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self.timeout = timeout
+        self.flush_timeout = flush_timeout
         self.retries = retries
         self.backoff = backoff
         self.cooldown = cooldown
@@ -60,11 +76,16 @@ class SGLangClient:
         self.answered = [0] * len(self.urls)  # requests answered, per server
         self.put_aside = [0] * len(self.urls)  # times a server was put aside
         self.retried = 0  # transient failures followed by another try (all threads, all servers)
+        self.flushes = [0] * len(self.urls)  # flush rounds sent, per server
+        self._flush_locks = [threading.Lock() for _ in self.urls]
+        self._flushed_at = [float("-inf")] * len(self.urls)  # start (monotonic) of the last good flush round
+        self._router = [False] * len(self.urls)  # the server is SGLang's router: flush its replicas
 
     def describe(self) -> str:
         return self.urls[0] if len(self.urls) == 1 else f"{len(self.urls)} servers ({', '.join(self.urls)})"
 
-    def _session(self, i: int) -> requests.Session:
+    def _session(self, i) -> requests.Session:
+        """This thread's session for server ``i`` (or for a replica's URL behind the router)."""
         sessions = getattr(self._local, "sessions", None)
         if sessions is None:
             sessions = self._local.sessions = {}
@@ -77,8 +98,8 @@ class SGLangClient:
         return self._session(i).get(self.urls[i] + "/get_model_info", timeout=timeout)
 
     def check_reachable(self) -> None:
-        """Every server answers ``/get_model_info`` with JSON, in order; a usage error names the first
-        that does not."""
+        """Every server answers ``/get_model_info`` with JSON and is past its warm-up (``/health`` not
+        503), in order; a usage error names the first that is not."""
         for i, url in enumerate(self.urls):
             fix = "start it (python -m sglang.launch_server ...) or fix --server"
             if len(self.urls) > 1:
@@ -95,6 +116,14 @@ class SGLangClient:
             except ValueError:
                 raise UsageError(f"{url}/get_model_info did not answer JSON",
                                  "point --server at an SGLang server or router (http://HOST:PORT)") from None
+            try:  # SGLang answers 503 while its warm-up runs (requests before its end are not dumped)
+                starting = self._session(i).get(url + "/health", timeout=min(self.timeout, 30)).status_code == 503
+            except requests.RequestException:
+                starting = False
+            if starting:
+                raise UsageError(f"the server at {url} is starting or stopping (its /health answers 503); requests "
+                                 f"sent before its warm-up ends are not dumped",
+                                 "wait until its log says 'The server is fired up and ready to roll!' and rerun")
 
     def alive(self) -> bool:
         """Whether any server answers ``/get_model_info``."""
@@ -140,9 +169,12 @@ class SGLangClient:
         if back:
             self.log(f"server {self.urls[i]} answers again")
 
-    def generate(self, input_ids: list, server: int | None = None) -> dict:
+    def generate(self, input_ids: list, rid: str | None = None, server: int | None = None) -> tuple[dict, int]:
+        """(the answer, the index of the server that gave it); ``rid`` goes with every try."""
         payload = {"input_ids": list(map(int, input_ids)),
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if rid is not None:
+            payload["rid"] = rid
         last = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -153,7 +185,7 @@ class SGLangClient:
                         self.retried += 1
                 answer, why = self._post(i, payload)
                 if why is None:
-                    return answer
+                    return answer, i
                 last = f"{self.urls[i]}: {why}"
                 self._failed(i, why)
         raise TransientError(f"{self.retries + 1} attempts failed, last: {last}")
@@ -175,3 +207,80 @@ class SGLangClient:
             return None, "answer is not JSON"
         self._answered(i)
         return out, None
+
+    # ---- flush -------------------------------------------------------------------------------
+    def flush(self, i: int, since: float) -> list:
+        """Make every request server ``i`` answered before ``since`` (``time.monotonic()``) be on disk:
+        one flush round, unless a round that started after ``since`` succeeded already. Returns the
+        problems of the round (a replica or server that could not be flushed, one line each; empty:
+        all flushed); raises ``NoFlush`` for a server without the endpoint."""
+        with self._flush_locks[i]:
+            if self._flushed_at[i] >= since:
+                return []
+            start = time.monotonic()
+            problems = self._flush_round(i)
+            with self._lock:
+                self.flushes[i] += 1
+            if not problems:
+                self._flushed_at[i] = start
+            return problems
+
+    def _flush_round(self, i: int) -> list:
+        url = self.urls[i]
+        if not self._router[i]:
+            status, why = self._flush_one(i, url)
+            if status != 404:
+                if why and status is None:  # it answered the request, then went away
+                    self._failed(i, why)
+                return [f"{url}{FLUSH}: {why}"] if why else []
+            replicas = self._replicas(i)
+            if replicas is None:
+                raise NoFlush(f"{url}{FLUSH} answered HTTP 404: the server runs a patch series without the dump "
+                              f"flush (before 0.5.9-4, 0.5.17-3, 0.5.23-4)")
+            self._router[i] = True
+            self.log(f"{url} is SGLang's router ({len(replicas)} replicas): its replicas are flushed directly")
+        else:
+            replicas = self._replicas(i)
+            if replicas is None:
+                return [f"{url}/workers: the router does not list its replicas"]
+        problems = []
+        for r in replicas:
+            status, why = self._flush_one(r, r)
+            if status == 404:
+                raise NoFlush(f"{r}{FLUSH} (a replica behind the router {url}) answered HTTP 404: it runs a patch "
+                              f"series without the dump flush (before 0.5.9-4, 0.5.17-3, 0.5.23-4)")
+            if why:
+                problems.append(f"{r}{FLUSH} (behind {url}): {why}")
+        return problems
+
+    def _flush_one(self, session_key, url: str) -> tuple:
+        """(HTTP status or None, why it did not flush or '') of one ``POST /eagle3_dump/flush``."""
+        try:
+            r = self._session(session_key).post(url + FLUSH, json={"timeout": self.flush_timeout},
+                                                timeout=self.flush_timeout + 30)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            self._local.sessions.pop(session_key, None)
+            return None, f"{type(exc).__name__}: {str(exc)[:160]}"
+        if r.status_code == 404:
+            return 404, "HTTP 404"
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code == 200 and isinstance(body, dict) and body.get("flushed") is True:
+            return 200, ""
+        detail = body.get("error") if isinstance(body, dict) and body.get("error") else r.text[:160]
+        return r.status_code, f"HTTP {r.status_code}: {detail}"
+
+    def _replicas(self, i: int):
+        """The replica URLs SGLang's router at server ``i`` lists (``GET /workers``), or None when the
+        server is no router."""
+        try:
+            r = self._session(i).get(self.urls[i] + "/workers", timeout=min(self.timeout, 30))
+            workers = r.json().get("workers") if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+        if not isinstance(workers, list) or not all(isinstance(w, dict) and isinstance(w.get("url"), str)
+                                                    for w in workers):
+            return None
+        return [w["url"].rstrip("/") for w in workers]

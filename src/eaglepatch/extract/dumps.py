@@ -1,8 +1,12 @@
-"""The patched server's per-request dump files: key, wait, read and validate.
+"""The patched server's per-request dump files: name, read and validate.
 
-A dump is ``<DIR>/<sha256 of "id0,id1,...">.safetensors`` (format ``eagle3-dump/1``), written by a
-background thread after the forward through a temporary name and a rename, so it appears whole
-some time after ``/generate`` has answered.
+A dump is ``<DIR>/<sha256 of the request's rid>.safetensors`` (format ``eagle3-dump/1``; series
+0.5.9-4, 0.5.17-3, 0.5.23-4 and later), written by a background thread after the forward through a
+temporary name and a rename, so it appears whole some time after ``/generate`` has answered;
+``POST /eagle3_dump/flush`` returns once every request prefilled before it is on disk. The client
+sends its own rid (``new_rid``), so it knows the file's name before it asks. The metadata says whose
+request the file holds: ``rid``, ``prompt_key`` (sha256 of the stored ids written "1,2,3", the
+file name of the series before) and ``input_source``.
 """
 
 from __future__ import annotations
@@ -10,38 +14,39 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "eagle3-dump/1"
 REQUIRED_META = ("format", "key", "eagle3_layer_ids", "hf_hidden_state_indices", "final", "hidden_size",
                  "num_hidden_layers", "dtype", "num_tokens")
+IDENTITY_META = ("rid", "prompt_key", "input_source")  # whose request the file holds (series of issue 19 on)
+RID_PREFIX = "eaglepatch-"
 
 
 class BadDump(Exception):
     """A dump that must not go into the dataset; the message names the file and the problem."""
 
 
-def dump_key(token_ids) -> str:
+def prompt_key(token_ids) -> str:
+    """sha256 of the ids written "id0,id1,...": the metadata's ``prompt_key`` (the file's name before
+    issue 19)."""
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
+
+
+def new_rid() -> str:
+    """A request id of this client's own: one per sample, sent with every try of it on any server."""
+    return RID_PREFIX + uuid.uuid4().hex
+
+
+def rid_key(rid: str) -> str:
+    """The dump file's key of the request ``rid``: sha256 of the rid's UTF-8 bytes."""
+    return hashlib.sha256(rid.encode("utf-8")).hexdigest()
 
 
 def dump_path(directory: Path | str, key: str) -> Path:
     return Path(directory) / f"{key}.safetensors"
-
-
-def wait_for(path: Path, timeout: float) -> bool:
-    """Poll for ``path`` until it exists or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while True:
-        if path.exists():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.2)
 
 
 def read_metadata(path: Path) -> dict:
@@ -85,9 +90,13 @@ def _json_list(meta: dict, name: str, path: Path) -> list:
 
 
 def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: bool = True,
-              key: str | None = None) -> Dump:
-    """Read ``path`` and check it against what was sent (``key``: ``dump_key(sent_ids)`` when the
-    caller has it already); raises BadDump naming the file."""
+              key: str | None = None, rid: str | None = None) -> Dump:
+    """Read ``path`` and check it against what was sent; raises BadDump naming the file.
+
+    With ``rid`` (the request's id, as sent): the file is that request's, by the contract of issue 19:
+    ``key`` = ``rid_key(rid)``, metadata ``rid`` = ``rid``, ``prompt_key`` = ``prompt_key(sent_ids)``,
+    ``input_source`` = ``input_ids``. Without it, a file of the series before: ``key`` (default
+    ``prompt_key(sent_ids)``) is the sent ids' key."""
     import torch
     from safetensors import safe_open
 
@@ -108,7 +117,21 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     if meta["format"] != FORMAT:
         raise BadDump(f"{path.name}: format {meta['format']!r}, expected {FORMAT!r}")
     sent = [int(t) for t in sent_ids]
-    if meta["key"] != (key or dump_key(sent)):
+    if rid is not None:
+        lacks = [k for k in IDENTITY_META if k not in meta]
+        if lacks:
+            raise BadDump(f"{path.name}: metadata lacks {lacks} (written by a series before 0.5.9-4 / 0.5.17-3 / "
+                          f"0.5.23-4, which names files by prompt)")
+        if meta["rid"] != rid:
+            raise BadDump(f"{path.name}: metadata rid {meta['rid']!r} is not the request's rid {rid!r}")
+        if meta["key"] != rid_key(rid):
+            raise BadDump(f"{path.name}: metadata key {meta['key'][:16]}... is not sha256 of the rid {rid!r}")
+        if meta["input_source"] != "input_ids":
+            raise BadDump(f"{path.name}: metadata input_source={meta['input_source']!r}, the request sent input_ids")
+        if meta["prompt_key"] != prompt_key(sent):
+            raise BadDump(f"{path.name}: metadata prompt_key {meta['prompt_key'][:16]}... is not the key of the "
+                          f"{len(sent)} token ids sent")
+    elif meta["key"] != (key or prompt_key(sent)):
         raise BadDump(f"{path.name}: metadata key {meta['key'][:16]}... is not the key of the sent ids")
     ids = tensors.get("input_ids")
     if ids is None:
@@ -164,15 +187,16 @@ def remove_quietly(path: Path) -> None:
         pass
 
 
-def no_dump_message(dump_dir: Path, timeout: float) -> tuple[str, str]:
-    """(problem, fix) when /generate answered but no dump appeared for the first request."""
+def no_dump_message(dump_dir: Path, what: str) -> tuple[str, str]:
+    """(problem, fix) when /generate answered and the server flushed its dumps but the first request's
+    file is not there; ``what`` names the request (rid, key) and the server."""
     others = any_server_dumps(Path(dump_dir))
     if others:
-        return (f"/generate answered but no dump for the request appeared in {dump_dir} within "
-                f"{timeout:g} s, although the directory holds {len(others)} other dump(s)",
-                "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) or raise --dump-timeout")
-    return (f"/generate answered but no dump file appeared in {dump_dir} within {timeout:g} s: "
-            f"the server is not the patched sglang, runs without EAGLE3_DUMP_DIR, or writes to a directory "
-            f"that is not {dump_dir} on this machine",
+        return (f"/generate answered and the server flushed its dumps but no dump file appeared for {what} "
+                f"in {dump_dir}, although the directory holds {len(others)} other dump(s)",
+                "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) and rerun")
+    return (f"/generate answered and the server flushed its dumps but no dump file appeared for {what} in "
+            f"{dump_dir}: the server runs without EAGLE3_DUMP_DIR, or writes to a directory that is not "
+            f"{dump_dir} on this machine",
             "start the patched server with EAGLE3_DUMP_DIR=<dir> and pass that same directory, as this "
             "machine sees it, with --dump-dir")

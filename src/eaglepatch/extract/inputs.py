@@ -32,7 +32,7 @@ class Options:
     tokenizer: Path | None = None
     max_len: int = 2048
     concurrency: int = 4
-    dump_timeout: float = 60.0
+    dump_timeout: float = 60.0  # seconds a server may take to flush its dumps (POST /eagle3_dump/flush)
     request_timeout: float = 600.0
     retries: int = 5
     max_attempts: int = 3

@@ -1,8 +1,9 @@
 """What a run records in OUT: settings, progress and the manifest.
 
 - ``.extract-settings.json``: the settings the dataset was started with (format, max length, mask
-  method, chat template hash, model sizes, then the layout once the first dump is seen); written
-  before the first sample is recorded; a resume with other settings is refused.
+  method, chat template hash, model sizes, then the layout and the first dump's provenance,
+  ``PROVENANCE``, once the first dump is seen); written before the first sample is recorded; a
+  resume with other settings is refused, and so is every dump of another provenance.
 - ``progress.jsonl``: one line per finished sample (written, or skipped for having no assistant
   token), appended after its file is in place. A sample is done when its latest line carries the
   fingerprint of the conversation as the input has it now and its file has the recorded size;
@@ -30,6 +31,10 @@ PROGRESS_FILE = "progress.jsonl"
 MANIFEST_FILE = "manifest.json"
 _NO_FILE = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # what Path.is_file() reads as "no file"
 COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
+# the dump metadata every dump of a dataset must share with its first: recorded in the settings file
+# (``dump_meta``) with the first sample, compared with every dump of every run (``run.Extractor.validate``)
+PROVENANCE = ("model_path", "architecture", "dtype", "hidden_size", "num_hidden_layers", "eagle3_layer_ids",
+              "hf_hidden_state_indices", "final", "series_version", "sglang_version")
 
 
 class Fatal(UsageError):
@@ -194,6 +199,8 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
                   "vocab_size": cfg["vocab_size"], "dtype": meta.get("dtype"), "tp_size": meta.get("tp_size")},
         "sglang_release": meta.get("sglang_version"),
         "series_version": meta.get("series_version"),
+        # the dump metadata every sample's dump shared (the first dump's, compared with every later one)
+        "dump_provenance": {k: meta.get(k) for k in PROVENANCE if k in meta},
         "tokenizer": {"path": tok.path, "mask_method": tok.mask_method, "size": len(tok)},
         "max_len": o.max_len,
         "data": str(o.data),

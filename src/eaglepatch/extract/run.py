@@ -3,8 +3,10 @@
 1. read      the conversations, the model's sizes, the tokenizer and what OUT already holds
              (``inputs.read_inputs``); nothing is written before all of it checks out;
 2. tokenize  a conversation with the chat template: token ids and assistant loss mask (``tokenize``);
-3. request   ``/generate`` with the ids and one new token, then wait for the dump (``request``);
-4. validate  the dump against what was sent and against the dataset (``validate``);
+3. request   ``/generate`` with the ids, one new token and the sample's own rid; when its dump file
+             (named by sha256 of the rid) is not there yet, flush the server (``request``);
+4. validate  the dump against what was sent (rid, prompt, ids, shapes) and against the dataset's
+             provenance: the first dump's model, dtype, layers and versions (``validate``);
 5. write     the sample file in the chosen format (``write``);
 6. record    the sample in progress.jsonl (``record``); after the last sample the format's index
              (speculators) and manifest.json (``finish``).
@@ -16,7 +18,14 @@ while and the request sent to the next one. Before the threads start, one conver
 alone to each server in turn: it proves that server writes dumps where we look (behind a router,
 the replica the router picks), and the first fixes the dataset's layout
 (``writers.resolve_layout``). Every dump is validated, whichever server wrote it, and each sample
-is written and recorded once, by this process.
+is written and recorded once, by this process. A sample's rid is the same on every try of it, on
+any server, so two tries converge on one file and two samples never share one: no lock per file.
+
+The dataset's provenance (``PROVENANCE``: the first dump's model path, architecture, dtype, sizes,
+layers, final state, series and sglang versions) is recorded with the first sample and compared
+with every later dump, in this run and in every resumed one: a dump of another model, dtype,
+layer set or series stops the run (exit 2) before its sample is written, naming the field, both
+values and the server.
 
 At the end (``finish``) the dataset is made to hold exactly the samples of the conversations in
 ``--data`` as it is now: sample files of conversations removed from it (or edited since and not
@@ -27,6 +36,7 @@ recording any sample leaves no file behind.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -39,13 +49,15 @@ from .. import conventions
 from ..errors import UsageError
 from . import dumps as dumps_mod
 from . import record as rec_mod
-from .client import RequestError, SGLangClient, TransientError
+from .client import NoFlush, RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
-from .record import Fatal
+from .record import PROVENANCE, Fatal
 from .tokenize import MaskError
 from .writers import Layout, publish_speculators, resolve_layout, sample_rel, stale_temporaries, write_sample
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
+
+_LISTS = ("eagle3_layer_ids", "hf_hidden_state_indices")
 
 
 @dataclass
@@ -60,6 +72,7 @@ class Outcome:
     tokens: int = 0
     loss_tokens: int = 0
     key: str = ""
+    rid: str = ""
     truncated: bool = False
     attempts: int = 0
 
@@ -71,9 +84,9 @@ class Extractor:
         self.o = opts
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.lock = threading.Lock()
-        self.key_locks: dict = {}
         self.layout: Layout | None = None
         self.dump_ids: list | None = None
+        self.provenance: dict | None = None  # field -> value every dump must have (PROVENANCE)
         self.bad_dumps = 0
 
     def run(self) -> int:
@@ -82,7 +95,8 @@ class Extractor:
         o = self.o
         check_options(o)
         inp = read_inputs(o)
-        client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log)
+        client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log,
+                              flush_timeout=o.dump_timeout)
         if inp.pending:  # a finished dataset reruns without a server
             client.check_reachable()
         out = Path(o.out)
@@ -112,6 +126,9 @@ class Extractor:
         o = self.o
         if inp.settings.data.get("layout"):
             self.layout = Layout.from_json(inp.settings.data["layout"])
+        recorded = inp.settings.data.get("dump_meta") or {}
+        if recorded:  # a resumed dataset: every dump of this run is compared with its first
+            self.provenance = {k: _norm(k, recorded[k]) for k in PROVENANCE if k in recorded}
         t0 = time.monotonic()
         outcomes: list[Outcome] = []
         if inp.pending:
@@ -182,31 +199,33 @@ class Extractor:
         if enc is None:
             return out
         ids, mask = enc.input_ids, enc.loss_mask
-        out.key = dumps_mod.dump_key(ids)
+        # the sample's own request id, sent with every try on any server: its file is no other's
+        out.rid = dumps_mod.new_rid()
+        out.key = dumps_mod.rid_key(out.rid)
         path = dumps_mod.dump_path(o.dump_dir, out.key)
         last = ""
-        with self._key_lock(out.key):
-            for attempt in range(1, o.max_attempts + 1):
-                out.attempts = attempt
-                last, retry = self.request(ids, path, client, probe)
-                if last and not retry:
-                    out.reason = last
-                    return out
-                if last:
-                    continue
-                try:
-                    dump = self.validate(path, ids, out.key, inp.cfg)
-                except dumps_mod.BadDump as exc:
-                    last = f"bad dump {exc}"
-                    with self.lock:
-                        self.bad_dumps += 1
-                    self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
-                    dumps_mod.remove_quietly(path)
-                    continue
-                self.write(conv, dump, mask, out)
-                if not o.keep_dumps:
-                    dumps_mod.remove_quietly(path)
+        for attempt in range(1, o.max_attempts + 1):
+            out.attempts = attempt
+            last, retry, url = self.request(ids, out.rid, path, client, probe)
+            if last and not retry:
+                out.reason = last
                 return out
+            if last:
+                self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
+                continue
+            try:
+                dump = self.validate(path, ids, out.rid, inp.cfg, url)
+            except dumps_mod.BadDump as exc:
+                last = f"bad dump from {url}: {exc}"
+                with self.lock:
+                    self.bad_dumps += 1
+                self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
+                dumps_mod.remove_quietly(path)
+                continue
+            self.write(conv, dump, mask, out)
+            if not o.keep_dumps:
+                dumps_mod.remove_quietly(path)
+            return out
         out.reason = last
         return out
 
@@ -229,15 +248,18 @@ class Extractor:
                         f"{inp.cfg['vocab_size']} (tokenizer/model mismatch)", "use the served model's tokenizer")
         return enc
 
-    def request(self, ids, path: Path, client: SGLangClient, probe: int | None) -> tuple[str, bool]:
-        """Stage 3. ('', _) once the dump file is there, else (why not, whether a retry may help).
-        ``probe``: send to that server only, and stop the run if it fails."""
+    def request(self, ids, rid: str, path: Path, client: SGLangClient, probe: int | None) -> tuple[str, bool, str]:
+        """Stage 3. ('', _, url) once the dump file is there, else (why not, whether a retry may help,
+        url); url: the server that answered. When the file is not there after the answer, the server
+        is flushed once (its replicas, behind the router) and the file read again; the probe always
+        flushes, so a server without the flush is refused at once. ``probe``: send to that server
+        only, and stop the run if it fails."""
         o = self.o
-        dumps_mod.remove_quietly(path)  # never read a stale dump of an earlier request
+        dumps_mod.remove_quietly(path)  # never read a file of an earlier try (a bad one, or a late write)
         try:
-            client.generate(ids, server=probe)
+            answer, i = client.generate(ids, rid=rid, server=probe)
         except RequestError as exc:
-            return f"server refused the request: {exc}", False
+            return f"server refused the request: {exc}", False, ""
         except TransientError as exc:
             if probe is not None or not client.alive():
                 who = (f"the server at {client.urls[probe or 0]} stopped answering"
@@ -245,31 +267,43 @@ class Extractor:
                        else f"none of the {len(client.urls)} servers answers")
                 raise Fatal(f"{who} ({exc})",
                             "look at the server logs, restart them and rerun (done samples are kept)") from None
-            return f"/generate failed: {exc}", True
-        if not dumps_mod.wait_for(path, o.dump_timeout):
-            if probe is not None:
-                problem, fix = dumps_mod.no_dump_message(Path(o.dump_dir), o.dump_timeout)
-                if len(client.urls) > 1:
-                    problem = f"server {client.urls[probe]}: {problem}"
-                raise Fatal(problem, fix)
-            return f"no dump file {path.name} appeared within {o.dump_timeout:g} s", True
-        return "", False
+            return f"/generate failed: {exc}", True, ""
+        answered, url = time.monotonic(), client.urls[i]
+        problems = []
+        if probe is not None or not path.exists():
+            try:
+                problems = client.flush(i, answered)
+            except NoFlush as exc:
+                raise Fatal(str(exc), "patch that server with this checkout's series (python3 tools/apply.py, or "
+                                      "tools/serve.py --sglang) and restart it; upgrade the series on every replica") from None
+        if path.exists():
+            return "", False, url
+        said = (answer.get("meta_info") or {}).get("id") if isinstance(answer, dict) else None
+        what = f"rid {rid} (key {path.stem}) from {url}"
+        if isinstance(said, str) and said != rid:
+            what += f", which answered with rid {said!r}"
+        if problems:
+            what += f" ({'; '.join(problems)})"
+        if probe is not None:
+            raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), what))
+        return f"no dump file {path.name} for {what} after the flush", True, url
 
-    def validate(self, path: Path, ids, key: str, cfg: dict):
-        """Stage 4. The dump, checked against the sent ids, the model and the dataset's layout;
-        BadDump for a file to retry, Fatal for a server that does not match the dataset."""
-        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, key=key)
+    def validate(self, path: Path, ids, rid: str, cfg: dict, url: str):
+        """Stage 4. The dump, checked against the request (rid, prompt, ids), the model, the dataset's
+        provenance and layout; BadDump for a file to retry, Fatal for a server that does not match
+        the dataset (``url``: the server that answered)."""
+        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, rid=rid)
         m = dump.meta
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
-                raise Fatal(f"the server serves a model with {k}={m[k]} but --model {self.o.model} has {k}={cfg[k]} "
-                            f"(tokenizer/model mismatch)", "pass the served model's directory as --model")
+                raise Fatal(f"the server at {url} serves a model with {k}={m[k]} but --model {self.o.model} has "
+                            f"{k}={cfg[k]} (tokenizer/model mismatch)", "pass the served model's directory as --model")
         with self.lock:
+            if self.provenance is None:  # the dataset's first dump
+                self.provenance = {k: _norm(k, m.get(k)) for k in PROVENANCE}
+            self._check_provenance(dump, url)
             if self.dump_ids is None:
                 self._first_dump(dump, cfg)
-        if list(dump.layer_ids) != self.dump_ids:
-            raise Fatal(f"the server dumps EAGLE-3 layers {dump.layer_ids}, earlier {self.dump_ids}",
-                        "keep EAGLE3_DUMP_LAYERS fixed while extracting")
         last = self.layout.last
         if last is not None and dump.final is not None and dump.layers[f"layer.{last}"].equal(dump.final):
             raise Fatal(f"the dump's layer.{last} equals the post-norm final state: the server stores the normalised "
@@ -277,6 +311,17 @@ class Extractor:
                         "serve with a series whose EAGLE-3 id N-1 is the last layer's output before the final norm "
                         "(series version 0.5.9-2 or later)")
         return dump
+
+    def _check_provenance(self, dump, url: str) -> None:
+        """Fatal when ``dump`` (written by the server at ``url``) differs from the dataset's first dump in
+        a ``PROVENANCE`` field."""
+        for k, want in self.provenance.items():
+            have = _norm(k, dump.meta.get(k))
+            if have != want:
+                raise Fatal(f"the dump {dump.path.name} from {url} has {k}={have!r} but the dataset {self.o.out} was "
+                            f"extracted from dumps with {k}={want!r}",
+                            "serve the dataset's model with its dtype, EAGLE3_DUMP_LAYERS and patch series on every "
+                            "server to resume, or pass a new --out")
 
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
@@ -289,10 +334,8 @@ class Extractor:
             raise Fatal(f"the server's dump gives layout {lay.to_json()} but {self.o.out} holds {self.layout.to_json()}",
                         "restart the server with the dataset's EAGLE3_DUMP_LAYERS, or pass a new --out")
         self.layout, self.dump_ids = lay, list(dump.layer_ids)
-        self.dump_meta = {k: dump.meta.get(k) for k in (
-            "architecture", "model_path", "hidden_size", "num_hidden_layers", "dtype", "sglang_version",
-            "series_version", "tp_size", "final", "eagle3_layer_ids")}
-        self.dump_meta["eagle3_layer_ids"] = list(dump.layer_ids)
+        self.dump_meta = {k: dump.meta.get(k) for k in (*PROVENANCE, "tp_size")}
+        self.dump_meta.update({k: _norm(k, dump.meta.get(k)) for k in _LISTS})
         self.dump_meta["layer_id_reading"] = rule
 
     def write(self, conv, dump, mask, out: Outcome) -> None:
@@ -319,7 +362,8 @@ class Extractor:
         elif not st.saved:
             st.save()
         rec = {"id": x.conv_id, "index": x.index, "fp": x.fp, "file": x.rel or None, "bytes": x.nbytes,
-               "tokens": x.tokens, "loss_tokens": x.loss_tokens, "key": x.key, "truncated": x.truncated}
+               "tokens": x.tokens, "loss_tokens": x.loss_tokens, "key": x.key, "rid": x.rid or None,
+               "truncated": x.truncated}
         if x.status == "skipped":
             rec["skipped"] = x.reason
         rec_mod.append_progress(Path(self.o.out), rec)
@@ -345,8 +389,8 @@ class Extractor:
         retried = client.retried
         last_run = {"wall_s": round(wall, 3), "extracted": len(ok), "failed": len(failed), "skipped": len(skipped),
                     "bad_dumps_rejected": self.bad_dumps, "request_retries": retried, "stale_samples_removed": removed,
-                    "servers": [{"url": u, "answered": n, "put_aside": a}
-                                for u, n, a in zip(client.urls, client.answered, client.put_aside)]}
+                    "servers": [{"url": u, "answered": n, "put_aside": a, "flushes": f}
+                                for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)]}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
         if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
             if o.format == "speculators":
@@ -371,9 +415,20 @@ class Extractor:
             self.log(f"failed: {x.conv_id}: {x.reason}")
         return 1 if failed else 0
 
-    def _key_lock(self, key: str) -> threading.Lock:
-        with self.lock:
-            return self.key_locks.setdefault(key, threading.Lock())
+
+def _norm(field: str, value):
+    """A provenance value as compared: layer lists as lists of ints (the metadata holds JSON, the
+    settings file lists), the rest as strings (None: absent)."""
+    if value is None:
+        return None
+    if field in _LISTS:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return value
+        return [int(x) for x in value] if isinstance(value, list) else value
+    return str(value)
 
 def _remove_empty_tree(root: Path) -> None:
     """Remove ``root`` and the directories under it that hold no file (a run that recorded nothing)."""
