@@ -57,7 +57,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     if not Path(ckpt, "config.json").exists():
         _hf.build_deepseek(Path(ckpt))
     from sglang.srt.eagle3_capture import capture_target
-    from sglang.srt.eagle3_capture.dump import dump_key
+    from sglang.srt.eagle3_capture.dump import request_key
 
     messages = []
 
@@ -87,9 +87,9 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
 
     rng = random.Random(7)
 
-    def forward(runner, prompts):
+    def forward(runner, prompts, rids):
         try:
-            o = _rt.extend(runner, prompts).next_token_logits
+            o = _rt.extend(runner, prompts, rids=rids).next_token_logits
             return {"logits_ok": bool(o is not None and tuple(o.shape)[0] == len(prompts)
                                       and torch.isfinite(o).all())}
         except Exception as exc:
@@ -107,9 +107,9 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
         if i == 4:  # space returns
             for name in os.listdir(full):
                 os.unlink(os.path.join(full, name))
-        step = forward(runner, [p])
+        step = forward(runner, [p], ["full-%d" % i])
         writer.flush()
-        step.update(key=dump_key(p), written=writer.written, failed=writer.failed,
+        step.update(key=request_key("full-%d" % i), written=writer.written, failed=writer.failed,
                     files=sorted(os.listdir(full)))
         steps.append(step)
     res["full"] = {"steps": steps, "log": [m for m in messages if "failed" in m]}
@@ -127,9 +127,8 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     for b in range(0, BURST_REQUESTS, BURST_BATCH):
         batch = prompts[b:b + BURST_BATCH]
         tokens = sum(map(len, batch))
-        # rows (states float32, ids int64) + each request's slot (int64) and full length (int32),
-        # which the writer reads to follow requests across chunked-prefill forwards
-        largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8) + len(batch) * (8 + 4))
+        # rows: the states (float32) and the ids (int64)
+        largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8))
         import threading
 
         def hung(k=b // BURST_BATCH):
@@ -140,7 +139,7 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
 
         watchdog = threading.Timer(HANG_S, hung)
         watchdog.start()
-        step = forward(runner, batch)  # no flush: the writer drains while the next prefill runs
+        step = forward(runner, batch, ["burst-%d" % j for j in range(b, b + len(batch))])  # no flush: the writer drains while the next prefill runs
         watchdog.cancel()
         if not step["logits_ok"]:
             errors.append("prefill %d: %s" % (b // BURST_BATCH, step.get("error", "bad logits")))
@@ -148,16 +147,17 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     checked = {}
     from safetensors import safe_open
 
-    for p in prompts:
-        f = Path(burst, dump_key(p) + ".safetensors")
+    for j, p in enumerate(prompts):
+        key = request_key("burst-%d" % j)
+        f = Path(burst, key + ".safetensors")
         if not f.exists():
-            checked[dump_key(p)] = "missing"
+            checked[key] = "missing"
             continue
         with safe_open(str(f), "pt") as st:
             ids = st.get_tensor("input_ids").tolist()
             shapes = {k: list(st.get_tensor(k).shape) for k in st.keys() if k != "input_ids"}
         want = {k: [len(p), HIDDEN] for k in ["layer.-1", "layer.1", "layer.2", "final"]}
-        checked[dump_key(p)] = "ok" if ids == p and shapes == want else "wrong: ids %s shapes %s" % (
+        checked[key] = "ok" if ids == p and shapes == want else "wrong: ids %s shapes %s" % (
             ids[:4], shapes)
     res["burst"] = {"errors": errors, "written": writer.written, "failed": writer.failed,
                     "peak_pending": writer.peak_pending_bytes, "cap": writer.max_pending_bytes,

@@ -78,10 +78,19 @@ def make_runner(sa):
     return runner
 
 
-def requests(prompts, max_new_tokens=1):
+def requests(prompts, max_new_tokens=1, rids=None):
+    """The release's Req objects for ``prompts``; each with its own request id (``rids``, or new
+    unique ones: the benchmark numbers every call's requests 0, 1, ..., and the dump names a file
+    by its request id)."""
+    import uuid
+
     b = bench()
     b.BenchArgs.output_len = max_new_tokens
-    return b.prepare_synthetic_inputs_for_latency_test(len(prompts), 0, [list(p) for p in prompts])
+    reqs = b.prepare_synthetic_inputs_for_latency_test(len(prompts), 0, [list(p) for p in prompts])
+    call = uuid.uuid4().hex[:12]
+    for i, r in enumerate(reqs):
+        r.rid = str(rids[i]) if rids is not None else "smoke-%s-%d" % (call, i)
+    return reqs
 
 
 class _Capture:
@@ -126,12 +135,12 @@ def clear(runner) -> None:
     runner.token_to_kv_pool_allocator.clear()
 
 
-def extend(runner, prompts, capture_full=False):
+def extend(runner, prompts, capture_full=False, rids=None):
     """One prefill of all prompts; the LogitsProcessorOutput (hidden_states with capture_full)."""
     import torch
 
     with torch.no_grad(), _Capture(runner, capture_full) as cap:
-        bench().extend(requests(prompts), runner)
+        bench().extend(requests(prompts, rids=rids), runner)
     clear(runner)
     return cap.output.logits_output
 
