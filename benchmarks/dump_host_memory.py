@@ -81,11 +81,14 @@ class _Mode:
 
 
 class _Batch:
-    """The ForwardBatch fields DumpWriter.submit reads."""
+    """The ForwardBatch fields DumpWriter.submit reads, and the requests the package's identity
+    hook attaches to a prefill's ForwardBatch (one request id per slot)."""
 
-    def __init__(self, ids, lens, prefixes, slots, totals, device):
+    def __init__(self, ids, lens, prefixes, slots, totals, device, tag="r"):
         import torch
 
+        identity = _module("identity")
+        self._eagle3_requests = [identity.RequestInfo("%s-%d" % (tag, s), int(t)) for s, t in zip(slots, totals)]
         self.forward_mode = _Mode()
         self.input_ids = ids
         self.extend_seq_lens_cpu = list(lens)
@@ -244,7 +247,7 @@ def ratio_run(a, torch, device) -> dict:
             captured, final = _forward(x, weight, k, capture_at)
             if writer is not None:
                 ids = torch.randint(2, 150000, (n,), device=device)
-                writer.submit(_Batch(ids, [n], [0], [slot], [n], device), captured, final)
+                writer.submit(_Batch(ids, [n], [0], [slot], [n], device, tag="ratio-%x" % id(writer)), captured, final)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

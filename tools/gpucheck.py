@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
     ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on)")
+    ap.add_argument("--g-modes", default="off,on,http",
+                    help="check g's engines, comma-separated: off (overlap scheduler off), on (overlap on), "
+                         "http (overlap on, launch_server over HTTP); default off,on,http")
     ap.add_argument("--out", type=Path, default=Path("gpucheck-results.json"), help="results JSON")
     ap.add_argument("--logs", type=Path, help="also write the engine logs as one .tar.gz")
     ap.add_argument("--work", type=Path, default=Path("/tmp/eaglepatch-gpucheck"), help="scratch directory")
@@ -70,13 +73,16 @@ def main(argv=None) -> int:
         bad = sorted(set(a.checks) - set(CHECKS))
         if bad or not a.checks:
             raise UsageError("--checks %r has unknown letters %s" % (a.checks, bad), "use letters of %s" % CHECKS)
+        bad_modes = sorted(set(a.g_modes.split(",")) - {"off", "on", "http"})
+        if bad_modes or not a.g_modes:
+            raise UsageError("--g-modes %r has unknown modes %s" % (a.g_modes, bad_modes), "use off, on and/or http")
         if a.new_tokens < 2:
             raise UsageError("--new-tokens %d is too small" % a.new_tokens, "use at least 2 (verify needs decoding)")
         opts = Options(out=a.out, work=a.work, site=a.site, package_parent=a.package_parent, series=a.series,
                        patched_files=a.patched_files,
                        unpatched_parent=a.unpatched_parent, checks=a.checks, budget_s=a.budget_s,
                        new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph,
-                       cpu=a.cpu)
+                       cpu=a.cpu, g_modes=a.g_modes)
         try:
             res = run_check(opts)
         finally:
