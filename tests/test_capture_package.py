@@ -964,6 +964,21 @@ def test_release_facts_decide_the_moe_dense_and_draft_refusals(monkeypatch):
     settings.check_draft_args(_args(speculative_algorithm=None))  # no draft, no dump: nothing to check
 
 
+def test_prefill_cp_refusal_names_cp_not_what_the_release_derives_from_it():
+    """On DeepSeek (MLA / DSA) 0.5.17 and 0.5.23 resolve --enable-prefill-cp into DP attention,
+    --moe-a2a-backend deepep and --moe-dense-tp-size 1 as well: the refusal must name what the user
+    set, not tell them to drop a backend they never chose."""
+    derived = dict(enable_prefill_cp=True, cp_strategy="zigzag", tp_size=2, attn_cp_size=2, moe_a2a_backend="deepep",
+                   enable_dp_attention=True, dp_size=2, moe_dense_tp_size=1)
+    with pytest.raises(settings.DumpConfigError, match=r"prefill context parallelism \(--enable-prefill-cp"):
+        settings.check_server_args(_args(**derived))
+    with pytest.raises(settings.DumpConfigError, match=r"DP attention .*2 attention ranks"):
+        settings.check_server_args(_args(enable_dp_attention=True, dp_size=2, tp_size=2))
+    with pytest.raises(settings.DumpConfigError, match=r"DP attention .*4 attention ranks"):
+        settings.check_server_args(_args(attn_dp_size=4, tp_size=4))
+    settings.check_server_args(_args(enable_dp_attention=False, dp_size=2))  # plain DP replicas: not refused
+
+
 _NODE_CHILD = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])

@@ -141,21 +141,32 @@ def _no_ids_draft(ckpt: Path, work: Path, prompts, refs):
         _rt.release(runner)
 
 
+# Each setting as a GPU machine's launch spells it: the release's constructor validates and
+# resolves it (on 0.5.17/0.5.23 settings read through their resolved view), so where the release
+# itself would turn a setting off, the case says what a launch needs for the setting to be in force:
+#   - a prefill CUDA graph needs a GPU attention backend (every release turns graphs off for
+#     torch_native, the CPU smoke's backend, on any device);
+#   - --enable-dp-attention needs --dp-size > 1 (the release resolves it to False at dp_size 1;
+#     0.5.23 rewrites the pair into --attn-dp-size 2);
+#   - --attn-dp-size 2 needs --tp-size 2, --enable-prefill-cp a --cp-strategy;
+#   - DFLASH / DSPARK targets need device "cuda" (the releases refuse them on "cpu") and a draft
+#     path: the ServerArgs of a CUDA launch, built here without initialising CUDA.
+# "{ckpt}" stands for the smoke checkpoint.
 REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, what must then be in force])
     ("radix cache on", {"disable_radix_cache": False}, "--disable-radix-cache"),
     ("mixed chunk", {"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
     ("two-batch overlap", {"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ("piecewise cuda graph", {"enable_piecewise_cuda_graph": True}, "--enable-piecewise-cuda-graph"),
     ("prefill cuda graph", {"disable_cuda_graph": False, "disable_prefill_cuda_graph": False,
-                            "cuda_graph_backend_prefill": "full"},
+                            "cuda_graph_backend_prefill": "full", "attention_backend": "triton"},
      "--disable-prefill-cuda-graph", "prefill_graph"),
-    ("dp attention", {"enable_dp_attention": True}, "DP attention"),
-    ("attention dp size", {"attn_dp_size": 2}, "DP attention"),
+    ("dp attention", {"enable_dp_attention": True, "dp_size": 2, "tp_size": 2}, "DP attention", "attention_dp"),
+    ("attention dp size", {"attn_dp_size": 2, "tp_size": 2}, "DP attention", "attention_dp"),
     ("pp > 1", {"pp_size": 2}, "--pp-size"),
     ("deepep a2a", {"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
     ("mooncake a2a", {"moe_a2a_backend": "mooncake"}, "--moe-a2a-backend"),
     ("pdmux", {"enable_pdmux": True}, "--enable-pdmux"),
-    ("prefill context parallel", {"enable_prefill_cp": True}, "--enable-prefill-cp"),
+    ("prefill context parallel", {"enable_prefill_cp": True, "cp_strategy": "zigzag"}, "--enable-prefill-cp"),
     ("nsa prefill context parallel", {"enable_nsa_prefill_context_parallel": True},
      "--enable-nsa-prefill-context-parallel"),
     ("scattered attention input at tp 2", {"tp_size": 2, "enable_attn_tp_input_scattered": True},
@@ -164,65 +175,47 @@ REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, wha
 ]
 # Refusals a release fact decides (settings.RELEASE_FACTS): (label, settings, text, does the
 # release refuse it?); where the fact says no, check_launch must accept the setting.
+CUDA_DRAFT = {"device": "cuda", "speculative_draft_model_path": "{ckpt}"}
 FACT_REFUSALS = [
     ("moe dense tp 1 at tp 2", {"tp_size": 2, "moe_dense_tp_size": 1}, "--moe-dense-tp-size 1",
      lambda f: f["moe_dense_tp1_scatters_capture"]),
-    ("dflash target", {"speculative_algorithm": "DFLASH"}, "--speculative-algorithm DFLASH",
+    ("dflash target", dict(CUDA_DRAFT, speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH",
      lambda f: "DFLASH" in f["drafts_overwriting_capture"]),
-    ("dspark target", {"speculative_algorithm": "DSPARK"}, "--speculative-algorithm DSPARK",
+    ("dspark target", dict(CUDA_DRAFT, speculative_algorithm="DSPARK"), "--speculative-algorithm DSPARK",
      lambda f: "DSPARK" in f["drafts_overwriting_capture"]),
 ]
 # Accepted with the dump on: LoRA (dump files name their adapter), on every release.
 ACCEPTED = [("lora", {"enable_lora": True})]
 
 
-def _args_with(ckpt, settings: dict):
-    """Real ServerArgs of this release with these settings: set after sglang's own validation
-    (which rejects some settings on a CPU), or passed to the constructor where the release keeps
-    resolved arguments read-only. (ServerArgs, how) or (None, why not)."""
-    sa = _rt.server_args(ckpt, load_format="dummy")
-    try:
-        for attr, value in settings.items():
-            setattr(sa, attr, value)
-        return sa, "set after validation"
-    except Exception as read_only:
-        try:
-            return _rt.server_args(ckpt, load_format="dummy", **settings), "constructor"
-        except Exception as exc:
-            refused = "read-only (%s) and the constructor refuses it here (%s: %s)" % (
-                str(read_only)[:80], type(exc).__name__, str(exc)[:160])
-        failed = "no base class has a setter"
-        # the release validates against this CPU (e.g. DFLASH needs CUDA): write past its lock,
-        # as a GPU machine's validated arguments would hold it; the caller checks what reads back
-        sa = _rt.server_args(ckpt, load_format="dummy")
-        for base in type(sa).__mro__[1:]:  # the setter under the release's lock (object's, msgspec.Struct's)
-            setter = base.__dict__.get("__setattr__")
-            if setter is None:
-                continue
-            try:
-                for attr, value in settings.items():
-                    setter(sa, attr, value)
-            except Exception as exc:
-                failed = "%s: %s" % (type(exc).__name__, str(exc)[:120])
-                continue
-            return sa, "forced past the release's CPU validation (%s.__setattr__)" % base.__name__
-        return None, "%s; forcing it failed too (%s)" % (refused, failed)
+def _filled(ckpt, settings: dict) -> dict:
+    return {a: v.format(ckpt=ckpt) if isinstance(v, str) else v for a, v in settings.items()}
 
 
-def _exercise(ckpt, probe, label, settings, effect=None):
-    """(ServerArgs carrying ``settings`` as the rules read them, how) or (None, why it cannot be)."""
+def _exercise(ckpt, settings, effect=None):
+    """(ServerArgs of this release built with ``settings``, how) or (None, why it cannot be).
+    The release's own constructor builds them (its validation and resolution, as at a launch);
+    nothing is written past it. Without an ``effect`` each setting must read back unchanged from
+    the release's resolved view; with one (a name of a rule reader in settings: what the rule
+    sees in force), the release may respell the settings, and that reader must find it on."""
     from sglang.srt.eagle3_capture import settings as settings_mod
     from sglang.srt.eagle3_capture.settings import resolved
 
-    sa, how = _args_with(ckpt, settings)
-    if sa is None:
-        return None, how
+    settings = _filled(ckpt, settings)
+    try:
+        sa = _rt.server_args(ckpt, load_format="dummy", **settings)
+    except Exception as exc:
+        return None, "the release's ServerArgs refuse %s here (%s: %s)" % (settings, type(exc).__name__, str(exc)[:200])
     view = resolved(sa)
     changed = {a: getattr(view, a, None) for a, v in settings.items() if getattr(view, a, None) != v}
+    how = "constructor" + (", device 'cuda' (built without initialising CUDA)" if settings.get("device") == "cuda" else "")
+    if effect:
+        in_force = getattr(settings_mod, "_" + effect)(view)
+        if in_force is None:
+            return None, "the release resolves %s so that no %s is in force (%s)" % (settings, effect, changed or "as set")
+        return sa, "%s; %s in force: %s%s" % (how, effect, in_force, "; resolved as %s" % changed if changed else "")
     if changed:
         return None, "this release resolves %s to %s" % (settings, changed)
-    if effect and getattr(settings_mod, "_" + effect)(view) is None:
-        return None, "with these CPU settings the release turns it off (%s)" % (settings,)
     return sa, how
 
 
@@ -239,10 +232,11 @@ def _launch(sa):
 
 def check_e(ckpt: Path, work: Path) -> None:
     """Every rule at the launch check (what launch_server and Engine run before any worker),
-    on this release's real ServerArgs; then one refusal inside ModelRunner init (the second line
-    of defence). A rule whose setting this release lacks must be declared absent in
-    settings.RELEASE_FACTS (and is confirmed absent); any other rule this run cannot exercise
-    FAILS (never a silent skip)."""
+    on ServerArgs this release's constructor builds and resolves from each setting as a launch
+    spells it (REFUSALS); then one refusal inside ModelRunner init (the second line of defence).
+    A rule whose setting this release lacks must be declared absent in settings.RELEASE_FACTS
+    (and is confirmed absent); any other rule this run cannot exercise FAILS (never a silent
+    skip)."""
     from sglang.srt import eagle3_capture
     from sglang.srt.eagle3_capture.settings import SERIES_RELEASE, release_facts
 
@@ -270,29 +264,30 @@ def check_e(ckpt: Path, work: Path) -> None:
 
                 algo = st["speculative_algorithm"]
                 ok = not hasattr(SpeculativeAlgorithm, algo)
-                result("e. not on sglang %s: %s" % (SERIES_RELEASE, label), ok, "absent" if ok else "facts wrong",
+                result("e. no such draft on sglang %s: %s" % (SERIES_RELEASE, label), ok,
+                       "absent" if ok else "facts wrong",
                        "SpeculativeAlgorithm %s %s; RELEASE_FACTS lists no refusal for it"
                        % ("lacks" if ok else "has", algo))
                 continue
-            sa, how = _exercise(ckpt, probe, label, st, effect[0] if effect else None)
+            sa, how = _exercise(ckpt, st, effect[0] if effect else None)
             if sa is None:
-                result(name, False, "not exercised", "cannot set %s on this release's ServerArgs here: %s" % (st, how))
+                result(name, False, "not exercised", "cannot launch with %s on this release: %s" % (st, how))
                 continue
             msg = _launch(sa)
             if refuses:
                 ok = (msg is not None and msg.startswith("error: EAGLE3_DUMP_DIR is set but") and needle in msg
                       and "\n" not in msg)
                 result(name, ok, "refused" if ok else ("passed" if msg is None else "wrong message"),
-                       "%s (%s)" % (msg[:300] if msg else "check_launch accepted %s" % st, how))
+                       "%s (%s: %s)" % (msg[:300] if msg else "check_launch accepted it", st, how))
             else:
                 result(name, msg is None, "accepted" if msg is None else "refused",
-                       "%s (%s)" % (msg[:300] if msg else "check_launch accepted %s" % st, how))
+                       "%s (%s: %s)" % (msg[:300] if msg else "check_launch accepted it", st, how))
         guarded(E_RUNNER_NAME)(_runner_refusal)(ckpt)
     # an EAGLE-3 draft at TP > 1 with --moe-dense-tp-size 1, dump off: refused where the fact holds
     if facts["moe_dense_tp1_scatters_capture"]:
         st = {"tp_size": 2, "moe_dense_tp_size": 1, "speculative_algorithm": "EAGLE3"}
         with Dumping(None):
-            sa, how = _exercise(ckpt, None, "draft moe dense", st)
+            sa, how = _exercise(ckpt, st)
             msg = _launch(sa) if sa is not None else "not exercised: " + how
         ok = bool(msg) and msg.startswith("error: --speculative-algorithm EAGLE3 with --moe-dense-tp-size 1")
         result("e. refused at launch, dump off: EAGLE3 draft with moe dense tp 1 at tp 2", ok,

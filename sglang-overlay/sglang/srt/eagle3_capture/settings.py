@@ -203,12 +203,23 @@ def _prefill_graph(args) -> Optional[str]:
     return str(backend)
 
 
+def _attention_dp(args) -> Optional[int]:
+    """The attention data-parallel width in force (> 1), or None. Releases spell it
+    ``--attn-dp-size N`` or (older, and deprecated where both exist) ``--enable-dp-attention``
+    with ``--dp-size N``; 0.5.23 resolves the old spelling into ``attn_dp_size``."""
+    size = getattr(args, "attn_dp_size", None) or 1
+    if getattr(args, "enable_dp_attention", False):
+        size = max(size, getattr(args, "dp_size", None) or 1, 2)
+    return size if size > 1 else None
+
+
 # What the launch rules need to know of each release, in this one place (smoke check e reads it
 # too). A release not listed refuses every launch with a dump or a draft: declare it here when
 # porting the series.
-#   absent_fields: ServerArgs fields some rule reads that the release does not have (the rule
-#       cannot fire there; smoke check e confirms each is absent and fails on any other rule it
-#       cannot exercise).
+#   absent_fields: ServerArgs fields some rule reads (or a launch sets with one, like
+#       --cp-strategy with --enable-prefill-cp) that the release does not have (the rule cannot
+#       fire there; smoke check e confirms each is absent and fails on any other rule it cannot
+#       exercise).
 #   moe_dense_tp1_scatters_capture: with --moe-dense-tp-size 1 at TP > 1 the dense layers' rows
 #       are scattered across ranks and the release's layer-loop capture does not gather them.
 #   drafts_overwriting_capture: speculative algorithms whose target setup overwrites
@@ -216,7 +227,7 @@ def _prefill_graph(args) -> Optional[str]:
 RELEASE_FACTS = {
     "0.5.9": {
         "absent_fields": ("disable_prefill_cuda_graph", "cuda_graph_config", "cuda_graph_backend_prefill",
-                          "attn_dp_size", "enable_prefill_cp"),
+                          "attn_dp_size", "enable_prefill_cp", "cp_strategy"),
         "moe_dense_tp1_scatters_capture": True,
         "drafts_overwriting_capture": (),
     },
@@ -277,7 +288,7 @@ def check_server_args(args) -> None:
         return default if value is None else value
 
     tp_size = arg("tp_size", 1)
-    attn_dp = max(arg("attn_dp_size", 1), 2 if arg("enable_dp_attention", False) else 1)
+    attn_dp = _attention_dp(args)
     attn_cp = arg("attn_cp_size", 1)
     a2a = arg("moe_a2a_backend", "none")
     a2a = str(getattr(a2a, "value", a2a) or "none")
@@ -306,10 +317,22 @@ def check_server_args(args) -> None:
             f"a prefill CUDA graph (--cuda-graph-backend-prefill {graph}) would bake the dump into "
             f"a graph; add --disable-prefill-cuda-graph",
         ),
+        # context parallelism before the settings a release derives from it (DeepSeek MLA / DSA:
+        # --enable-prefill-cp turns on DP attention, --moe-a2a-backend deepep and
+        # --moe-dense-tp-size 1): the refusal names what the user set
         (
-            attn_dp > 1,
-            "DP attention (--attn-dp-size / --enable-dp-attention) splits requests across "
-            "attention ranks; drop it",
+            arg("enable_nsa_prefill_context_parallel", False),
+            "--enable-nsa-prefill-context-parallel splits prefill tokens across ranks; drop it",
+        ),
+        (
+            arg("enable_prefill_cp", False) or attn_cp > 1,
+            "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) splits prefill "
+            "tokens across ranks; drop it",
+        ),
+        (
+            attn_dp is not None,
+            f"DP attention (--attn-dp-size / --enable-dp-attention, {attn_dp} attention ranks) splits "
+            f"requests across attention ranks; drop it",
         ),
         (
             arg("pp_size", 1) > 1,
@@ -326,15 +349,6 @@ def check_server_args(args) -> None:
         (
             arg("enable_pdmux", False),
             "--enable-pdmux splits prefills across forwards; drop it",
-        ),
-        (
-            arg("enable_nsa_prefill_context_parallel", False),
-            "--enable-nsa-prefill-context-parallel splits prefill tokens across ranks; drop it",
-        ),
-        (
-            arg("enable_prefill_cp", False) or attn_cp > 1,
-            "prefill context parallelism (--enable-prefill-cp / --attn-cp-size) splits prefill "
-            "tokens across ranks; drop it",
         ),
         (
             facts["moe_dense_tp1_scatters_capture"] and tp_size > 1 and arg("moe_dense_tp_size") == 1,
