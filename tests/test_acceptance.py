@@ -1,0 +1,74 @@
+"""tools/acceptance.py at toy scale on CPU: the same pipeline as the GPU run (a DeepSeek-V3 target
+trained on a synthetic language and gated, greedy data from the patched sglang 0.5.9 CPU server,
+tools/extract.py, SpecForge 0.2.0 drafts, tools/guard.py on every control), with serving replayed
+(sglang runs no EAGLE-3 decoding on CPU). Asserts the gates' figures, guard's verdicts and the
+controls' ordering, not only that it ran."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    work = tmp_path_factory.mktemp("acceptance")
+    out = work / "result.json"
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "acceptance.py"), "--cpu", "--work", str(work / "w"),
+                        "--out", str(out), "--budget-s", "420"], capture_output=True, text=True, timeout=900)
+    assert out.is_file(), p.stderr[-3000:]
+    return p, json.loads(out.read_text())
+
+
+def test_target_gates(result):
+    _, r = result
+    g = r["target"]["gates"]
+    assert r["verdicts"]["target_gates"]["passed"], g
+    assert g["bf16_fp32_agreement"] >= 0.99 and g["bigram_predictability"] <= 0.5 and g["loop_rate"] <= 0.2, g
+    assert g["task_accuracy"] >= 0.5, g  # the target learned the language: its next token needs the one two back
+
+
+def test_data_went_through_extract(result):
+    _, r = result
+    ex = r["extract"]
+    assert ex["ds-train@correct"]["rc"] == 0 and ex["ds-train@correct"]["aux_hf"] == [0, 2, 3]
+    assert ex["ds-heldout@off_by_one"]["aux_hf"] == [1, 3, 4]  # what the off-by-one reading serves
+    for name in ("ds-train@correct", "ds-heldout@correct"):
+        ds = Path(r["target"]["path"]).parent / "data" / name
+        assert (ds / "manifest.json").is_file() and list(ds.rglob("*.ckpt")), name
+
+
+def test_guard_fails_exactly_the_mismatched(result):
+    _, r = result
+    g = r["guard"]
+    assert g["correct"]["rc"] == 0 and g["floor"]["rc"] == 0, g
+    assert g["off_by_one"]["rc"] == 1, g
+    # unpatched 0.5.9 cannot capture index 0 (the embedding output) that the upstream-id draft reads
+    assert g["upstream_ids"]["rc"] == 1, g
+    assert r["verdicts"]["guard"]["passed"], r["verdicts"]["guard"]
+
+
+def test_served_correct_beats_off_by_one(result):
+    _, r = result
+    a = r["verdicts"]["serve"]["accept_length"]
+    assert a["correct"] > a["off_by_one"], a
+    pred = r["drafts"]["correct"]["heldout"]
+    assert len(pred["step_accuracies"]) == 3 and 1.0 <= pred["predicted_accept_length"] <= 4.0, pred
+
+
+@pytest.mark.xfail(strict=True, reason="at toy scale the language (next = g(token two back)) is one a one-layer draft "
+                                       "learns from its own inputs: the floor draft reaches the correct one (measured)")
+def test_served_correct_beats_floor(result):
+    _, r = result
+    a = r["verdicts"]["serve"]["accept_length"]
+    assert a["correct"] > a["floor"], a
+
+
+def test_every_phase_timed(result):
+    _, r = result
+    assert set(r["phases"]) == {"target", "data", "drafts", "guard", "serve"}
+    assert all("wall_s" in v for v in r["phases"].values()), r["phases"]
