@@ -34,7 +34,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import conventions
 from ..errors import UsageError
 from . import language as lang_mod
 

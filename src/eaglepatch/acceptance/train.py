@@ -6,7 +6,6 @@ as SGLang loads it). Needs torch, transformers, safetensors and (drafts) specfor
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
