@@ -80,3 +80,56 @@ def test_every_phase_timed(result):
     _, r = result
     assert set(r["phases"]) == {"target", "data", "drafts", "guard", "serve"}
     assert all("wall_s" in v for v in r["phases"].values()), r["phases"]
+
+
+def test_server_that_exits_is_one_line_refusal(tmp_path):
+    """A server that dies before answering ends the run with `error: <problem>; <fix>` (exit 1)
+    naming its log, not an internal-error line."""
+    import os
+
+    from eaglepatch.acceptance.pipeline import Server
+    from eaglepatch.errors import RefusedError
+
+    class FakeRun:
+        work = tmp_path
+
+        class o:
+            port = 1
+
+        def server_argv(self, port, draft, parent):
+            return [sys.executable, "-c", "import sys; print('address already in use'); sys.exit(3)"]
+
+        def server_env(self, parent, dump):
+            return dict(os.environ)
+
+        def say(self, m):
+            pass
+
+    s = Server(FakeRun(), "data", tmp_path, None, None)
+    with pytest.raises(RefusedError) as ei:
+        with s:
+            pass
+    line = ei.value.line()
+    assert line.startswith("error: server data exited with 3 before answering (address already in use)"), line
+    assert str(s.log) in line and "\n" not in line and ei.value.exit_code == 1
+
+
+def test_rule_next_follows_each_language():
+    """rule_next (what the gates' rule accuracy scores greedy output against) gives back each
+    sample's own answer from the tokens before it, and the recall alphabet bounds its symbols."""
+    import random
+
+    from eaglepatch.acceptance.language import Language
+
+    rng = random.Random(3)
+    for kind, kw in (("skip", {}), ("recall", {"alphabet": 8})):
+        lg = Language(kind, 1024, 8, 7, 0, **kw)
+        for _ in range(20):
+            s = lg.sample(rng)
+            seq = list(s.prefix) + list(s.answer)
+            assert lg.rule_next(s, seq[:-1]) == seq[1:], (kind, s)
+            wrong = seq[:-1]
+            wrong[-1] = next(t for t in lg.pool if t != wrong[-1])
+            assert lg.rule_next(s, wrong)[-1] != seq[-1] or kind == "skip", (kind, s)
+        if kind == "recall":
+            assert {t for t in s.user} <= set(lg.pool[:8]) and len(lg.pool) == 8

@@ -10,9 +10,12 @@ token depend on context the current token does not carry:
   token is g of the token two back. The target needs a previous-token head and the table g;
   learnable in a few hundred steps (the CPU toy's language).
 - ``recall``: the user lists the pairs (k, pi(k)) of a random cyclic permutation pi of ``symbols``
-  tokens drawn per sample, in random order; the assistant walks the cycle from a given start:
-  the next token is found only by looking the current one up in the context (an induction head;
-  the GPU default).
+  tokens drawn per sample (from the first ``alphabet`` symbol words; all of them by default), in
+  random order; the assistant walks the cycle from a given start: the next token is found only by
+  looking the current one up in the context (an induction head). Both toy and GPU use it: a
+  one-layer draft cannot look a pair up from its own inputs (at position j it holds the embedding
+  of token j+1 only; the pair needs token j too, a second layer), but the target's states at j
+  hold token j, so a draft fed the right layers can (the floor control cannot).
 
 Every sample is rendered in the chat format of ``serve.tinychat`` (ids: bos, <|user|>, the user's
 symbols, <|eot|>, <|assistant|>, the assistant's symbols, <|eot|>), so the server, tools/extract.py
@@ -48,14 +51,15 @@ class Sample:
 
 
 class Language:
-    def __init__(self, kind: str, vocab_size: int, symbols: int, answer_len: int, seed: int):
+    def __init__(self, kind: str, vocab_size: int, symbols: int, answer_len: int, seed: int,
+                 alphabet: int | None = None):
         if kind not in LANGUAGES:
             raise ValueError(kind)
         pool = symbol_pool(vocab_size)
-        if symbols > len(pool):
-            raise ValueError("%d symbols do not fit a vocabulary of %d" % (symbols, vocab_size))
+        if symbols > len(pool) or (alphabet is not None and not symbols <= alphabet <= len(pool)):
+            raise ValueError("%d symbols (alphabet %s) do not fit a vocabulary of %d" % (symbols, alphabet, vocab_size))
         self.kind, self.vocab_size, self.symbols, self.answer_len = kind, vocab_size, symbols, answer_len
-        self.pool = pool
+        self.pool = pool if alphabet is None else pool[:alphabet]
         rng = random.Random("%s-%d" % (kind, seed))
         cyc = rng.sample(pool, symbols)  # skip: one fixed cycle over the first `symbols` words
         self.g = {cyc[i]: cyc[(i + 1) % symbols] for i in range(symbols)}
@@ -82,6 +86,17 @@ class Language:
             x = succ[x]
             walk.append(x)
         return Sample(user, [start], walk)
+
+    def rule_next(self, s: Sample, ids: list) -> list:
+        """For each token of ``ids`` (the assistant's symbols, prefix first), the token the
+        language's rule puts after it in sample ``s`` (None where the rule does not apply): recall,
+        the successor the user's pairs give; skip, g of the token two back."""
+        if self.kind == "recall":
+            succ = dict(zip(s.user[0::2], s.user[1::2]))
+            return [succ.get(t) for t in ids]
+        seq = list(s.user) + list(ids)
+        off = len(s.user)
+        return [self.g.get(seq[off + i - 1]) if off + i - 1 >= 0 else None for i in range(len(ids))]
 
     def prompt_ids(self, s: Sample) -> list:
         return [self.bos, self.user_id, *s.user, self.eot, self.asst_id, *s.prefix]

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import RefusedError, UsageError
 from . import language as lang_mod
 
 REPO = Path(__file__).resolve().parents[3]
@@ -48,10 +48,10 @@ CONTROLS = ("correct", "off_by_one", "floor", "upstream_ids")
 # Scales. cpu: the toy of tests/test_acceptance.py (a few hundred tokens, a few training steps);
 # gpu: the check model's DeepSeek-V3 (real MLA dims, MoE with a shared expert) on one H200.
 SCALES = {
-    "cpu": dict(device="cpu", language="skip", symbols=24, answer_len=20, target_steps=200, target_batch=16,
+    "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32"),
-    "gpu": dict(device="cuda", language="recall", symbols=48, answer_len=40, target_steps=3000, target_batch=64,
+    "gpu": dict(device="cuda", language="recall", symbols=48, alphabet=None, answer_len=40, target_steps=3000, target_batch=64,
                 target_lr=1e-3, target_budget_s=150, train_prompts=512, heldout_prompts=64, gate_prompts=64,
                 draft_epochs=8, draft_batch=16, draft_lr=1e-3, draft_budget_s=60, dtype="bfloat16"),
 }
@@ -117,7 +117,7 @@ class Run:
     # ---- 1. target ----------------------------------------------------------------------------
     def language(self, cfg):
         return lang_mod.Language(self.p["language"], cfg["vocab_size"], self.p["symbols"], self.p["answer_len"],
-                                 self.o.seed)
+                                 self.o.seed, alphabet=self.p.get("alphabet"))
 
     def do_target(self):
         from . import train
@@ -274,7 +274,10 @@ class Run:
         self.res.setdefault("extract", {})[out.name] = {"rc": r.returncode, "wall_s": round(time.monotonic() - t, 1),
                                                         "aux_hf": hf, "cmd": " ".join(cmd[1:])}
         if r.returncode != 0:
-            raise RuntimeError("tools/extract.py failed (exit %d): %s" % (r.returncode, r.stderr.strip()[-800:]))
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            raise RefusedError("tools/extract.py failed on %s (exit %d: %s)" % (data.name, r.returncode, last),
+                               "run that command (in the result's extract.%s.cmd) by hand to see why; the server "
+                               "log is under %s" % (out.name, self.work / "logs"))
 
     def patched_parent(self) -> Path:
         if self.o.sglang_parent:
@@ -293,14 +296,20 @@ class Run:
         files = train.sample_files(Path(self.data["train"]))
         held = train.sample_files(Path(self.data["heldout"]))
         if not files or not held:
-            raise RuntimeError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)))
+            raise RefusedError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)),
+                               "check tools/extract.py's manifest under %s (failed conversations) and rerun with a "
+                               "fresh --work" % self.data["dir"])
         self.runs = {}
         self.res["drafts"] = {}
         cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"])
+        steps = None
         for name, zero in (("correct", False), ("floor", True)):
             run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero)
+            # the floor gets exactly the correct draft's steps: same data order, same updates
             hist = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"],
-                             min(self.p["draft_budget_s"], max(self.left() / 3, 5)), self.o.seed, self.say)
+                             self.p["draft_budget_s"] * 3 if steps else min(self.p["draft_budget_s"], max(self.left() / 3, 5)),
+                             self.o.seed, self.say, max_steps=steps)
+            steps = hist["steps"]
             ev = run.evaluate(held)
             self.res["drafts"][name] = {"training": hist, "heldout": ev}
             self.say("[acceptance] draft %s: held-out step accuracies %s, predicted accept length %.3f"
@@ -424,7 +433,9 @@ class Server:
     def wait_ready(self, timeout: float = 400):
         while time.monotonic() - self.t < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited {self.proc.returncode}: {self.tail()[-3:]}")
+                last = " | ".join(self.tail()[-2:])[-300:] or "no output"
+                raise RefusedError(f"server {self.name} exited with {self.proc.returncode} before answering ({last})",
+                                   f"read its log {self.log}")
             try:
                 with urllib.request.urlopen(self.url + "/get_model_info", timeout=5) as r:
                     if r.status == 200:
@@ -434,7 +445,8 @@ class Server:
             except OSError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"server {self.name} did not answer in {timeout:.0f} s")
+        raise RefusedError(f"server {self.name} did not answer in {timeout:.0f} s",
+                           f"read its log {self.log}; a busy machine may need a larger --budget-s")
 
     def generate(self, prompts: list, n: int) -> list:
         body = json.dumps({"input_ids": prompts, "sampling_params": {"temperature": 0.0, "max_new_tokens": n,

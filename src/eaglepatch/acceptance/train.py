@@ -39,8 +39,11 @@ def build_target(cfg: dict, device: str, seed: int):
     w = make_weights(cfg, TARGET_SHAPING, seed)
     missing, unexpected = _load_hub_weights(model, w)
     if missing or unexpected:
-        raise RuntimeError("target weights do not fit transformers' DeepseekV3 (missing %s, unexpected %s)"
-                           % (missing[:3], unexpected[:3]))
+        from ..errors import UsageError
+
+        raise UsageError("the target's weights do not fit this transformers' DeepseekV3 (missing %s, unexpected %s)"
+                         % (missing[:3], unexpected[:3]), "run in the CPU environment or the GPU bundle (their "
+                         "transformers is the one the tool is written for)")
     return model.float().to(_device(device))
 
 
@@ -93,7 +96,7 @@ def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step % 50 == 0 or step == 1:
+        if step % 25 == 0 or step == 1:
             acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
             hist.append({"step": step, "loss": round(float(loss), 4), "acc": round(acc, 4)})
             say("[acceptance] target step %d: loss %.3f, token accuracy %.3f (%.0f s)"
@@ -122,12 +125,21 @@ def greedy(model, prompts: list, n: int) -> list:
 def measure(model, lg: lang_mod.Language, n_prompts: int, seed: int) -> dict:
     """The gate figures on ``n_prompts`` held-out samples: bf16-vs-fp32 greedy agreement (teacher-
     forced top-1 on the fp32 greedy continuation), bigram predictability (a current-token table fit
-    on half the continuations, scored on the other half), loop rate, task accuracy."""
+    on half the continuations, scored on the other half), loop rate, task accuracy (greedy tokens
+    equal to the reference answer) and rule accuracy (greedy tokens that follow the language's rule
+    from the greedy token before: one early slip does not count against every later token)."""
     rng = random.Random(seed + 7919)
     samples = [lg.sample(rng) for _ in range(n_prompts)]
     prompts = [lg.prompt_ids(s) for s in samples]
     conts = greedy(model, prompts, lg.answer_len)
     task = sum(a == b for s, c in zip(samples, conts) for a, b in zip(c, s.answer)) / sum(len(s.answer) for s in samples)
+    rule_hit = rule_n = 0  # each greedy step against the rule applied to the greedy tokens before it
+    for s, c in zip(samples, conts):
+        seq = list(s.prefix) + list(c)
+        for want, got in zip(lg.rule_next(s, seq[:-1]), seq[1:]):
+            if want is not None:
+                rule_hit += want == got
+                rule_n += 1
     agree = total = 0
     gaps = []
     bf = _bf16_copy(model)
@@ -143,6 +155,7 @@ def measure(model, lg: lang_mod.Language, n_prompts: int, seed: int) -> dict:
     seqs = [p[-1:] + c for p, c in zip(prompts, conts)]
     half = len(seqs) // 2
     return {"prompts": n_prompts, "task_accuracy": round(task, 4),
+            "rule_accuracy": round(rule_hit / rule_n, 4) if rule_n else 0.0,
             "bf16_fp32_agreement": round(agree / total, 4),
             "bigram_predictability": round(lang_mod.bigram_predictability(seqs[:half], seqs[half:]), 4),
             "loop_rate": round(sum(lang_mod.loops(c) for c in conts) / len(conts), 4),
@@ -172,7 +185,10 @@ def save_target(model, cfg: dict, dest: Path, dtype: str) -> Path:
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in want}
     miss = sorted(set(want) - set(sd))
     if miss:
-        raise RuntimeError("the trained target lacks hub tensors %s (transformers renamed them?)" % miss[:3])
+        from ..errors import UsageError
+
+        raise UsageError("the trained target lacks the hub tensors %s (this transformers names them differently)"
+                         % miss[:3], "run in the CPU environment or the GPU bundle")
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     sd = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(dt)).contiguous() for k, v in sd.items()}
     save_file(sd, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -279,11 +295,16 @@ class DraftRun:
         return self.TrainBatch(sample_ids=[str(i) for i in range(len(items))], strategy="eagle3", tensors=t,
                                metadata={"target_repr": "hidden_state"})
 
-    def train(self, files: list, epochs: int, batch: int, lr: float, budget_s: float, seed: int, say=print) -> dict:
+    def train(self, files: list, epochs: int, batch: int, lr: float, budget_s: float, seed: int, say=print,
+              max_steps: int | None = None) -> dict:
+        """AdamW over ``epochs`` passes; stops early at ``budget_s`` seconds or ``max_steps`` steps
+        (the floor trains exactly as many steps as the correct draft got, so a budget cut on a busy
+        machine cannot hand one control more training than the other)."""
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         rng = random.Random(seed)
         t0, step, hist = time.monotonic(), 0, []
         self.model.train()
+        stop = None
         for ep in range(epochs):
             for b in self._batches(files, batch, rng):
                 out = self.strategy.forward_loss(b)
@@ -297,12 +318,17 @@ class DraftRun:
                     hist.append({"step": step, "epoch": ep, "loss": round(float(out.loss), 4), "acc": acc})
                     say("[acceptance] draft%s step %d (epoch %d): loss %.3f, step accuracies %s"
                         % (" (aux zeroed)" if self.zero_aux else "", step, ep, float(out.loss), acc))
-                if time.monotonic() - t0 > budget_s:
+                if max_steps is not None and step >= max_steps:
+                    stop = "max_steps"
+                elif time.monotonic() - t0 > budget_s:
+                    stop = "budget"
+                if stop:
                     break
-            if time.monotonic() - t0 > budget_s:
+            if stop:
                 break
         self.model.eval()
-        return {"steps": step, "epochs_started": ep + 1, "wall_s": round(time.monotonic() - t0, 1), "history": hist}
+        return {"steps": step, "epochs_started": ep + 1, "stopped_by": stop or "epochs",
+                "wall_s": round(time.monotonic() - t0, 1), "history": hist}
 
     @torch.no_grad()
     def evaluate(self, files: list, batch: int = 8) -> dict:
