@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Acceptance, end to end: train a context-dependent DeepSeek-V3 target, extract its hidden states from
+the patched SGLang with tools/extract.py, train an EAGLE-3 draft on them with SpecForge 0.2.0, and serve it
+with its controls (off-by-one ids, a floor draft with zeroed aux inputs, upstream-convention ids on
+unpatched SGLang), checking each with tools/guard.py first.
+
+  python3 tools/acceptance.py --cpu --work DIR [--out RESULT.json]          # the toy, on CPU
+  python3 tools/acceptance.py --work DIR --site SITE --patched-files DIR --out RESULT.json   # GPU
+
+--cpu runs the toy of tests/test_acceptance.py in the cached CPU environment with sglang 0.5.9 (patched
+tree from the cache); serving is replayed there (sglang runs no EAGLE-3 decoding on CPU). The GPU run
+serves sglang 0.5.17 from SITE (an unpacked .gpu-bundle) with the series' patched files laid over a copy.
+Phases: target, data, drafts, guard, serve; each is timed in the result. --budget-s stops starting
+phases when the time is spent; the same --work resumes (target and data are reused).
+Exit: 0 done and every verdict passed, 1 a verdict failed, 2 usage error or a refused target.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch import cli  # noqa: E402
+from eaglepatch.errors import UsageError, run_main  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = cli.parser("acceptance.py", __doc__)
+    ap.add_argument("--work", required=True, type=Path, help="work directory (created; reused to resume)")
+    ap.add_argument("--out", type=Path, help="write the result JSON here (default: WORK/result.json)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU toy (cached CPU environment, sglang 0.5.9)")
+    ap.add_argument("--target", type=Path, help="your own DeepSeek-V3 checkpoint instead of training one (it must "
+                                               "use the chat tokenizer of eaglepatch.serve.tinychat; the gates still apply)")
+    ap.add_argument("--site", type=Path, help="GPU: the unpacked bundle's site directory (sh .gpu-bundle/unpack.sh SITE)")
+    ap.add_argument("--patched-files", type=Path, help="GPU: the series' patched files (gpucheck.py --make-patched-files)")
+    ap.add_argument("--sglang-parent", type=Path, help="a patched sglang package parent (instead of --patched-files)")
+    ap.add_argument("--release", help="the serving release whose reading guard checks (default: 0.5.9 with --cpu, "
+                                      "else 0.5.17)")
+    ap.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget (default: %(default)s)")
+    ap.add_argument("--target-steps", type=int, help="target training steps (default: the scale's)")
+    ap.add_argument("--target-budget-s", type=float, help="target training seconds at most (default: the scale's)")
+    ap.add_argument("--draft-budget-s", type=float, help="seconds per draft's training at most (default: the scale's)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the language, weights and prompts (default: 0)")
+    ap.add_argument("--port", type=int, default=31000, help="first server port (default: %(default)s)")
+    a = ap.parse_args(argv)
+
+    def body() -> int:
+        if a.cpu and (a.site or a.patched_files):
+            raise UsageError("--site and --patched-files are for the GPU run", "drop them with --cpu")
+        if a.cpu and os.environ.get("EAGLEPATCH_ACCEPTANCE_ENV") != "1":
+            from eaglepatch import cpuenv
+
+            try:
+                py = cpuenv.ensure_env()
+            except RuntimeError as exc:
+                raise UsageError(f"the CPU environment could not be built ({' '.join(str(exc).split())[:200]})",
+                                 "fix what the log names and rerun") from None
+            env = dict(os.environ, EAGLEPATCH_ACCEPTANCE_ENV="1",
+                       PYTHONPATH=os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            import subprocess
+
+            return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
+        from eaglepatch.acceptance.pipeline import Options, Run
+
+        overrides = {k: v for k, v in (("target_steps", a.target_steps), ("target_budget_s", a.target_budget_s),
+                                       ("draft_budget_s", a.draft_budget_s)) if v is not None}
+        parent = a.sglang_parent
+        unpatched = a.site
+        if not a.cpu:
+            if a.site is None:
+                raise UsageError("the GPU run needs --site SITE (the unpacked bundle)", "sh .gpu-bundle/unpack.sh SITE")
+            if parent is None:
+                if a.patched_files is None:
+                    raise UsageError("the GPU run needs the patched sglang", "pass --patched-files DIR or --sglang-parent DIR")
+                from eaglepatch.gpucheck.patched_files import lay_patched_files
+
+                parent = lay_patched_files(a.patched_files, a.site, a.work.absolute() / "patched").resolve()
+        out = a.out or a.work / "result.json"
+        a.work.mkdir(parents=True, exist_ok=True)
+        o = Options(work=a.work, scale="cpu" if a.cpu else "gpu", out=out, target=a.target,
+                    release=a.release or ("0.5.9" if a.cpu else "0.5.17"), sglang_parent=parent,
+                    unpatched_parent=unpatched, site=a.site, budget_s=a.budget_s, seed=a.seed, overrides=overrides,
+                    port=a.port)
+        res = Run(o).run()
+        v = res["verdicts"]
+        print(json.dumps({"verdicts": v, "phases": res["phases"], "out": str(out)}, indent=2))
+        ok = v.get("guard", {}).get("passed") and v.get("serve", {}).get("ordering") \
+            and v.get("serve", {}).get("passed", True)
+        return 0 if ok else 1
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
