@@ -104,19 +104,6 @@ def bench(engine, spec: dict) -> dict:
     return out
 
 
-def _cli(kwargs: dict) -> list:
-    out = []
-    for k, v in kwargs.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            out.append(flag)
-        elif isinstance(v, (list, tuple)):
-            out += [flag] + [str(x) for x in v]
-        elif v is not False and v is not None:
-            out += [flag, str(v)]
-    return out
-
-
 class HttpServer:
     """``python -m sglang.launch_server`` with the spec's engine arguments, driven over HTTP the
     way a client does (/generate, the series' /eagle3_dump/flush); stopped with SIGTERM."""
@@ -125,11 +112,13 @@ class HttpServer:
         import socket
         import subprocess
 
+        from eaglepatch.smoke._common import server_cli
+
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = "http://127.0.0.1:%d" % self.port
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port)] + _cli(kwargs)
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port)] + server_cli(kwargs)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         import requests

@@ -25,6 +25,21 @@ E_LAUNCH_NAME = "e. refused by launch_server: radix cache on"
 E_RUNNER_NAME = "e. refused in ModelRunner init too (radix cache on)"
 
 
+def server_cli(kwargs: dict) -> list:
+    """``python -m sglang.launch_server`` flags for Engine keyword arguments (True: the bare flag;
+    False/None: left out; a list: its items after the flag)."""
+    out = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, (list, tuple)):
+            out += [flag] + [str(x) for x in v]
+        elif v is not False and v is not None:
+            out += [flag, str(v)]
+    return out
+
+
 def log(msg: str) -> None:
     print("[smoke %5.1fs] %s" % (time.monotonic() - T0, msg), file=sys.stderr, flush=True)
 

@@ -29,7 +29,8 @@ import torch
 
 import _hf
 import tinyconfig
-from _common import B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, H_NAME, Dumping, RowCheck, guarded, log, result
+from _common import (B_NAME, C_NAME, CPU_SERVER_ARGS, E_ENGINE_NAME, E_LAUNCH_NAME, H_NAME, Dumping, RowCheck, guarded,
+                     log, result, server_cli)
 
 LAYERS = [-1, 1, 3]  # 3: the last layer's output before the final norm
 TOL = 1e-4
@@ -193,17 +194,6 @@ def check_e_engine(ckpt: Path, work: Path) -> None:
     result(E_ENGINE_NAME, ok, "refused in %.0f s" % wall if ok else "not refused at launch", detail)
 
 
-def _cli(kwargs: dict) -> list:
-    out = []
-    for k, v in kwargs.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            out.append(flag)
-        elif v is not False and v is not None:
-            out += [flag, str(v)]
-    return out
-
-
 def check_e_launch_server(ckpt: Path, work: Path) -> None:
     """python -m sglang.launch_server with the dump on and the radix cache on: a non-zero exit
     and one stderr line naming the fix, no traceback, before any weight loads."""
@@ -214,7 +204,7 @@ def check_e_launch_server(ckpt: Path, work: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + _cli(_kwargs_radix_on(ckpt))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + server_cli(_kwargs_radix_on(ckpt))
     t0 = time.monotonic()
     with dumping(directory):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -278,7 +268,7 @@ def check_h(ckpt: Path, work: Path, prompts, refs) -> None:
         port = sock.getsockname()[1]
     url = "http://127.0.0.1:%d" % port
     kw = dict(ENGINE_ARGS, model_path=str(ckpt), log_level="info")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + _cli(kw)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port)] + server_cli(kw)
     log_path = work / "launch-server-h.log"
     problems, rc = [], RowCheck(TOL)
     with dumping(directory), open(log_path, "w") as log_file:
