@@ -127,8 +127,9 @@ def _worker(ckpt: str, missing: str, readonly: str, full: str, burst: str, out: 
     for b in range(0, BURST_REQUESTS, BURST_BATCH):
         batch = prompts[b:b + BURST_BATCH]
         tokens = sum(map(len, batch))
-        # rows: the states (float32) and the ids (int64)
-        largest = max(largest, tokens * (N_STATES * HIDDEN * 4 + 8))
+        # rows: the states (float32) and the ids (int64), each tensor's block rounded up to the
+        # staging's 256-byte alignment
+        largest = max(largest, sum(-(-tokens * w // 256) * 256 for w in [HIDDEN * 4] * N_STATES + [8]))
         import threading
 
         def hung(k=b // BURST_BATCH):
