@@ -14,7 +14,7 @@ from conftest import REPO, one_line_error, run_tool
 def test_pinned_gate_passes_on_the_real_series():
     r = run_tool("drift", "--pinned")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "sglang-0.5.9 on sglang 0.5.9: all exact (15/15 hunks exact)" in r.stdout
+    assert "sglang-0.5.9 on sglang 0.5.9: all exact (17/17 hunks exact)" in r.stdout
     assert "sglang-0.5.23 on sglang 0.5.23: all exact" in r.stdout
     assert "sglang-0.5.17 on sglang 0.5.17: all exact" in r.stdout
 
@@ -36,8 +36,8 @@ def test_matrix_uses_the_nearest_older_series_and_names_the_port(tmp_path):
     r = run_tool("drift", "--releases", "0.5.23,0.5.9,0.5.10", "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
     md = out.read_text()
-    assert "| 0.5.9 | sglang-0.5.9 | 15/15 exact | all exact |" in md
-    assert "| 0.5.23 | sglang-0.5.23 | 12/12 exact | all exact |" in md
+    assert "| 0.5.9 | sglang-0.5.9 | 17/17 exact | all exact |" in md
+    assert "| 0.5.23 | sglang-0.5.23 | 14/14 exact | all exact |" in md
     row = next(ln for ln in md.splitlines() if ln.startswith("| 0.5.10 | sglang-0.5.9 |"))
     assert "drift:" in row and "`python3 tools/port.py --from 0.5.9 --to 0.5.10`" in row
     # release x hunk table of the 0.5.9 series: the 0.5.10 capture-loop hunk lost its context
@@ -63,8 +63,8 @@ def test_committed_drift_doc_covers_every_release_since_the_pin():
     md = (REPO / "docs" / "drift.md").read_text()
     for rel in ("0.5.9", "0.5.10", "0.5.11", "0.5.15.post1", "0.5.22", "0.5.23"):
         assert f"\n| {rel} | sglang-" in md, rel
-    assert "| 0.5.23 | sglang-0.5.23 | 12/12 exact | all exact |" in md
-    assert "| 0.5.17 | sglang-0.5.17 | 12/12 exact | all exact |" in md
+    assert "| 0.5.23 | sglang-0.5.23 | 14/14 exact | all exact |" in md
+    assert "| 0.5.17 | sglang-0.5.17 | 14/14 exact | all exact |" in md
 
 
 def test_usage_errors():

@@ -221,7 +221,7 @@ def test_port_0_5_23_to_0_5_17_resolves_context_only_conflicts(tmp_path, release
     conflicts), the package is the overlay's for 0.5.17, and the result is the committed series."""
     out = tmp_path / "patches" / "sglang-0.5.17"
     r = run_tool("port", "--from", "0.5.23", "--to", "0.5.17", "--out", out, "--json", tmp_path / "p.json",
-                 "--date", "2026-12-01", "--series-version", "0.5.17-2")
+                 "--date", "2026-12-01", "--series-version", "0.5.17-3")
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "p.json").read_text())
     status = {(h["patch"].split("-", 1)[0], h["file"], h["hunk"]): h["status"] for h in res["hunks"]}

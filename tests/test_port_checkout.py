@@ -199,7 +199,7 @@ def test_a_clean_port_through_a_checkout_exports_the_committed_series(tmp_path):
     capture semantics included, taken from the port's record)."""
     dest, out = tmp_path / "co", tmp_path / "series"
     r = run_tool("port", "--from", "0.5.23", "--to", "0.5.17", "--checkout", dest, "--out", out, "--date", "2026-12-01",
-                 "--series-version", "0.5.17-2")
+                 "--series-version", "0.5.17-3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every patch is ported: 5 commit(s)" in r.stdout and "relocated" in r.stdout
     assert "backwards port" in r.stderr

@@ -30,7 +30,8 @@ def main() -> int:
                          speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2,
                          context_length=2048, max_total_tokens=8192)
     runner = _rt.make_runner(sa)
-    out = _rt.extend(runner, prompts, capture_full=True)
+    # request ids 0, 1, ... (the dump names each file by its request id; the tests read them so)
+    out = _rt.extend(runner, prompts, capture_full=True, rids=[str(i) for i in range(len(prompts))])
     shape = list(out.hidden_states.shape) if out.hidden_states is not None else None
     files = 0
     if os.environ.get("EAGLE3_DUMP_DIR"):
