@@ -54,6 +54,28 @@ def test_guard_fails_exactly_the_mismatched(result):
     assert r["verdicts"]["guard"]["passed"], r["verdicts"]["guard"]
 
 
+def test_reader_equals_specforges(result):
+    """The tool reads the dataset itself (SpecForge's reader module imports HF datasets, which the
+    GPU machine lacks); what it hands training must be what SpecForge 0.2.0's OfflineEagle3Dataset
+    hands it, tensor for tensor, on the run's own extracted files."""
+    import torch
+    from specforge.data.preprocessing import OfflineEagle3Dataset
+
+    from eaglepatch.acceptance.train import read_sample, sample_files
+
+    _, r = result
+    files = sample_files(Path(r["target"]["path"]).parent / "data" / "ds-train@correct")[:4]
+    assert files
+    theirs = OfflineEagle3Dataset(files, max_len=2048)
+    for i, f in enumerate(files):
+        ours, ref = read_sample(f), theirs[i]
+        assert set(ours) == set(ref), (set(ours), set(ref))
+        for k in ref:
+            assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), (f, k)
+    # and a reader that forgot SpecForge's last-position mask would differ
+    assert not torch.equal(torch.load(files[0], weights_only=True)["loss_mask"][None, :], read_sample(files[0])["loss_mask"])
+
+
 def test_predicted_accept_length(result):
     _, r = result
     pred = r["drafts"]["correct"]["heldout"]

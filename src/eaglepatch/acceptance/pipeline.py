@@ -51,9 +51,9 @@ SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32"),
-    "gpu": dict(device="cuda", language="recall", symbols=48, alphabet=None, answer_len=40, target_steps=3000, target_batch=64,
-                target_lr=1e-3, target_budget_s=150, train_prompts=512, heldout_prompts=64, gate_prompts=64,
-                draft_epochs=8, draft_batch=16, draft_lr=1e-3, draft_budget_s=60, dtype="bfloat16"),
+    "gpu": dict(device="cuda", language="recall", symbols=32, alphabet=512, answer_len=40, target_steps=6000, target_batch=64,
+                target_lr=1.5e-3, target_budget_s=130, train_prompts=512, heldout_prompts=64, gate_prompts=64,
+                draft_epochs=12, draft_batch=16, draft_lr=1e-3, draft_budget_s=45, dtype="bfloat16"),
 }
 
 
@@ -96,18 +96,19 @@ class Run:
     def left(self) -> float:
         return self.o.budget_s - (time.monotonic() - self.t0)
 
-    def phase(self, name, fn):
+    def phase(self, name, fn) -> bool:
+        """Run one phase, timed; False (recorded) when the budget left no time to start it."""
         if self.left() < 20:
             self.res["phases"][name] = {"skipped": "budget spent (%.0f s of %.0f s)" % (time.monotonic() - self.t0, self.o.budget_s)}
             self.say("[acceptance] %s: not started, budget spent" % name)
-            return None
+            return False
         t = time.monotonic()
         self.say("[acceptance] phase %s ..." % name)
-        out = fn()
+        fn()
         self.res["phases"][name] = {"wall_s": round(time.monotonic() - t, 1)}
         self.say("[acceptance] phase %s done (%.0f s)" % (name, time.monotonic() - t))
         self.save()
-        return out
+        return True
 
     def save(self):
         self.res["wall_s"] = round(time.monotonic() - self.t0, 1)
@@ -134,7 +135,7 @@ class Run:
             self.res["target"] = json.loads((d / "acceptance-target.json").read_text())
         else:
             cfg = target_config(self.o.scale)
-            model = train.build_target(cfg, self.p["device"], self.o.seed)
+            model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init")
             lg = self.language(cfg)
             hist = train.train_target(model, lg, self.p["target_steps"], self.p["target_batch"], self.p["target_lr"],
                                       min(self.p["target_budget_s"], max(self.left() - 60, 10)), self.o.seed,
@@ -158,6 +159,12 @@ class Run:
                              "train it longer (--target-steps/--target-budget-s) or pass another --target")
 
     # ---- 2. data -----------------------------------------------------------------------------
+    def tool_env(self) -> dict:
+        """The environment of the tools/*.py the run calls: this process's PYTHONPATH (the bundle's
+        transformers on the GPU, which wrote the target's tokenizer) after the repository's src."""
+        rest = os.environ.get("PYTHONPATH")
+        return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC)] + ([rest] if rest else [])))
+
     def server_env(self, parent: Path, dump: Path | None) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
         paths = [str(parent)]
@@ -187,8 +194,14 @@ class Run:
         else:
             argv = ["--model-path", str(self.target), "--dtype", "bfloat16", "--attention-backend", "triton",
                     "--sampling-backend", "pytorch", *dump_flags(parent), "--chunked-prefill-size", "-1",
-                    "--context-length", "2048", "--max-running-requests", "16", "--cuda-graph-max-bs", "16",
-                    "--mem-fraction-static", "0.08", "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port)]
+                    "--context-length", "2048", "--max-running-requests", "16", "--cuda-graph-bs-decode", "1", "2",
+                    "4", "8", "16",
+                    # Four servers share the GPU and start side by side: each sizes its KV pool as the
+                    # memory free now minus (1 - fraction) x the memory free when it started, so a
+                    # neighbour's pool taken in between must fit in the fraction; the pool itself is
+                    # capped (64 Ki tokens: ~0.3 GB for this model).
+                    "--mem-fraction-static", "0.5", "--max-total-tokens", "65536",
+                    "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port)]
         if draft is not None:
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
                      "--speculative-num-steps", str(NUM_STEPS), "--speculative-eagle-topk", "1",
@@ -222,8 +235,14 @@ class Run:
                 (d / f"{name}.jsonl").write_text("".join(json.dumps({"id": c["id"], "messages": c["messages"]}) + "\n"
                                                          for c in part))
             (d / "greedy.json").write_text(json.dumps(conv))
-            for name, aux in self.datasets_needed():
-                self.extract(srv, d / f"{name.split('@')[0]}.jsonl", d / f"ds-{name}", aux, dump)
+            # the extractions run side by side (each request has its own rid, so its own dump file)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(4) as pool:
+                jobs = [pool.submit(self.extract, srv, d / f"{name.split('@')[0]}.jsonl", d / f"ds-{name}", aux, dump)
+                        for name, aux in self.datasets_needed()]
+                for j in jobs:
+                    j.result()
         for f in dump.glob("*.safetensors"):  # the generate requests' own dumps
             f.unlink()
         self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct")}
@@ -268,9 +287,9 @@ class Run:
         aux = ",".join(str(h - 1) for h in hf)
         cmd = [sys.executable, str(TOOLS / "extract.py"), "--server", srv.url, "--model", str(self.target),
                "--data", str(data), "--dump-dir", str(dump), "--out", str(out), "--format", "specforge",
-               f"--aux-layers={aux}", "--no-progress", "--concurrency", "4"]
+               f"--aux-layers={aux}", "--no-progress", "--concurrency", "4" if self.o.scale == "cpu" else "16"]
         t = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(SRC)))
+        r = subprocess.run(cmd, capture_output=True, text=True, env=self.tool_env())
         self.res.setdefault("extract", {})[out.name] = {"rc": r.returncode, "wall_s": round(time.monotonic() - t, 1),
                                                         "aux_hf": hf, "cmd": " ".join(cmd[1:])}
         if r.returncode != 0:
@@ -301,6 +320,8 @@ class Run:
                                "fresh --work" % self.data["dir"])
         self.runs = {}
         self.res["drafts"] = {}
+        self.res["guard"] = {}
+        self.draft_dirs = {}
         cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"])
         steps = None
         for name, zero in (("correct", False), ("floor", True)):
@@ -315,30 +336,47 @@ class Run:
             self.say("[acceptance] draft %s: held-out step accuracies %s, predicted accept length %.3f"
                      % (name, ev["step_accuracies"], ev["predicted_accept_length"]))
             self.runs[name] = run
-        dd = self.work / "drafts"
-        self.draft_dirs = {}
-        for c, (ids, hf, _) in r.items():
-            if ids is None:
-                continue
-            run = self.runs["floor" if c == "floor" else "correct"]
-            run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"])
-            self.draft_dirs[c] = str(run.export(dd / c, self.p["dtype"], zero_fc=c == "floor"))
-            self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
+            # this draft's controls: exported, checked by guard, and (GPU) their servers started, so
+            # their start-up overlaps the floor's training; no request reaches one before serve
+            for c in CONTROLS:
+                ids, hf, _ = r[c]
+                if ids is None or (c == "floor") != zero:
+                    continue
+                run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"])
+                self.draft_dirs[c] = str(run.export(self.work / "drafts" / c, self.p["dtype"], zero_fc=c == "floor"))
+                self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
+                self.guard_one(c)
+                if self.o.scale == "gpu" and self.servable(c):
+                    self.start_server(c)
+
+    def start_server(self, c: str):
+        r = self.readings()
+        parent = Path(self.o.unpatched_parent) if r[c][2] else self.patched_parent()
+        s = Server(self, c, parent, Path(self.draft_dirs[c]), None, port=self.o.port + 1 + CONTROLS.index(c))
+        self.servers[c] = s
+        s.start()
+        self.say("[acceptance] server %s starting (%s sglang, draft ids %s)"
+                 % (c, "unpatched" if r[c][2] else "patched", r[c][0]))
 
     # ---- 4. guard ----------------------------------------------------------------------------
-    def do_guard(self):
+    def guard_one(self, c: str):
+        """tools/guard.py on control ``c``'s draft config and the training dataset, as a user runs it
+        before serving: exit 1 expected exactly where the control's reading differs from the
+        training layers or its tree cannot capture them."""
         r = self.readings()
-        out = {}
-        for c, d in self.draft_dirs.items():
-            cmd = [sys.executable, str(TOOLS / "guard.py"), "--draft-config", d, "--dataset", self.data["train"],
-                   "--release", self.o.release, "--json"] + (["--unpatched"] if r[c][2] else [])
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(SRC)))
-            want_fail = r[c][1] != r["correct"][1] or not self.servable(c)
-            out[c] = {"rc": p.returncode, "expected_rc": 1 if want_fail else 0, "cmd": " ".join(cmd[1:]),
-                      "stdout": p.stdout[-3000:], "stderr": p.stderr[-500:]}
-        self.res["guard"] = out
+        cmd = [sys.executable, str(TOOLS / "guard.py"), "--draft-config", self.draft_dirs[c], "--dataset",
+               self.data["train"], "--release", self.o.release, "--json"] + (["--unpatched"] if r[c][2] else [])
+        t = time.monotonic()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=self.tool_env())
+        want_fail = r[c][1] != r["correct"][1] or not self.servable(c)
+        self.res["guard"][c] = {"rc": p.returncode, "expected_rc": 1 if want_fail else 0, "cmd": " ".join(cmd[1:]),
+                                "wall_s": round(time.monotonic() - t, 1), "stdout": p.stdout[-3000:],
+                                "stderr": p.stderr[-500:]}
+
+    def do_guard(self):
+        out = self.res["guard"]
         bad = [c for c, v in out.items() if v["rc"] != v["expected_rc"]]
-        self.res["verdicts"]["guard"] = {"passed": not bad, "wrong": bad,
+        self.res["verdicts"]["guard"] = {"passed": not bad and set(out) == set(self.draft_dirs), "wrong": bad,
                                          "failed": sorted(c for c, v in out.items() if v["rc"] == 1)}
 
     # ---- 5. serve ----------------------------------------------------------------------------
@@ -366,23 +404,26 @@ class Run:
         else:
             prompts = [g["prompt_ids"] for g in greedy]
             want = [g["continuation"] for g in greedy]
-            jobs = []
-            for i, c in enumerate(CONTROLS):
+            for c in CONTROLS:
                 if c not in self.draft_dirs:
                     continue
-                parent = Path(self.o.unpatched_parent) if r[c][2] else self.patched_parent()
-                jobs.append((c, Server(self, c, parent, Path(self.draft_dirs[c]), None, port=self.o.port + 1 + i)))
-            for c, s in jobs:
-                s.start()
-            for c, s in jobs:
+                if c not in self.servers:
+                    served[c] = {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot "
+                                                 f"capture HF indices {r[c][1]}", "served_hf": r[c][1]}
+                    continue
+                s = self.servers[c]
                 try:
-                    s.wait_ready()
-                    outs = s.generate(prompts, self.p["answer_len"])
+                    s.wait_ready(timeout=max(min(400.0, self.left() - 30), 5))
+                    t = time.monotonic()
+                    outs = s.generate(prompts, self.p["answer_len"], timeout=max(self.left() - 10, 5))
                     metas = [o["meta_info"] for o in outs]
-                    got = [[t for t in o["output_ids"]] for o in outs]
+                    got = [list(o["output_ids"]) for o in outs]
                     same = sum(g[:len(w)] == w for g, w in zip(got, want))
+                    first_diff = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+                                  for g, w in zip(got, want)]
                     served[c] = dict(lang_mod.served_accept_length(metas), how="served", served_hf=r[c][1],
-                                     lossless_requests=same, start_s=s.start_s)
+                                     lossless_requests=same, first_difference_at=[d for d in first_diff if d is not None],
+                                     start_s=s.start_s, generate_s=round(time.monotonic() - t, 1))
                 except Exception as exc:  # noqa: BLE001 - reported per control
                     served[c] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300]), "log_tail": s.tail()}
                 finally:
@@ -402,13 +443,16 @@ class Run:
         self.res["verdicts"]["serve"] = v
 
     def run(self) -> dict:
-        self.phase("target", self.do_target)
-        self.phase("data", self.do_data)
-        if self.phase("drafts", self.do_drafts) is None and "drafts" not in self.res:
-            return self.res
-        self.phase("guard", self.do_guard)
-        self.phase("serve", self.do_serve)
-        self.save()
+        self.servers = {}
+        try:
+            for name, fn in (("target", self.do_target), ("data", self.do_data), ("drafts", self.do_drafts),
+                             ("guard", self.do_guard), ("serve", self.do_serve)):
+                if not self.phase(name, fn):
+                    break
+        finally:
+            for srv in self.servers.values():
+                srv.stop()
+            self.save()
         return self.res
 
 
@@ -448,11 +492,11 @@ class Server:
         raise RefusedError(f"server {self.name} did not answer in {timeout:.0f} s",
                            f"read its log {self.log}; a busy machine may need a larger --budget-s")
 
-    def generate(self, prompts: list, n: int) -> list:
+    def generate(self, prompts: list, n: int, timeout: float = 600) -> list:
         body = json.dumps({"input_ids": prompts, "sampling_params": {"temperature": 0.0, "max_new_tokens": n,
                                                                      "ignore_eos": True}}).encode()
         req = urllib.request.Request(self.url + "/generate", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             out = json.loads(r.read())
         return out if isinstance(out, list) else [out]
 

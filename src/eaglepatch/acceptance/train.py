@@ -29,28 +29,30 @@ def _device(name: str):
 
 # ---- target --------------------------------------------------------------------------------------
 
-def build_target(cfg: dict, device: str, seed: int):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def build_target(cfg: dict, device: str, seed: int, scratch: Path):
+    """The target's initial weights, drawn under DeepSeek-V3's hub names and loaded with
+    ``from_pretrained`` (transformers 5 fuses the routed experts on load; 4.x does not: the hub
+    checkpoint is the one format both read)."""
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
     from ..gpucheck.reference import make_weights
 
     torch.manual_seed(seed)
-    conf = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
-    model = DeepseekV3ForCausalLM(conf)
+    scratch = Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
     w = make_weights(cfg, TARGET_SHAPING, seed)
-    missing, unexpected = _load_hub_weights(model, w)
-    if missing or unexpected:
+    save_file({k: v.float().contiguous() for k, v in w.items()}, str(scratch / "model.safetensors"),
+              metadata={"format": "pt"})
+    (scratch / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="float32"), indent=2) + "\n")
+    model, info = DeepseekV3ForCausalLM.from_pretrained(str(scratch), dtype=torch.float32, output_loading_info=True)
+    bad = {k: v[:3] for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
         from ..errors import UsageError
 
-        raise UsageError("the target's weights do not fit this transformers' DeepseekV3 (missing %s, unexpected %s)"
-                         % (missing[:3], unexpected[:3]), "run in the CPU environment or the GPU bundle (their "
-                         "transformers is the one the tool is written for)")
-    return model.float().to(_device(device))
-
-
-def _load_hub_weights(model, w: dict):
-    sd = {k: v.float() for k, v in w.items()}
-    res = model.load_state_dict(sd, strict=False)
-    return [k for k in res.missing_keys if "rotary" not in k], list(res.unexpected_keys)
+        raise UsageError("this transformers' DeepseekV3 does not load the target's weights (%s)" % bad,
+                         "run in the CPU environment or the GPU bundle (their transformers is the one the tool "
+                         "is written for)")
+    return model.to(_device(device))
 
 
 def _batch(lg: lang_mod.Language, rng: random.Random, n: int, device):
@@ -68,9 +70,10 @@ def _batch(lg: lang_mod.Language, rng: random.Random, n: int, device):
 
 
 def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float, budget_s: float, seed: int,
-                 device: str, say=print) -> dict:
-    """AdamW on the language's assistant tokens (the prompt is context only); stops at ``steps`` or
-    ``budget_s``. Router biases stay fixed."""
+                 device: str, say=print, done_acc: float = 0.995) -> dict:
+    """AdamW on the language's assistant tokens (the prompt is context only); stops at ``steps``,
+    ``budget_s``, or when two successive logged batches (25 steps apart) reach teacher-forced
+    token accuracy ``done_acc`` (the time goes to the later phases). Router biases stay fixed."""
     dev = _device(device)
     params = [p for n, p in model.named_parameters() if "e_score_correction_bias" not in n]
     for n, p in model.named_parameters():
@@ -79,9 +82,12 @@ def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(seed)
     model.train()
-    t0, hist, step = time.monotonic(), [], 0
+    t0, hist, step, stop = time.monotonic(), [], 0, "steps"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    while step < steps and time.monotonic() - t0 < budget_s:
+    while step < steps:
+        if time.monotonic() - t0 >= budget_s:
+            stop = "budget"
+            break
         ids, m = _batch(lg, rng, batch, dev)
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
@@ -98,26 +104,35 @@ def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float
         step += 1
         if step % 25 == 0 or step == 1:
             acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
-            hist.append({"step": step, "loss": round(float(loss), 4), "acc": round(acc, 4)})
+            lv = loss.item()
+            hist.append({"step": step, "loss": round(lv, 4), "acc": round(acc, 4)})
             say("[acceptance] target step %d: loss %.3f, token accuracy %.3f (%.0f s)"
-                % (step, float(loss), acc, time.monotonic() - t0))
+                % (step, lv, acc, time.monotonic() - t0))
+            if len(hist) >= 2 and min(h["acc"] for h in hist[-2:]) >= done_acc:
+                stop = "accuracy"
+                break
     model.eval()
-    return {"steps": step, "wall_s": round(time.monotonic() - t0, 1), "history": hist}
+    return {"steps": step, "stopped_by": stop, "wall_s": round(time.monotonic() - t0, 1), "history": hist}
 
 
 @torch.no_grad()
 def greedy(model, prompts: list, n: int) -> list:
-    """Greedy continuations (no cache: every step runs the whole sequence; toy lengths)."""
+    """Greedy continuations (no cache: every step runs the whole sequence; toy lengths), prompts of
+    one length batched together (no padding, so a row sees exactly what it would alone)."""
     dev = next(model.parameters()).device
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        got = []
-        for _ in range(n):
-            nxt = int(model(input_ids=ids).logits[0, -1].float().argmax())
-            got.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]], device=dev)], 1)
-        out.append(got)
+    out = [None] * len(prompts)
+    by_len = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for idx in by_len.values():
+        for k in range(0, len(idx), 32):
+            rows = idx[k:k + 32]
+            ids = torch.tensor([prompts[i] for i in rows], device=dev)
+            for _ in range(n):
+                nxt = model(input_ids=ids).logits[:, -1].float().argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], 1)
+            for r, i in enumerate(rows):
+                out[i] = ids[r, len(prompts[i]):].tolist()
     return out
 
 
@@ -173,22 +188,31 @@ def _bf16_copy(model):
 
 
 def save_target(model, cfg: dict, dest: Path, dtype: str) -> Path:
-    """safetensors under DeepSeek-V3's hub names (+ model.safetensors.index.json, which SpecForge's
-    TargetHead and load_embedding read), config.json and the chat tokenizer."""
-    from safetensors.torch import save_file
+    """safetensors under DeepSeek-V3's hub names (``save_pretrained`` writes them back from
+    transformers 5's fused experts), checked against the names and shapes SGLang loads, in
+    ``dtype`` (router biases float32, as SGLang keeps them), with model.safetensors.index.json
+    (SpecForge's TargetHead and load_embedding read it), config.json and the chat tokenizer."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
     from ..gpucheck.reference import _tensor_shapes
     from ..serve import tinychat
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        files = sorted(Path(tmp).glob("*.safetensors"))
+        sd = {}
+        for f in files:
+            sd.update(load_file(str(f)))
     want = _tensor_shapes(cfg)
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in want}
-    miss = sorted(set(want) - set(sd))
-    if miss:
+    wrong = sorted(set(want) ^ set(sd)) + [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k])]
+    if wrong:
         from ..errors import UsageError
 
-        raise UsageError("the trained target lacks the hub tensors %s (this transformers names them differently)"
-                         % miss[:3], "run in the CPU environment or the GPU bundle")
+        raise UsageError("the trained target's saved tensors differ from DeepSeek-V3's hub names or shapes (%s)"
+                         % wrong[:3], "run in the CPU environment or the GPU bundle")
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     sd = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(dt)).contiguous() for k, v in sd.items()}
     save_file(sd, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -202,7 +226,7 @@ def save_target(model, cfg: dict, dest: Path, dtype: str) -> Path:
 def load_target(path: Path, device: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).to(_device(device)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(_device(device)).eval()
 
 
 # ---- draft (SpecForge 0.2.0) -----------------------------------------------------------------------
@@ -230,17 +254,30 @@ def _specforge(device: str = "cuda"):
 
         m.LogSoftmaxLoss = _TorchLogSoftmaxLoss
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
-    from specforge.data.preprocessing import OfflineEagle3Dataset
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.contracts import TrainBatch
     from specforge.training.strategies.base import Eagle3TrainStrategy
 
-    return OnlineEagle3Model, OfflineEagle3Dataset, LlamaForCausalLMEagle3, TargetHead, TrainBatch, Eagle3TrainStrategy
+    return OnlineEagle3Model, LlamaForCausalLMEagle3, TargetHead, TrainBatch, Eagle3TrainStrategy
 
 
 def sample_files(dataset: Path) -> list:
     return sorted(str(p) for p in Path(dataset).rglob("*.ckpt"))
+
+
+def read_sample(path: str, max_len: int = 2048) -> dict:
+    """One sample of a ``--format specforge`` dataset as SpecForge 0.2.0's OfflineEagle3Dataset
+    hands it to training (``process_data``: batch dimension 1, the last position's loss masked).
+    SpecForge's module imports HF ``datasets``, which the GPU machine lacks, so the tool reads the
+    files itself; tests/test_acceptance.py checks this equals SpecForge's own reader."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    loss_mask = data["loss_mask"][:max_len][None, :].clone()
+    loss_mask[0, -1] = 0
+    return {"attention_mask": torch.ones_like(loss_mask, dtype=torch.long), "loss_mask": loss_mask,
+            "target": data["hidden_state"].squeeze(0)[:max_len][None, :],
+            "hidden_state": data["aux_hidden_state"].squeeze(0)[:max_len][None, :],
+            "input_ids": data["input_ids"][:max_len][None, :]}
 
 
 class DraftRun:
@@ -249,7 +286,7 @@ class DraftRun:
     (offline: the dataset's final state through the target's lm_head)."""
 
     def __init__(self, target: Path, cfg: dict, steps: int, device: str, zero_aux: bool = False):
-        Online, self.Dataset, Draft, Head, self.TrainBatch, Strategy = _specforge(device)
+        Online, Draft, Head, self.TrainBatch, Strategy = _specforge(device)
         from transformers import LlamaConfig
 
         self.dev = _device(device)
@@ -268,12 +305,11 @@ class DraftRun:
         self.steps = steps
 
     def _batches(self, files: list, batch: int, rng: random.Random | None):
-        ds = self.Dataset(files, max_len=2048)
-        order = list(range(len(ds)))
+        order = list(range(len(files)))
         if rng is not None:
             rng.shuffle(order)
         for i in range(0, len(order), batch):
-            items = [ds[j] for j in order[i:i + batch]]
+            items = [read_sample(files[j]) for j in order[i:i + batch]]
             yield self._collate(items)
 
     def _collate(self, items: list):
@@ -363,9 +399,8 @@ class DraftRun:
 
         self.model._acc_and_loss = spy
         try:
-            ds = self.Dataset(files, max_len=2048)
-            for j in range(len(ds)):
-                d = ds[j]
+            for f in files:
+                d = read_sample(f)
                 rec.clear()
                 self.strategy.forward_loss(self._collate([d]))
                 ids = d["input_ids"][0].tolist()
