@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""How fast the acceptance target (tools/acceptance.py's trained DeepSeek-V3) learns its language,
+for several settings side by side: each setting trains in its own process on the same device for
+the same seconds, then the gates are measured (train.measure). Used to pick the GPU scale's
+language settings (docs/acceptance.md); the figures say how many steps each setting needed.
+
+  PYTHONPATH=/tmp/site:src python3 benchmarks/acceptance_target.py --out $OUT/target-probe.json \\
+      --budget-s 150 --setting symbols=16,alphabet=64,answer_len=15 --setting symbols=24,target_lr=0.002
+
+A setting is KEY=VALUE pairs over the GPU scale's keys (pipeline.SCALES["gpu"]); the rest are
+the scale's. --cpu trains the CPU toy's target on CPU instead (seconds; for a smoke run).
+Exit: 0 every setting ran, 1 one failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def parse_setting(text: str, scale: dict) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or key not in scale:
+            raise SystemExit(f"error: setting {item!r}: not KEY=VALUE with a key of the scale; use one of "
+                             + ", ".join(sorted(scale)))
+        try:
+            out[key] = json.loads(val)
+        except ValueError:
+            out[key] = val
+    return out
+
+
+def one(setting: dict, scale_name: str, budget_s: float, seed: int) -> dict:
+    from eaglepatch.acceptance import language as lang_mod, pipeline, train
+
+    p = dict(pipeline.SCALES[scale_name], **setting)
+    cfg = pipeline.target_config(scale_name)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = train.build_target(cfg, p["device"], seed, Path(tmp))
+    lg = lang_mod.Language(p["language"], cfg["vocab_size"], p["symbols"], p["answer_len"], seed,
+                           alphabet=p.get("alphabet"))
+    hist = train.train_target(model, lg, p["target_steps"], p["target_batch"], p["target_lr"], budget_s, seed,
+                              p["device"], say=lambda m: None)
+    t1 = time.monotonic()
+    gates = train.measure(model, lg, p["gate_prompts"], seed)
+    return {"setting": setting, "settings": p, "training": hist, "gates": gates,
+            "train_s": round(t1 - t0, 1), "measure_s": round(time.monotonic() - t1, 1),
+            "gates_passed": all(gates[k] >= lim if op == ">=" else gates[k] <= lim
+                                for k, (op, lim) in pipeline.GATES.items())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="result JSON")
+    ap.add_argument("--setting", action="append", default=[], help="KEY=VALUE[,KEY=VALUE...] (repeatable)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="training seconds per setting (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu", action="store_true", help="the CPU toy's scale")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    from eaglepatch.acceptance import pipeline
+
+    scale_name = "cpu" if a.cpu else "gpu"
+    if a.one is not None:
+        res = one(json.loads(a.one), scale_name, a.budget_s, a.seed)
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        return 0
+    settings = [parse_setting(s, pipeline.SCALES[scale_name]) for s in (a.setting or [""])]
+    procs = []
+    tmp = Path(tempfile.mkdtemp(prefix="acc-probe-"))
+    for i, s in enumerate(settings):
+        out = tmp / f"{i}.json"
+        cmd = [sys.executable, __file__, "--out", str(out), "--budget-s", str(a.budget_s), "--seed", str(a.seed),
+               "--one", json.dumps(s)] + (["--cpu"] if a.cpu else [])
+        log = open(tmp / f"{i}.log", "w")
+        procs.append((s, out, tmp / f"{i}.log", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                                  env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))))
+    results, failed = [], 0
+    for s, out, log, proc in procs:
+        rc = proc.wait()
+        if rc == 0 and out.is_file():
+            results.append(json.loads(out.read_text()))
+        else:
+            failed += 1
+            results.append({"setting": s, "error": f"exit {rc}", "log_tail": log.read_text(errors="replace")[-2000:]})
+    a.out.write_text(json.dumps({"budget_s": a.budget_s, "side_by_side": len(settings), "results": results},
+                                indent=2) + "\n")
+    for r in results:
+        if "error" in r:
+            print(r["setting"], r["error"])
+            continue
+        h = r["training"]["history"]
+        print(r["setting"], "steps", r["training"]["steps"], "last acc", h[-1]["acc"] if h else None,
+              "gates", {k: r["gates"][k] for k in ("task_accuracy", "bf16_fp32_agreement", "bigram_predictability",
+                                                   "loop_rate")}, "passed", r["gates_passed"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
