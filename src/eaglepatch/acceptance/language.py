@@ -9,6 +9,12 @@ token depend on context the current token does not carry:
   user's two start symbols a, b the assistant writes g(a), g(b), g(g(a)), g(g(b)), ...; the next
   token is g of the token two back. The target needs a previous-token head and the table g;
   learnable in a few hundred steps (the CPU toy's language).
+- ``copy``: the user writes ``symbols`` distinct tokens (from the first ``alphabet`` symbol words);
+  the assistant, given one of them, goes on copying the list from there (``answer_len`` <
+  ``symbols`` tokens, no wrap-around). Each token occurs once in the user turn, so the next token
+  is found by one unambiguous lookup: the classic induction task (an earlier occurrence of the
+  current token, then the token after it). The GPU default. As with ``recall``, a one-layer draft
+  cannot do it from its own inputs, and the target's states at j (token j) let it.
 - ``recall``: the user lists the pairs (k, pi(k)) of a random cyclic permutation pi of ``symbols``
   tokens drawn per sample (from the first ``alphabet`` symbol words; all of them by default), in
   random order; the assistant walks the cycle from a given start: the next token is found only by
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 
 from ..serve import tinychat
 
-LANGUAGES = ("skip", "recall")
+LANGUAGES = ("skip", "recall", "copy")
 _VOCAB = None
 
 
@@ -58,6 +64,9 @@ class Language:
         pool = symbol_pool(vocab_size)
         if symbols > len(pool) or (alphabet is not None and not symbols <= alphabet <= len(pool)):
             raise ValueError("%d symbols (alphabet %s) do not fit a vocabulary of %d" % (symbols, alphabet, vocab_size))
+        if kind == "copy" and not 0 < answer_len < symbols:
+            raise ValueError("copy: the answer (%d tokens) must be shorter than the list (%d symbols)"
+                             % (answer_len, symbols))
         self.kind, self.vocab_size, self.symbols, self.answer_len = kind, vocab_size, symbols, answer_len
         self.pool = pool if alphabet is None else pool[:alphabet]
         rng = random.Random("%s-%d" % (kind, seed))
@@ -75,6 +84,10 @@ class Language:
                 x, y = y, self.g[x]
                 out.append(y)
             return Sample([a, b], [], out)
+        if self.kind == "copy":
+            seq = rng.sample(self.pool, self.symbols)
+            start = rng.randrange(self.symbols - n)
+            return Sample(seq, [seq[start]], seq[start + 1:start + 1 + n])
         cyc = rng.sample(self.pool, self.symbols)
         succ = {cyc[i]: cyc[(i + 1) % self.symbols] for i in range(self.symbols)}
         keys = list(cyc)
@@ -91,8 +104,9 @@ class Language:
         """For each token of ``ids`` (the assistant's symbols, prefix first), the token the
         language's rule puts after it in sample ``s`` (None where the rule does not apply): recall,
         the successor the user's pairs give; skip, g of the token two back."""
-        if self.kind == "recall":
-            succ = dict(zip(s.user[0::2], s.user[1::2]))
+        if self.kind in ("recall", "copy"):
+            pairs = zip(s.user[0::2], s.user[1::2]) if self.kind == "recall" else zip(s.user, s.user[1:])
+            succ = dict(pairs)
             return [succ.get(t) for t in ids]
         seq = list(s.user) + list(ids)
         off = len(s.user)

@@ -51,8 +51,8 @@ SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32"),
-    "gpu": dict(device="cuda", language="recall", symbols=32, alphabet=512, answer_len=40, target_steps=6000, target_batch=64,
-                target_lr=1.5e-3, target_budget_s=130, train_prompts=512, heldout_prompts=64, gate_prompts=64,
+    "gpu": dict(device="cuda", language="copy", symbols=24, alphabet=64, answer_len=16, target_steps=8000, target_batch=128,
+                target_lr=1e-3, target_budget_s=170, train_prompts=1024, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=12, draft_batch=16, draft_lr=1e-3, draft_budget_s=45, dtype="bfloat16"),
 }
 
@@ -479,7 +479,9 @@ class Server:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, timeout: float = 400):
-        while time.monotonic() - self.t < timeout:
+        """Until /get_model_info answers, at most ``timeout`` seconds from now."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
             if self.proc.poll() is not None:
                 last = " | ".join(self.tail()[-2:])[-300:] or "no output"
                 raise RefusedError(f"server {self.name} exited with {self.proc.returncode} before answering ({last})",
