@@ -41,7 +41,54 @@ def parse_setting(text: str, scale: dict) -> dict:
     return out
 
 
-def one(setting: dict, scale_name: str, budget_s: float, seed: int) -> dict:
+def draft_probe(model, lg, p: dict, cfg: dict, target_dir: Path, seed: int, draft: dict, say) -> dict:
+    """Whether a SpecForge draft learns to use the aux states at these draft settings: the target's
+    own states (transformers' output_hidden_states: indices 0, 2, 3; the post-norm last one as the
+    teacher) written as a ``--format specforge`` dataset, a draft trained on it and one with its aux
+    inputs zeroed for the same steps, held-out step accuracies of both. A diagnostic of the draft
+    settings only: the acceptance run itself takes its data from the server through
+    tools/extract.py."""
+    import random
+
+    import torch
+    from eaglepatch.acceptance import train
+
+    rng = random.Random(seed + 11)
+    dev = next(model.parameters()).device
+    sets = {}
+    for name, n in (("train", draft["train_prompts"]), ("heldout", 128)):
+        d = target_dir / f"ds-{name}"
+        d.mkdir(parents=True, exist_ok=True)
+        samples = [lg.sample(rng) for _ in range(n)]
+        by_len = {}
+        for i, smp in enumerate(samples):
+            by_len.setdefault(len(lg.full_ids(smp)), []).append(i)
+        for idx in by_len.values():  # rows of one length batched (no padding)
+            for k in range(0, len(idx), 64):
+                rows = idx[k:k + 64]
+                ids = torch.tensor([lg.full_ids(samples[i]) for i in rows], device=dev)
+                with torch.no_grad():
+                    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+                for r, i in enumerate(rows):
+                    P = len(lg.prompt_ids(samples[i]))
+                    aux = torch.cat([hs[j][r] for j in (0, 2, 3)], -1).to(torch.bfloat16).cpu()
+                    torch.save({"input_ids": ids[r].cpu(), "loss_mask": torch.tensor([0] * P + [1] * (ids.shape[1] - P)),
+                                "hidden_state": hs[-1][r][None].to(torch.bfloat16).cpu(), "aux_hidden_state": aux[None]},
+                               d / f"{i:05d}.ckpt")
+        sets[name] = train.sample_files(d)
+    dcfg = train.draft_config(cfg, [-1, 1, 2], "bfloat16")
+    out, steps = {}, None
+    for name, zero in (("correct", False), ("floor", True)):
+        run = train.DraftRun(target_dir, dcfg, 3, p["device"], zero_aux=zero)
+        hist = run.train(sets["train"], 10**6, draft["batch"], draft["lr"], draft["budget_s"] * (3 if steps else 1),
+                         seed, say, max_steps=steps or draft.get("max_steps"))
+        steps = hist["steps"]
+        out[name] = {"training": {k: v for k, v in hist.items() if k != "history"}, "history": hist["history"][-4:],
+                     "heldout": run.evaluate(sets["heldout"])}
+    return out
+
+
+def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict | None = None) -> dict:
     from eaglepatch.acceptance import language as lang_mod, pipeline, train
 
     p = dict(pipeline.SCALES[scale_name], **setting)
@@ -55,10 +102,17 @@ def one(setting: dict, scale_name: str, budget_s: float, seed: int) -> dict:
                               p["device"], say=lambda m: None)
     t1 = time.monotonic()
     gates = train.measure(model, lg, p["gate_prompts"], seed)
-    return {"setting": setting, "settings": p, "training": hist, "gates": gates,
-            "train_s": round(t1 - t0, 1), "measure_s": round(time.monotonic() - t1, 1),
-            "gates_passed": all(gates[k] >= lim if op == ">=" else gates[k] <= lim
-                                for k, (op, lim) in pipeline.GATES.items())}
+    res = {"setting": setting, "settings": p, "training": hist, "gates": gates,
+           "train_s": round(t1 - t0, 1), "measure_s": round(time.monotonic() - t1, 1),
+           "gates_passed": all(gates[k] >= lim if op == ">=" else gates[k] <= lim
+                               for k, (op, lim) in pipeline.GATES.items())}
+    if draft:
+        t2 = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            d = train.save_target(model, cfg, Path(tmp) / "target", p["dtype"])
+            res["draft_probe"] = dict(draft_probe(model, lg, p, cfg, d, seed, draft, lambda m: print(m, flush=True)),
+                                      settings=draft, wall_s=round(time.monotonic() - t2, 1))
+    return res
 
 
 def main(argv=None) -> int:
@@ -68,13 +122,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=150.0, help="training seconds per setting (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu", action="store_true", help="the CPU toy's scale")
+    ap.add_argument("--draft", help="also probe the draft: JSON of train_prompts, batch, lr, budget_s[, max_steps] "
+                                    "(e.g. '{\"train_prompts\": 2048, \"batch\": 64, \"lr\": 0.002, \"budget_s\": 50}')")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     from eaglepatch.acceptance import pipeline
 
     scale_name = "cpu" if a.cpu else "gpu"
     if a.one is not None:
-        res = one(json.loads(a.one), scale_name, a.budget_s, a.seed)
+        res = one(json.loads(a.one), scale_name, a.budget_s, a.seed, json.loads(a.draft) if a.draft else None)
         a.out.write_text(json.dumps(res, indent=2) + "\n")
         return 0
     settings = [parse_setting(s, pipeline.SCALES[scale_name]) for s in (a.setting or [""])]
@@ -83,7 +139,7 @@ def main(argv=None) -> int:
     for i, s in enumerate(settings):
         out = tmp / f"{i}.json"
         cmd = [sys.executable, __file__, "--out", str(out), "--budget-s", str(a.budget_s), "--seed", str(a.seed),
-               "--one", json.dumps(s)] + (["--cpu"] if a.cpu else [])
+               "--one", json.dumps(s)] + (["--cpu"] if a.cpu else []) + (["--draft", a.draft] if a.draft else [])
         log = open(tmp / f"{i}.log", "w")
         procs.append((s, out, tmp / f"{i}.log", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))))
@@ -105,6 +161,9 @@ def main(argv=None) -> int:
         print(r["setting"], "steps", r["training"]["steps"], "last acc", h[-1]["acc"] if h else None,
               "gates", {k: r["gates"][k] for k in ("task_accuracy", "bf16_fp32_agreement", "bigram_predictability",
                                                    "loop_rate")}, "passed", r["gates_passed"])
+        for k, v in r.get("draft_probe", {}).items():
+            if isinstance(v, dict) and "heldout" in v:
+                print("  draft", k, v["training"]["steps"], "steps:", v["heldout"])
     return 1 if failed else 0
 
 

@@ -111,6 +111,7 @@ def main(argv=None) -> int:
         v = res["verdicts"]
         print(json.dumps({"verdicts": v, "phases": res["phases"], "out": str(out)}, indent=2))
         ok = v.get("target_gates", {}).get("passed") and v.get("guard", {}).get("passed") \
+            and v.get("drafts", {}).get("same_steps") \
             and v.get("serve", {}).get("ordering") \
             and v.get("serve", {}).get("passed", True)
         return 0 if ok else 1

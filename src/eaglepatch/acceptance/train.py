@@ -70,7 +70,7 @@ def _batch(lg: lang_mod.Language, rng: random.Random, n: int, device):
 
 
 def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float, budget_s: float, seed: int,
-                 device: str, say=print, done_acc: float = 0.995) -> dict:
+                 device: str, say=print, done_acc: float = 0.98) -> dict:
     """AdamW on the language's assistant tokens (the prompt is context only); stops at ``steps``,
     ``budget_s``, or when two successive logged batches (25 steps apart) reach teacher-forced
     token accuracy ``done_acc`` (the time goes to the later phases). Router biases stay fixed."""
