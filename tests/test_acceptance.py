@@ -140,3 +140,40 @@ def test_rule_next_follows_each_language():
             assert lg.rule_next(s, wrong)[-1] != seq[-1] or kind == "skip", (kind, s)
         if kind == "recall":
             assert {t for t in s.user} <= set(lg.pool[:8]) and len(lg.pool) == 8
+
+
+@pytest.mark.parametrize("item,why", [("bogus=1", "not KEY=VALUE with a known key"),
+                                      ("symbols=many", "symbols takes a int"),
+                                      ("target_lr", "not KEY=VALUE with a known key")])
+def test_set_refuses_bad_settings(tmp_path, item, why):
+    """--set names one of the scale's settings with a value of its type; anything else is a
+    one-line usage error (exit 2) before any work, and no work directory is made."""
+    work = tmp_path / "w"
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "acceptance.py"), "--work", str(work), "--site",
+                        str(tmp_path), "--patched-files", str(tmp_path), "--set", item],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --set {item}: {why}"), p.stderr
+    assert not work.exists()
+
+
+def test_copy_language_needs_a_lookup():
+    """copy: every symbol occurs once in the user turn and the answer continues the list from the
+    given symbol; the rule gives back the answer, and a fixed offset does not (the start varies)."""
+    import random
+
+    from eaglepatch.acceptance.language import Language
+
+    lg = Language("copy", 1024, 24, 16, 0, alphabet=64)
+    rng = random.Random(5)
+    offsets = set()
+    for _ in range(50):
+        s = lg.sample(rng)
+        assert len(set(s.user)) == 24 and set(s.user) <= set(lg.pool)
+        seq = list(s.prefix) + list(s.answer)
+        assert lg.rule_next(s, seq[:-1]) == seq[1:]
+        offsets.add(s.user.index(s.prefix[0]))
+    assert len(offsets) > 4, offsets  # the answer's source position varies between samples
+    with pytest.raises(ValueError):
+        Language("copy", 1024, 8, 8, 0)  # the answer must be shorter than the list
