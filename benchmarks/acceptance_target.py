@@ -76,7 +76,7 @@ def draft_probe(model, lg, p: dict, cfg: dict, target_dir: Path, seed: int, draf
                                 "hidden_state": hs[-1][r][None].to(torch.bfloat16).cpu(), "aux_hidden_state": aux[None]},
                                d / f"{i:05d}.ckpt")
         sets[name] = train.sample_files(d)
-    dcfg = train.draft_config(cfg, [-1, 1, 2], "bfloat16")
+    dcfg = train.draft_config(cfg, [-1, 1, 2], "bfloat16", bool(draft.get("fc_norm")))
     out, steps = {}, None
     for name, zero in (("correct", False), ("floor", True)):
         run = train.DraftRun(target_dir, dcfg, 3, p["device"], zero_aux=zero)
@@ -95,7 +95,7 @@ def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict 
     cfg = pipeline.target_config(scale_name)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        model = train.build_target(cfg, p["device"], seed, Path(tmp))
+        model = train.build_target(cfg, p["device"], seed, Path(tmp), p.get("target_embed_std"))
     lg = lang_mod.Language(p["language"], cfg["vocab_size"], p["symbols"], p["answer_len"], seed,
                            alphabet=p.get("alphabet"))
     hist = train.train_target(model, lg, p["target_steps"], p["target_batch"], p["target_lr"], budget_s, seed,

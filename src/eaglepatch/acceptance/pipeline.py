@@ -50,10 +50,12 @@ CONTROLS = ("correct", "off_by_one", "floor", "upstream_ids")
 SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
-                draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32"),
+                draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
+                draft_fc_norm=False),
     "gpu": dict(device="cuda", language="copy", symbols=24, alphabet=64, answer_len=16, target_steps=8000, target_batch=128,
                 target_lr=1e-3, target_budget_s=110, train_prompts=2048, heldout_prompts=128, gate_prompts=64,
-                draft_epochs=100, draft_batch=64, draft_lr=2e-3, draft_budget_s=75, dtype="bfloat16"),
+                draft_epochs=100, draft_batch=64, draft_lr=2e-3, draft_budget_s=75, dtype="bfloat16",
+                target_embed_std=None, draft_fc_norm=False),
 }
 
 
@@ -136,7 +138,8 @@ class Run:
             self.res["target"] = json.loads((d / "acceptance-target.json").read_text())
         else:
             cfg = target_config(self.o.scale)
-            model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init")
+            model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
+                                       self.p.get("target_embed_std"))
             lg = self.language(cfg)
             hist = train.train_target(model, lg, self.p["target_steps"], self.p["target_batch"], self.p["target_lr"],
                                       min(self.p["target_budget_s"], max(self.left() - 60, 10)), self.o.seed,
@@ -326,7 +329,7 @@ class Run:
         self.res["drafts"] = {}
         self.res["guard"] = {}
         self.draft_dirs = {}
-        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"])
+        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p.get("draft_fc_norm", False))
         steps = None
         for name, zero in (("correct", False), ("floor", True)):
             run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero)
@@ -348,7 +351,7 @@ class Run:
             if ids is None:
                 continue
             run = self.runs["floor" if c == "floor" else "correct"]
-            run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"])
+            run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"], self.p.get("draft_fc_norm", False))
             self.draft_dirs[c] = str(run.export(self.work / "drafts" / c, self.p["dtype"], zero_fc=c == "floor"))
             self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
             self.guard_one(c)

@@ -29,7 +29,7 @@ def _device(name: str):
 
 # ---- target --------------------------------------------------------------------------------------
 
-def build_target(cfg: dict, device: str, seed: int, scratch: Path):
+def build_target(cfg: dict, device: str, seed: int, scratch: Path, embed_std: float | None = None):
     """The target's initial weights, drawn under DeepSeek-V3's hub names and loaded with
     ``from_pretrained`` (transformers 5 fuses the routed experts on load; 4.x does not: the hub
     checkpoint is the one format both read)."""
@@ -41,6 +41,8 @@ def build_target(cfg: dict, device: str, seed: int, scratch: Path):
     scratch = Path(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     w = make_weights(cfg, TARGET_SHAPING, seed)
+    if embed_std is not None:  # the embedding drawn at its own scale (the other weights keep init_std)
+        w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"].float() * (embed_std / TARGET_SHAPING["init_std"])
     save_file({k: v.float().contiguous() for k, v in w.items()}, str(scratch / "model.safetensors"),
               metadata={"format": "pt"})
     (scratch / "config.json").write_text(json.dumps(dict(cfg, torch_dtype="float32"), indent=2) + "\n")
@@ -231,8 +233,15 @@ def load_target(path: Path, device: str):
 
 # ---- draft (SpecForge 0.2.0) -----------------------------------------------------------------------
 
-def draft_config(target_cfg: dict, ids: list, dtype: str) -> dict:
-    return dict(gmodels.draft_config(target_cfg, ids), torch_dtype=dtype)
+def draft_config(target_cfg: dict, ids: list, dtype: str, fc_norm: bool = False) -> dict:
+    """The draft's config.json. ``fc_norm``: each aux state RMS-normed before ``fc`` (SpecForge's
+    and sglang 0.5.17's ``fc_norm``: ``fc_norm.{0,1,2}.weight``; 0.5.9 has no such option). A
+    trained target's embedding output can be hundreds of times smaller than its deeper states,
+    and without the norms ``fc`` has to learn that ratio first."""
+    cfg = dict(gmodels.draft_config(target_cfg, ids), torch_dtype=dtype)
+    if fc_norm:
+        cfg["fc_norm"] = True
+    return cfg
 
 
 class _TorchLogSoftmaxLoss:
