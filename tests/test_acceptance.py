@@ -177,3 +177,58 @@ def test_copy_language_needs_a_lookup():
     assert len(offsets) > 4, offsets  # the answer's source position varies between samples
     with pytest.raises(ValueError):
         Language("copy", 1024, 8, 8, 0)  # the answer must be shorter than the list
+
+
+def test_server_ready_only_after_its_warm_up(tmp_path):
+    """SGLang answers /get_model_info while its warm-up request still runs, and /health 503 until
+    it ends; tools/extract.py refuses such a server. wait_ready returns only once /health is 200
+    (a toy whose greedy data came back within the warm-up had its extract refused)."""
+    import http.server
+    import os
+    import threading
+    import time
+
+    from eaglepatch.acceptance.pipeline import Server
+
+    warm = {"until": time.monotonic() + 3.0, "health": []}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            up = time.monotonic() >= warm["until"]
+            if self.path == "/health":
+                warm["health"].append(up)
+            code = 200 if self.path == "/get_model_info" or (self.path == "/health" and up) else 503
+            self.send_response(code)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class FakeRun:
+        work = tmp_path
+
+        class o:
+            port = httpd.server_address[1]
+
+        def server_argv(self, port, draft, parent):
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+        def server_env(self, parent, dump):
+            return dict(os.environ)
+
+        def say(self, m):
+            pass
+
+    s = Server(FakeRun(), "data", tmp_path, None, None)
+    try:
+        with s:
+            ready_at = time.monotonic()
+    finally:
+        httpd.shutdown()
+    assert ready_at >= warm["until"], "wait_ready returned during the warm-up"
+    assert warm["health"] and warm["health"][-1] is True, warm["health"]

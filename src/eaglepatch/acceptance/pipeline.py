@@ -488,7 +488,7 @@ class Server:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_ready(self, timeout: float = 400):
-        """Until /get_model_info answers, at most ``timeout`` seconds from now."""
+        """Until /health answers 200 (after the server's warm-up), at most ``timeout`` seconds from now."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -496,7 +496,9 @@ class Server:
                 raise RefusedError(f"server {self.name} exited with {self.proc.returncode} before answering ({last})",
                                    f"read its log {self.log}")
             try:
-                with urllib.request.urlopen(self.url + "/get_model_info", timeout=5) as r:
+                # /health answers 503 until the server's warm-up request is done (tools/extract.py
+                # refuses a server in that state); /get_model_info answers before it
+                with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
                     if r.status == 200:
                         self.start_s = round(time.monotonic() - self.t, 1)
                         self.run.say(f"[acceptance] server {self.name} ready ({self.start_s:.0f} s)")
