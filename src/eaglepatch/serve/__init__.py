@@ -189,8 +189,10 @@ def _url(host: str, port: int) -> str:
 # ---- running it ------------------------------------------------------------------------------------
 
 def _answers(url: str) -> bool:
+    """Whether the server is past its warm-up: SGLang answers /get_model_info while its warm-up
+    request still runs, but /health only 503 until it ends (and tools/extract.py refuses it then)."""
     try:
-        with urllib.request.urlopen(url + "/get_model_info", timeout=5) as r:
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
             return r.status == 200
     except (OSError, ValueError):
         return False
