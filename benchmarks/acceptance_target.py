@@ -88,6 +88,25 @@ def draft_probe(model, lg, p: dict, cfg: dict, target_dir: Path, seed: int, draf
     return out
 
 
+def aux_norms(dataset: Path, slots: int = 3, limit: int = 200) -> dict:
+    """Mean per-token L2 norm of each aux slot and of the final state over a ``--format specforge``
+    dataset's first ``limit`` files: how unequal the inputs a draft's ``fc`` mixes are."""
+    import torch
+
+    files = sorted(Path(dataset).rglob("*.ckpt"))[:limit]
+    if not files:
+        raise SystemExit(f"error: {dataset} holds no .ckpt files; pass a tools/extract.py --format specforge output")
+    tot, fin = torch.zeros(slots), 0.0
+    for f in files:
+        d = torch.load(f, map_location="cpu", weights_only=True)
+        a = d["aux_hidden_state"].float()
+        h = a.shape[-1] // slots
+        tot += a.reshape(-1, slots, h).norm(dim=-1).mean(0)
+        fin += float(d["hidden_state"].float().reshape(-1, h).norm(dim=-1).mean())
+    return {"files": len(files), "aux_slot_norms": [round(float(x) / len(files), 4) for x in tot],
+            "final_norm": round(fin / len(files), 4)}
+
+
 def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict | None = None) -> dict:
     from eaglepatch.acceptance import language as lang_mod, pipeline, train
 
@@ -124,11 +143,18 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="the CPU toy's scale")
     ap.add_argument("--draft", help="also probe the draft: JSON of train_prompts, batch, lr, budget_s[, max_steps] "
                                     "(e.g. '{\"train_prompts\": 2048, \"batch\": 64, \"lr\": 0.002, \"budget_s\": 50}')")
+    ap.add_argument("--aux-norms", type=Path, metavar="DATASET",
+                    help="only report the mean L2 norm of each aux slot of a --format specforge dataset")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     from eaglepatch.acceptance import pipeline
 
     scale_name = "cpu" if a.cpu else "gpu"
+    if a.aux_norms is not None:
+        res = aux_norms(a.aux_norms)
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        print(res)
+        return 0
     if a.one is not None:
         res = one(json.loads(a.one), scale_name, a.budget_s, a.seed, json.loads(a.draft) if a.draft else None)
         a.out.write_text(json.dumps(res, indent=2) + "\n")

@@ -232,3 +232,28 @@ def test_server_ready_only_after_its_warm_up(tmp_path):
         httpd.shutdown()
     assert ready_at >= warm["until"], "wait_ready returned during the warm-up"
     assert warm["health"] and warm["health"][-1] is True, warm["health"]
+
+
+def test_drafts_exported_as_sglang_loads_them(result):
+    """Each control's draft directory holds what sglang 0.5.17 loads: config.json with the
+    control's ids and fc_norm, and fc, fc_norm.{0,1,2}, midlayer, norm and lm_head weights without
+    the frozen embedding; the floor's fc is zeros, the others' equal the correct draft's."""
+    import torch
+    from safetensors.torch import load_file
+
+    _, r = result
+    d = r["drafts"]
+    tensors = {}
+    for c in ("correct", "off_by_one", "floor", "upstream_ids"):
+        cfg = json.loads((Path(d[c]["dir"]) / "config.json").read_text())
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == d[c]["ids"], c
+        assert cfg["fc_norm"] is True and cfg["architectures"] == ["LlamaForCausalLMEagle3"], cfg
+        tensors[c] = load_file(str(Path(d[c]["dir"]) / "model.safetensors"))
+        names = set(tensors[c])
+        assert {"fc.weight", "fc_norm.0.weight", "fc_norm.2.weight", "norm.weight", "lm_head.weight"} <= names, names
+        assert not any("embed_tokens" in n for n in names), names
+    assert not tensors["floor"]["fc.weight"].any()
+    assert tensors["correct"]["fc.weight"].any()
+    for c in ("off_by_one", "upstream_ids"):
+        assert all(torch.equal(tensors[c][k], tensors["correct"][k]) for k in tensors["correct"]), c
+    assert d["off_by_one"]["ids"] != d["correct"]["ids"]
