@@ -89,30 +89,34 @@ def test_every_phase_timed(result):
     assert all("wall_s" in v for v in r["phases"].values()), r["phases"]
 
 
+class _FakeRun:
+    """What pipeline.Server needs of a Run: a work dir, a port, a server command (here ``python -c
+    CODE``) and its environment."""
+
+    def __init__(self, work, port, code):
+        import os
+        import types
+
+        self.work, self.o, self.code, self.env = work, types.SimpleNamespace(port=port), code, dict(os.environ)
+
+    def server_argv(self, port, draft, parent):
+        return [sys.executable, "-c", self.code]
+
+    def server_env(self, parent, dump):
+        return self.env
+
+    def say(self, m):
+        pass
+
+
 def test_server_that_exits_is_one_line_refusal(tmp_path):
     """A server that dies before answering ends the run with `error: <problem>; <fix>` (exit 1)
     naming its log, not an internal-error line."""
-    import os
-
     from eaglepatch.acceptance.pipeline import Server
     from eaglepatch.errors import RefusedError
 
-    class FakeRun:
-        work = tmp_path
-
-        class o:
-            port = 1
-
-        def server_argv(self, port, draft, parent):
-            return [sys.executable, "-c", "import sys; print('address already in use'); sys.exit(3)"]
-
-        def server_env(self, parent, dump):
-            return dict(os.environ)
-
-        def say(self, m):
-            pass
-
-    s = Server(FakeRun(), "data", tmp_path, None, None)
+    s = Server(_FakeRun(tmp_path, 1, "import sys; print('address already in use'); sys.exit(3)"), "data", tmp_path,
+               None, None)
     with pytest.raises(RefusedError) as ei:
         with s:
             pass
@@ -183,53 +187,16 @@ def test_server_ready_only_after_its_warm_up(tmp_path):
     """SGLang answers /get_model_info while its warm-up request still runs, and /health 503 until
     it ends; tools/extract.py refuses such a server. wait_ready returns only once /health is 200
     (a toy whose greedy data came back within the warm-up had its extract refused)."""
-    import http.server
-    import os
-    import threading
     import time
+
+    from warmkit import warming_server
 
     from eaglepatch.acceptance.pipeline import Server
 
-    warm = {"until": time.monotonic() + 3.0, "health": []}
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            up = time.monotonic() >= warm["until"]
-            if self.path == "/health":
-                warm["health"].append(up)
-            code = 200 if self.path == "/get_model_info" or (self.path == "/health" and up) else 503
-            self.send_response(code)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-
-    class FakeRun:
-        work = tmp_path
-
-        class o:
-            port = httpd.server_address[1]
-
-        def server_argv(self, port, draft, parent):
-            return [sys.executable, "-c", "import time; time.sleep(60)"]
-
-        def server_env(self, parent, dump):
-            return dict(os.environ)
-
-        def say(self, m):
-            pass
-
-    s = Server(FakeRun(), "data", tmp_path, None, None)
-    try:
-        with s:
+    with warming_server(3.0) as (url, warm):
+        run = _FakeRun(tmp_path, int(url.rsplit(":", 1)[1]), "import time; time.sleep(60)")
+        with Server(run, "data", tmp_path, None, None):
             ready_at = time.monotonic()
-    finally:
-        httpd.shutdown()
     assert ready_at >= warm["until"], "wait_ready returned during the warm-up"
     assert warm["health"] and warm["health"][-1] is True, warm["health"]
 

@@ -195,39 +195,23 @@ def test_ready_announced_only_after_the_warm_up(tmp_path):
     """tools/serve.py says "ready" (and prints the extract command to run) only once /health
     answers 200: SGLang answers /get_model_info during its warm-up, when /health is still 503
     and tools/extract.py refuses the server."""
-    import http.server
     import subprocess
     import sys
-    import threading
     import time
+
+    from warmkit import warming_server
 
     from eaglepatch import serve
 
-    until = time.monotonic() + 2.5
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            up = time.monotonic() >= until
-            code = 200 if self.path == "/get_model_info" or (self.path == "/health" and up) else 503
-            self.send_response(code)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    said = []
-    try:
-        plan = serve.Plan(argv=[], env={}, url="http://127.0.0.1:%d" % httpd.server_address[1],
-                          after_ready=["next: tools/extract.py ..."])
-        serve._announce(proc, plan, lambda m: said.append((time.monotonic(), m)))
-    finally:
-        proc.kill()
-        httpd.shutdown()
+    with warming_server(2.5) as (url, warm):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        said = []
+        try:
+            plan = serve.Plan(argv=[], env={}, url=url, after_ready=["next: tools/extract.py ..."])
+            serve._announce(proc, plan, lambda m: said.append((time.monotonic(), m)))
+        finally:
+            proc.kill()
+    until = warm["until"]
     assert said and said[0][1].startswith("[serve] ready at"), said
     assert said[0][0] >= until, "announced ready during the warm-up"
     assert said[1][1] == "next: tools/extract.py ..."
