@@ -76,16 +76,40 @@ def draft_probe(model, lg, p: dict, cfg: dict, target_dir: Path, seed: int, draf
                                 "hidden_state": hs[-1][r][None].to(torch.bfloat16).cpu(), "aux_hidden_state": aux[None]},
                                d / f"{i:05d}.ckpt")
         sets[name] = train.sample_files(d)
+    return train_drafts(cfg, target_dir, sets["train"], sets["heldout"], p["device"], seed, draft, say)
+
+
+def train_drafts(cfg: dict, target_dir: Path, files: list, held: list, device: str, seed: int, draft: dict,
+                 say) -> dict:
+    """The correct draft and the floor (aux zeroed, the same steps) on ``files``; held-out figures."""
+    from eaglepatch.acceptance import train
+
     dcfg = train.draft_config(cfg, [-1, 1, 2], "bfloat16", bool(draft.get("fc_norm")))
     out, steps = {}, None
     for name, zero in (("correct", False), ("floor", True)):
-        run = train.DraftRun(target_dir, dcfg, 3, p["device"], zero_aux=zero)
-        hist = run.train(sets["train"], 10**6, draft["batch"], draft["lr"], draft["budget_s"] * (3 if steps else 1),
+        run = train.DraftRun(target_dir, dcfg, 3, device, zero_aux=zero, seed=seed)
+        hist = run.train(files, 10**6, draft["batch"], draft["lr"], draft["budget_s"] * (3 if steps else 1),
                          seed, say, max_steps=steps or draft.get("max_steps"))
         steps = hist["steps"]
         out[name] = {"training": {k: v for k, v in hist.items() if k != "history"}, "history": hist["history"][-4:],
-                     "heldout": run.evaluate(sets["heldout"])}
+                     "heldout": run.evaluate(held)}
     return out
+
+
+def drafts_on_work(work: Path, device: str, seed: int, draft: dict) -> dict:
+    """train_drafts on a tools/acceptance.py work directory's target and extracted datasets (what
+    the tool's drafts train on), e.g. to compare draft settings on one data set."""
+    from eaglepatch.acceptance import train
+
+    work = Path(work)
+    cfg = json.loads((work / "target" / "config.json").read_text())
+    files = train.sample_files(work / "data" / "ds-train@correct")
+    held = train.sample_files(work / "data" / "ds-heldout@correct")
+    if not files or not held:
+        raise SystemExit(f"error: {work} holds no extracted datasets (data/ds-train@correct, data/ds-heldout@correct); "
+                         "pass the --work of a tools/acceptance.py run that finished its data phase")
+    return dict(train_drafts(cfg, work / "target", files, held, device, seed, draft, lambda m: None),
+                settings=draft, work=str(work))
 
 
 def aux_norms(dataset: Path, slots: int = 3, limit: int = 200) -> dict:
@@ -145,6 +169,9 @@ def main(argv=None) -> int:
                                     "(e.g. '{\"train_prompts\": 2048, \"batch\": 64, \"lr\": 0.002, \"budget_s\": 50}')")
     ap.add_argument("--aux-norms", type=Path, metavar="DATASET",
                     help="only report the mean L2 norm of each aux slot of a --format specforge dataset")
+    ap.add_argument("--work", type=Path, metavar="WORK",
+                    help="with --draft: train the drafts on a tools/acceptance.py work directory's target and "
+                         "datasets instead of a fresh target")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     from eaglepatch.acceptance import pipeline
@@ -154,6 +181,14 @@ def main(argv=None) -> int:
         res = aux_norms(a.aux_norms)
         a.out.write_text(json.dumps(res, indent=2) + "\n")
         print(res)
+        return 0
+    if a.work is not None:
+        if not a.draft:
+            raise SystemExit("error: --work needs --draft (the draft settings to train with)")
+        res = drafts_on_work(a.work, "cpu" if a.cpu else "cuda", a.seed, json.loads(a.draft))
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        for k in ("correct", "floor"):
+            print(k, res[k]["training"]["steps"], "steps:", res[k]["heldout"])
         return 0
     if a.one is not None:
         res = one(json.loads(a.one), scale_name, a.budget_s, a.seed, json.loads(a.draft) if a.draft else None)

@@ -203,8 +203,8 @@ def test_server_ready_only_after_its_warm_up(tmp_path):
 
 def test_drafts_exported_as_sglang_loads_them(result):
     """Each control's draft directory holds what sglang 0.5.17 loads: config.json with the
-    control's ids and fc_norm, and fc, fc_norm.{0,1,2}, midlayer, norm and lm_head weights without
-    the frozen embedding; the floor's fc is zeros, the others' equal the correct draft's."""
+    control's ids (and fc_norm as set), and fc, midlayer, norm and lm_head weights (fc_norm.{0,1,2}
+    where set) without the frozen embedding; the floor's fc is zeros, the others' equal the correct draft's."""
     import torch
     from safetensors.torch import load_file
 
@@ -214,13 +214,36 @@ def test_drafts_exported_as_sglang_loads_them(result):
     for c in ("correct", "off_by_one", "floor", "upstream_ids"):
         cfg = json.loads((Path(d[c]["dir"]) / "config.json").read_text())
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == d[c]["ids"], c
-        assert cfg["fc_norm"] is True and cfg["architectures"] == ["LlamaForCausalLMEagle3"], cfg
+        assert cfg.get("fc_norm", False) is r["settings"]["draft_fc_norm"], cfg
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"], cfg
         tensors[c] = load_file(str(Path(d[c]["dir"]) / "model.safetensors"))
         names = set(tensors[c])
-        assert {"fc.weight", "fc_norm.0.weight", "fc_norm.2.weight", "norm.weight", "lm_head.weight"} <= names, names
+        norms = {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+        assert {"fc.weight", "norm.weight", "lm_head.weight"} <= names, names
+        assert (norms <= names) is r["settings"]["draft_fc_norm"] and (not names & norms) is not cfg.get("fc_norm", False)
         assert not any("embed_tokens" in n for n in names), names
     assert not tensors["floor"]["fc.weight"].any()
     assert tensors["correct"]["fc.weight"].any()
     for c in ("off_by_one", "upstream_ids"):
         assert all(torch.equal(tensors[c][k], tensors["correct"][k]) for k in tensors["correct"]), c
     assert d["off_by_one"]["ids"] != d["correct"]["ids"]
+
+
+def test_fc_norm_draft_exports_its_norms(result, tmp_path):
+    """--set draft_fc_norm=true: the exported draft declares fc_norm and carries the three per-aux
+    norms sglang 0.5.17 loads (model.fc_norm.N); without it, neither."""
+    from safetensors.torch import load_file
+
+    from eaglepatch.acceptance import train
+
+    _, r = result
+    target = Path(r["target"]["path"])
+    tcfg = json.loads((target / "config.json").read_text())
+    for on in (True, False):
+        cfg = train.draft_config(tcfg, [-1, 1, 2], "float32", fc_norm=on)
+        run = train.DraftRun(target, cfg, 3, "cpu")
+        out = run.export(tmp_path / str(on), "float32")
+        names = set(load_file(str(out / "model.safetensors")))
+        got = json.loads((out / "config.json").read_text())
+        assert got.get("fc_norm", False) is on
+        assert ({f"fc_norm.{i}.weight" for i in range(3)} <= names) is on, names

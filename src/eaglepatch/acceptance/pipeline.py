@@ -51,11 +51,11 @@ SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
-                draft_fc_norm=True),
+                draft_fc_norm=False),
     "gpu": dict(device="cuda", language="copy", symbols=24, alphabet=64, answer_len=16, target_steps=8000, target_batch=128,
                 target_lr=1e-3, target_budget_s=110, train_prompts=2048, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=100, draft_batch=64, draft_lr=2e-3, draft_budget_s=75, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=True),
+                target_embed_std=None, draft_fc_norm=False),
 }
 
 
@@ -332,7 +332,7 @@ class Run:
         cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p.get("draft_fc_norm", False))
         steps = None
         for name, zero in (("correct", False), ("floor", True)):
-            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero)
+            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=self.o.seed)
             # the floor gets exactly the correct draft's steps: same data order, same updates
             hist = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"],
                              max(self.left() - 150, 5) if steps else min(self.p["draft_budget_s"], max(self.left() / 3, 5)),
