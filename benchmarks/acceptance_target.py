@@ -116,17 +116,18 @@ def aux_norms(dataset: Path, slots: int = 3, limit: int = 200) -> dict:
     """Mean per-token L2 norm of each aux slot and of the final state over a ``--format specforge``
     dataset's first ``limit`` files: how unequal the inputs a draft's ``fc`` mixes are."""
     import torch
+    from eaglepatch.acceptance import train
 
-    files = sorted(Path(dataset).rglob("*.ckpt"))[:limit]
+    files = train.sample_files(dataset)[:limit]
     if not files:
         raise SystemExit(f"error: {dataset} holds no .ckpt files; pass a tools/extract.py --format specforge output")
     tot, fin = torch.zeros(slots), 0.0
     for f in files:
-        d = torch.load(f, map_location="cpu", weights_only=True)
-        a = d["aux_hidden_state"].float()
+        d = train.read_sample(f)
+        a = d["hidden_state"].float()
         h = a.shape[-1] // slots
         tot += a.reshape(-1, slots, h).norm(dim=-1).mean(0)
-        fin += float(d["hidden_state"].float().reshape(-1, h).norm(dim=-1).mean())
+        fin += float(d["target"].float().reshape(-1, h).norm(dim=-1).mean())
     return {"files": len(files), "aux_slot_norms": [round(float(x) / len(files), 4) for x in tot],
             "final_norm": round(fin / len(files), 4)}
 

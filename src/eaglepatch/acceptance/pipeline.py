@@ -139,7 +139,7 @@ class Run:
         else:
             cfg = target_config(self.o.scale)
             model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
-                                       self.p.get("target_embed_std"))
+                                       self.p["target_embed_std"])
             lg = self.language(cfg)
             hist = train.train_target(model, lg, self.p["target_steps"], self.p["target_batch"], self.p["target_lr"],
                                       min(self.p["target_budget_s"], max(self.left() - 60, 10)), self.o.seed,
@@ -329,7 +329,7 @@ class Run:
         self.res["drafts"] = {}
         self.res["guard"] = {}
         self.draft_dirs = {}
-        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p.get("draft_fc_norm", False))
+        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p["draft_fc_norm"])
         steps = None
         for name, zero in (("correct", False), ("floor", True)):
             run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=self.o.seed)
@@ -351,7 +351,7 @@ class Run:
             if ids is None:
                 continue
             run = self.runs["floor" if c == "floor" else "correct"]
-            run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"], self.p.get("draft_fc_norm", False))
+            run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"], self.p["draft_fc_norm"])
             self.draft_dirs[c] = str(run.export(self.work / "drafts" / c, self.p["dtype"], zero_fc=c == "floor"))
             self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
             self.guard_one(c)
@@ -393,17 +393,16 @@ class Run:
     def do_serve(self):
         r = self.readings()
         greedy = json.loads((Path(self.data["dir"]) / "greedy.json").read_text())[self.p["train_prompts"]:]
-        served = {}
+        # a control whose tree cannot capture its reading's layers is reported, not served
+        served = {c: {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot capture "
+                                      f"HF indices {r[c][1]}", "served_hf": r[c][1]}
+                  for c in self.draft_dirs if not self.servable(c)}
         if self.o.scale == "cpu":
             from . import train
 
             plen = {tuple(g["prompt_ids"] + g["continuation"] + [self.lg.eot]): len(g["prompt_ids"]) for g in greedy}
             for c, (ids, hf, _) in r.items():
-                if c not in self.draft_dirs:
-                    continue
-                if not self.servable(c):
-                    served[c] = {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot "
-                                                 f"capture HF indices {hf}", "served_hf": hf}
+                if c not in self.draft_dirs or c in served:
                     continue
                 name = "heldout@" + c if hf != r["correct"][1] else "heldout@correct"
                 files = train.sample_files(Path(self.data["dir"]) / f"ds-{name}")
@@ -414,16 +413,10 @@ class Run:
         else:
             prompts = [g["prompt_ids"] for g in greedy]
             want = [g["continuation"] for g in greedy]
-            for c in CONTROLS:  # the servers start side by side; requests go to one at a time
-                if c in self.draft_dirs and self.servable(c):
-                    self.start_server(c)
-            for c in CONTROLS:
-                if c not in self.draft_dirs:
-                    continue
-                if c not in self.servers:
-                    served[c] = {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot "
-                                                 f"capture HF indices {r[c][1]}", "served_hf": r[c][1]}
-                    continue
+            todo = [c for c in CONTROLS if c in self.draft_dirs and c not in served]
+            for c in todo:  # the servers start side by side; requests go to one at a time
+                self.start_server(c)
+            for c in todo:
                 s = self.servers[c]
                 try:
                     s.wait_ready(timeout=max(min(400.0, self.left() - 30), 5))
