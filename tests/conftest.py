@@ -223,6 +223,17 @@ def checkout_059(fast_tmp) -> Path:
     return make_git_checkout("0.5.9", fast_tmp / "sglang", quiet=True)
 
 
+def run_suite_in_cpu_env(test_file: str, timeout: int) -> None:
+    """Run one test module again inside the cached CPU SGLang environment (built if absent); a
+    failure there fails the caller (its output is above)."""
+    from eaglepatch.cpuenv import ensure_env
+
+    py = ensure_env()
+    p = subprocess.run([str(py), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file)],
+                       cwd=REPO, timeout=timeout)
+    assert p.returncode == 0, f"{Path(test_file).name} failed inside the CPU env (output above)"
+
+
 def run_tool(tool: str, *args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})

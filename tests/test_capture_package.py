@@ -230,15 +230,22 @@ def test_arena_allocator_never_overlaps_under_random_use():
     assert a.free_ranges == [(0, size)]
 
 
+def _reserve_in_background(st, sizes):
+    """``st.reserve(sizes)`` on a thread of its own, given 0.3 s: ``(thread, got)``, ``got``
+    empty while the reservation still waits."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(st.reserve(sizes)), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    return t, got
+
+
 def test_a_forward_waits_only_for_a_full_arena_and_the_wait_is_counted_and_logged(caplog):
     st = staging_mod.HostStaging(4096, pinned=False)
     a = st.reserve([1500, 1000])  # 1536 + 1024 bytes of the arena
     b = st.reserve([1000])
     assert st.waits == 0 and st.wait_s_total == 0  # these fit: no wait
-    got = []
-    t = threading.Thread(target=lambda: got.append(st.reserve([1400])), daemon=True)
-    t.start()
-    time.sleep(0.3)
+    t, got = _reserve_in_background(st, [1400])
     assert not got, "the arena had no room for 1400 bytes; the forward must wait for the writer"
     st.release(a)
     t.join(5)
@@ -257,10 +264,7 @@ def test_an_oversized_forward_goes_through_pageable_buffers_one_at_a_time():
     assert st.waits == 0 and st.oversized == 1
     assert not any(st.in_arena(x) for x in big) and big[0].numel() == 3000
     assert st.allocated == 1000 + 3072 + 256  # the arena + the oversized rows (aligned)
-    got = []
-    t = threading.Thread(target=lambda: got.append(st.reserve([5000])), daemon=True)
-    t.start()
-    time.sleep(0.3)
+    t, got = _reserve_in_background(st, [5000])
     assert not got, "a second oversized forward must wait until the first is written"
     st.release(big)
     t.join(5)

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_suite_in_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -62,12 +63,7 @@ FIGURES: dict = {}
 
 @pytest.mark.skipif(IN_ENV, reason="already inside the CPU env")
 def test_extract_suite_in_cpu_env():
-    from eaglepatch.cpuenv import ensure_env
-
-    py = ensure_env()
-    p = subprocess.run([str(py), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(Path(__file__))],
-                       cwd=REPO, timeout=1200)
-    assert p.returncode == 0, "the extract suite failed inside the CPU env (output above)"
+    run_suite_in_cpu_env(__file__, 1200)
 
 
 # ---- fixtures --------------------------------------------------------------------------------

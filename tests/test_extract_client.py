@@ -23,7 +23,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_suite_in_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -48,12 +48,7 @@ N_CONV = 10
 
 @pytest.mark.skipif(IN_ENV, reason="already inside the CPU env")
 def test_client_suite_in_cpu_env():
-    from eaglepatch.cpuenv import ensure_env
-
-    py = ensure_env()
-    p = subprocess.run([str(py), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(Path(__file__))],
-                       cwd=REPO, timeout=900)
-    assert p.returncode == 0, "the client suite failed inside the CPU env (output above)"
+    run_suite_in_cpu_env(__file__, 900)
 
 
 @pytest.fixture(scope="module")
