@@ -132,7 +132,8 @@ def aux_norms(dataset: Path, slots: int = 3, limit: int = 200) -> dict:
             "final_norm": round(fin / len(files), 4)}
 
 
-def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict | None = None) -> dict:
+def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict | None = None,
+        save: Path | None = None) -> dict:
     from eaglepatch.acceptance import language as lang_mod, pipeline, train
 
     p = dict(pipeline.SCALES[scale_name], **setting)
@@ -141,7 +142,7 @@ def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict 
     with tempfile.TemporaryDirectory() as tmp:
         model = train.build_target(cfg, p["device"], seed, Path(tmp), p.get("target_embed_std"))
     lg = lang_mod.Language(p["language"], cfg["vocab_size"], p["symbols"], p["answer_len"], seed,
-                           alphabet=p.get("alphabet"))
+                           alphabet=p["alphabet"], lead=p["lead"])
     hist = train.train_target(model, lg, p["target_steps"], p["target_batch"], p["target_lr"], budget_s, seed,
                               p["device"], say=lambda m: None)
     t1 = time.monotonic()
@@ -150,6 +151,10 @@ def one(setting: dict, scale_name: str, budget_s: float, seed: int, draft: dict 
            "train_s": round(t1 - t0, 1), "measure_s": round(time.monotonic() - t1, 1),
            "gates_passed": all(gates[k] >= lim if op == ">=" else gates[k] <= lim
                                for k, (op, lim) in pipeline.GATES.items())}
+    if save is not None:  # a target for tools/acceptance.py --target (e.g. the CPU test's, trained on the GPU)
+        train.save_target(model, cfg, save, p["dtype"])
+        (Path(save) / "acceptance-target.json").write_text(json.dumps(
+            {"given": False, "training": hist, "gates": gates, "settings": p}, indent=2) + "\n")
     if draft:
         t2 = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, metavar="WORK",
                     help="with --draft: train the drafts on a tools/acceptance.py work directory's target and "
                          "datasets instead of a fresh target")
+    ap.add_argument("--save", type=Path, metavar="DIR",
+                    help="save the trained target (one --setting only) where tools/acceptance.py --target reads it")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     from eaglepatch.acceptance import pipeline
@@ -192,16 +199,19 @@ def main(argv=None) -> int:
             print(k, res[k]["training"]["steps"], "steps:", res[k]["heldout"])
         return 0
     if a.one is not None:
-        res = one(json.loads(a.one), scale_name, a.budget_s, a.seed, json.loads(a.draft) if a.draft else None)
+        res = one(json.loads(a.one), scale_name, a.budget_s, a.seed, json.loads(a.draft) if a.draft else None, a.save)
         a.out.write_text(json.dumps(res, indent=2) + "\n")
         return 0
     settings = [parse_setting(s, pipeline.SCALES[scale_name]) for s in (a.setting or [""])]
+    if a.save is not None and len(settings) != 1:
+        raise SystemExit("error: --save keeps one target; pass one --setting")
     procs = []
     tmp = Path(tempfile.mkdtemp(prefix="acc-probe-"))
     for i, s in enumerate(settings):
         out = tmp / f"{i}.json"
         cmd = [sys.executable, __file__, "--out", str(out), "--budget-s", str(a.budget_s), "--seed", str(a.seed),
-               "--one", json.dumps(s)] + (["--cpu"] if a.cpu else []) + (["--draft", a.draft] if a.draft else [])
+               "--one", json.dumps(s)] + (["--cpu"] if a.cpu else []) + (["--draft", a.draft] if a.draft else []) \
+            + (["--save", str(a.save.absolute())] if a.save is not None else [])
         log = open(tmp / f"{i}.log", "w")
         procs.append((s, out, tmp / f"{i}.log", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                                   env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))))

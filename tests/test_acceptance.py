@@ -99,7 +99,7 @@ class _FakeRun:
 
         self.work, self.o, self.code, self.env = work, types.SimpleNamespace(port=port), code, dict(os.environ)
 
-    def server_argv(self, port, draft, parent):
+    def server_argv(self, port, draft, parent, model=None):
         return [sys.executable, "-c", self.code]
 
     def server_env(self, parent, dump):
@@ -181,6 +181,36 @@ def test_copy_language_needs_a_lookup():
     assert len(offsets) > 4, offsets  # the answer's source position varies between samples
     with pytest.raises(ValueError):
         Language("copy", 1024, 8, 8, 0)  # the answer must be shorter than the list
+
+
+def test_copy_lead_moves_the_list():
+    """copy with ``lead``: 0..lead filler tokens from outside the alphabet end the user turn, so
+    the distance between an answer token and its copy in the list (what a draft fed nothing can
+    learn by position) takes symbols - answer_len + lead values, not only symbols - answer_len;
+    the rule still gives the answer back."""
+    import random
+
+    from eaglepatch.acceptance.language import Language
+
+    def distances(lg):
+        rng = random.Random(3)
+        out = set()
+        for _ in range(300):
+            s = lg.sample(rng)
+            full = lg.prompt_ids(s) + list(s.answer)
+            first = len(lg.prompt_ids(s))  # where the first answer token sits
+            out.add(first - full.index(s.answer[0]))
+            seq = list(s.prefix) + list(s.answer)
+            assert lg.rule_next(s, seq[:-1]) == seq[1:]
+            fill = s.user[24:]
+            assert not set(fill) & set(lg.pool) and len(fill) <= lg.lead and set(s.user[:24]) <= set(lg.pool)
+        return out
+
+    assert len(distances(Language("copy", 1024, 24, 16, 0, alphabet=64))) == 8
+    assert len(distances(Language("copy", 1024, 24, 16, 0, alphabet=64, lead=8))) == 8 + 8
+    for bad in (dict(kind="skip", alphabet=64), dict(kind="copy", alphabet=None)):
+        with pytest.raises(ValueError, match="lead"):
+            Language(bad["kind"], 1024, 24, 16, 0, alphabet=bad["alphabet"], lead=8)
 
 
 def test_server_ready_only_after_its_warm_up(tmp_path):

@@ -14,7 +14,11 @@ token depend on context the current token does not carry:
   ``symbols`` tokens, no wrap-around). Each token occurs once in the user turn, so the next token
   is found by one unambiguous lookup: the classic induction task (an earlier occurrence of the
   current token, then the token after it). The GPU default. As with ``recall``, a one-layer draft
-  cannot do it from its own inputs, and the target's states at j (token j) let it.
+  cannot do it from its own inputs, and the target's states at j (token j) let it. ``lead``: the
+  user turn ends with 0..lead random filler tokens (outside the alphabet) after the list, so the
+  distance between an answer token and its copy in the list takes ``symbols - answer_len +
+  lead`` values. Without them it takes only ``symbols - answer_len``, and a draft fed nothing
+  (the floor) learns to read the answer by position: a shortcut that needs no layer at all.
 - ``recall``: the user lists the pairs (k, pi(k)) of a random cyclic permutation pi of ``symbols``
   tokens drawn per sample (from the first ``alphabet`` symbol words; all of them by default), in
   random order; the assistant walks the cycle from a given start: the next token is found only by
@@ -58,7 +62,7 @@ class Sample:
 
 class Language:
     def __init__(self, kind: str, vocab_size: int, symbols: int, answer_len: int, seed: int,
-                 alphabet: int | None = None):
+                 alphabet: int | None = None, lead: int = 0):
         if kind not in LANGUAGES:
             raise ValueError(kind)
         pool = symbol_pool(vocab_size)
@@ -69,6 +73,10 @@ class Language:
                              % (answer_len, symbols))
         self.kind, self.vocab_size, self.symbols, self.answer_len = kind, vocab_size, symbols, answer_len
         self.pool = pool if alphabet is None else pool[:alphabet]
+        if lead and (kind != "copy" or alphabet is None or len(pool) - alphabet < lead):
+            raise ValueError("lead (%d filler tokens) needs the copy language and %d symbol words beyond its "
+                             "alphabet" % (lead, lead))
+        self.lead, self.fillers = lead, pool[len(self.pool):len(self.pool) + lead]
         rng = random.Random("%s-%d" % (kind, seed))
         cyc = rng.sample(pool, symbols)  # skip: one fixed cycle over the first `symbols` words
         self.g = {cyc[i]: cyc[(i + 1) % symbols] for i in range(symbols)}
@@ -87,7 +95,8 @@ class Language:
         if self.kind == "copy":
             seq = rng.sample(self.pool, self.symbols)
             start = rng.randrange(self.symbols - n)
-            return Sample(seq, [seq[start]], seq[start + 1:start + 1 + n])
+            fill = [rng.choice(self.fillers) for _ in range(rng.randint(0, self.lead))] if self.lead else []
+            return Sample(seq + fill, [seq[start]], seq[start + 1:start + 1 + n])
         cyc = rng.sample(self.pool, self.symbols)
         succ = {cyc[i]: cyc[(i + 1) % self.symbols] for i in range(self.symbols)}
         keys = list(cyc)

@@ -51,11 +51,11 @@ SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
-                draft_fc_norm=False),
-    "gpu": dict(device="cuda", language="copy", symbols=24, alphabet=64, answer_len=16, target_steps=8000, target_batch=128,
-                target_lr=1e-3, target_budget_s=110, train_prompts=2048, heldout_prompts=128, gate_prompts=64,
+                draft_fc_norm=False, lead=0, warm=False),
+    "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=8000, target_batch=128,
+                target_lr=1e-3, target_budget_s=140, train_prompts=2048, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=100, draft_batch=64, draft_lr=2e-3, draft_budget_s=75, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=False),
+                target_embed_std=None, draft_fc_norm=True, lead=32, warm=True),
 }
 
 
@@ -121,7 +121,7 @@ class Run:
     # ---- 1. target ----------------------------------------------------------------------------
     def language(self, cfg):
         return lang_mod.Language(self.p["language"], cfg["vocab_size"], self.p["symbols"], self.p["answer_len"],
-                                 self.o.seed, alphabet=self.p.get("alphabet"))
+                                 self.o.seed, alphabet=self.p["alphabet"], lead=self.p["lead"])
 
     def do_target(self):
         from . import train
@@ -140,6 +140,8 @@ class Run:
             cfg = target_config(self.o.scale)
             model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
                                        self.p["target_embed_std"])
+            if self.p["warm"]:
+                self.start_warm(model, cfg)
             lg = self.language(cfg)
             hist = train.train_target(model, lg, self.p["target_steps"], self.p["target_batch"], self.p["target_lr"],
                                       min(self.p["target_budget_s"], max(self.left() - 60, 10)), self.o.seed,
@@ -164,6 +166,46 @@ class Run:
             self.save()
             raise UsageError("the target cannot tell layers apart: " + "; ".join(fails),
                              "train it longer (--target-steps/--target-budget-s) or pass another --target")
+
+    def start_warm(self, model, cfg):
+        """Two throwaway servers on the untrained target (the data server's flags, and a speculative
+        one with an untrained draft), started while the target trains: a first start on a fresh GPU
+        machine spends most of its time compiling Triton kernels (the data server's CUDA-graph
+        capture took 82 s of its 155 s), and the kernels depend on shapes and dtypes, not on
+        weights. The real servers then find them in the Triton cache. Each is stopped before the
+        server it warms starts (``finish_warm``); its start time is in the result's ``warm``."""
+        from . import train
+
+        d = self.work / "warm"
+        try:
+            target = train.save_target(model, cfg, d / "target", self.p["dtype"])
+            dcfg = train.draft_config(cfg, self.readings_ids(cfg), self.p["dtype"], self.p["draft_fc_norm"])
+            draft = train.DraftRun(target, dcfg, NUM_STEPS, self.p["device"], seed=self.o.seed).export(d / "draft", self.p["dtype"])
+        except Exception as exc:  # noqa: BLE001 - warming is an optimisation: the run goes on cold
+            self.res["warm"] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300])}
+            return
+        parent = self.patched_parent()
+        self.res["warm"] = {}
+        for name, dr in (("warm-data", None), ("warm-spec", draft)):
+            srv = Server(self, name, parent, dr, None, port=self.o.port + 20 + len(self.res["warm"]), model=target)
+            srv.start()
+            self.servers[name] = srv
+            self.res["warm"][name] = {"started_at_s": round(time.monotonic() - self.t0, 1)}
+
+    def finish_warm(self, name: str):
+        """Wait (within the budget) for warm server ``name`` to be ready, then stop it."""
+        srv = self.servers.pop(name, None)
+        if srv is None:
+            return
+        t = time.monotonic()
+        try:
+            srv.wait_ready(timeout=max(min(300.0, self.left() - 200), 5))
+            self.res["warm"][name].update(ready_after_s=srv.start_s)
+        except RefusedError as exc:
+            self.res["warm"][name].update(error=str(exc)[:300])
+        finally:
+            srv.stop()
+        self.res["warm"][name]["waited_s"] = round(time.monotonic() - t, 1)
 
     # ---- 2. data -----------------------------------------------------------------------------
     def tool_env(self) -> dict:
@@ -193,13 +235,14 @@ class Run:
             env["EAGLE3_DUMP_LAYERS"] = ",".join(str(k) for k in range(-1, n))
         return env
 
-    def server_argv(self, port: int, draft: Path | None, parent: Path) -> list:
+    def server_argv(self, port: int, draft: Path | None, parent: Path, model: Path | None = None) -> list:
         from ..serve import cpu_flags, dump_flags
 
+        model = model or self.target
         if self.o.scale == "cpu":
-            argv = cpu_flags(self.target, self.target, port=port)
+            argv = cpu_flags(model, model, port=port)
         else:
-            argv = ["--model-path", str(self.target), "--dtype", "bfloat16", "--attention-backend", "triton",
+            argv = ["--model-path", str(model), "--dtype", "bfloat16", "--attention-backend", "triton",
                     "--sampling-backend", "pytorch", *dump_flags(parent), "--chunked-prefill-size", "-1",
                     "--context-length", "2048", "--max-running-requests", "16", "--cuda-graph-bs-decode", "1", "2",
                     "4", "8", "16",
@@ -226,6 +269,7 @@ class Run:
         parent = self.patched_parent()
         dump = d / "dumps"
         dump.mkdir(exist_ok=True)
+        self.finish_warm("warm-data")
         with Server(self, "data", parent, None, dump) as srv:
             prompts = [self.lg.prompt_ids(s) for s in samples]
             outs = srv.generate(prompts, self.p["answer_len"])
@@ -261,7 +305,7 @@ class Run:
 
         patched = guard.release_semantics(self.o.release)
         upstream = guard.release_semantics(self.o.release, unpatched=True)
-        ids = [-1, 1, 2] if self.cfg["num_hidden_layers"] >= 4 else [-1, 0, 1]
+        ids = self.readings_ids(self.cfg)
         hf = sorted(patched.capture(ids))
         shifted = [h + 1 for h in hf]
         off = patched.ids_for(shifted) or [h - 1 for h in shifted]
@@ -269,6 +313,11 @@ class Run:
         return {"correct": (ids, hf, False), "off_by_one": (off, sorted(patched.capture(off)), False),
                 "floor": (ids, hf, False),
                 "upstream_ids": (up, sorted(upstream.capture(up)) if up else None, True)}
+
+    @staticmethod
+    def readings_ids(cfg: dict) -> list:
+        """The correct draft's layer ids (patched convention) for a target config."""
+        return [-1, 1, 2] if cfg["num_hidden_layers"] >= 4 else [-1, 0, 1]
 
     def servable(self, control: str) -> bool:
         """Whether the tree of that control can capture what its reading serves (unpatched 0.5.9
@@ -414,6 +463,7 @@ class Run:
             prompts = [g["prompt_ids"] for g in greedy]
             want = [g["continuation"] for g in greedy]
             todo = [c for c in CONTROLS if c in self.draft_dirs and c not in served]
+            self.finish_warm("warm-spec")
             for c in todo:  # the servers start side by side; requests go to one at a time
                 self.start_server(c)
             for c in todo:
@@ -465,11 +515,12 @@ class Run:
 class Server:
     """One ``sglang.launch_server`` in its own process group (log under the work dir)."""
 
-    def __init__(self, run: Run, name: str, parent: Path, draft: Path | None, dump: Path | None, port: int | None = None):
+    def __init__(self, run: Run, name: str, parent: Path, draft: Path | None, dump: Path | None, port: int | None = None,
+                 model: Path | None = None):
         self.run, self.name = run, name
         self.port = port or run.o.port
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = run.server_argv(self.port, draft, parent)
+        self.argv = run.server_argv(self.port, draft, parent, model)
         self.env = run.server_env(parent, dump)
         self.log = run.work / "logs" / f"server-{name}.log"
         self.proc = None

@@ -315,13 +315,23 @@ class DraftRun:
         self.model = Online(self.draft, length=steps, attention_backend="sdpa").to(self.dev)
         self.strategy = Strategy(self.model, target_head=self.head)
         self.steps = steps
+        self._mem = {}
+
+    def _sample(self, path: str) -> dict:
+        """read_sample, kept on the training device after the first read: every epoch after the
+        first costs no file reads and no host-to-device copies (on the H200 reading and copying
+        64 files a step held training at 9 steps a second)."""
+        d = self._mem.get(path)
+        if d is None:
+            d = self._mem[path] = {k: v.to(self.dev) for k, v in read_sample(path).items()}
+        return d
 
     def _batches(self, files: list, batch: int, rng: random.Random | None):
         order = list(range(len(files)))
         if rng is not None:
             rng.shuffle(order)
         for i in range(0, len(order), batch):
-            items = [read_sample(files[j]) for j in order[i:i + batch]]
+            items = [self._sample(files[j]) for j in order[i:i + batch]]
             yield self._collate(items)
 
     def _collate(self, items: list):
@@ -333,7 +343,7 @@ class DraftRun:
                 return t
             shape = list(t.shape)
             shape[1] = p
-            return torch.cat([t, torch.full(shape, value, dtype=t.dtype)], 1)
+            return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], 1)
 
         t = {k: torch.cat([pad(d[k]) for d in items], 0) for k in ("input_ids", "loss_mask", "attention_mask")}
         t["hidden_state"] = torch.cat([pad(d["hidden_state"].float()) for d in items], 0)
