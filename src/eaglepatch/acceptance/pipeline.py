@@ -52,10 +52,10 @@ SCALES = {
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
                 draft_fc_norm=False, lead=0, warm=False),
-    "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=8000, target_batch=128,
+    "gpu": dict(device="cuda", language="copy", symbols=24, alphabet=64, answer_len=16, target_steps=8000, target_batch=128,
                 target_lr=1e-3, target_budget_s=140, train_prompts=2048, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=100, draft_batch=64, draft_lr=2e-3, draft_budget_s=75, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=True, lead=32, warm=True),
+                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True),
 }
 
 
