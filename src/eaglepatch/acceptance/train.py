@@ -355,9 +355,10 @@ class DraftRun:
 
     def train(self, files: list, epochs: int, batch: int, lr: float, budget_s: float, seed: int, say=print,
               max_steps: int | None = None) -> dict:
-        """AdamW over ``epochs`` passes; stops early at ``budget_s`` seconds or ``max_steps`` steps
-        (the floor trains exactly as many steps as the correct draft got, so a budget cut on a busy
-        machine cannot hand one control more training than the other)."""
+        """AdamW over ``epochs`` passes, the learning rate warmed up linearly over the first 50 steps;
+        stops early at ``budget_s`` seconds or ``max_steps`` steps (the floor trains exactly as many
+        steps as the correct draft got, so a budget cut on a busy machine cannot hand one control
+        more training than the other)."""
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         rng = random.Random(seed)
         t0, step, hist = time.monotonic(), 0, []
@@ -365,6 +366,8 @@ class DraftRun:
         stop = None
         for ep in range(epochs):
             for b in self._batches(files, batch, rng):
+                for g in opt.param_groups:
+                    g["lr"] = lr * min(1.0, (step + 1) / 50)
                 out = self.strategy.forward_loss(b)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
