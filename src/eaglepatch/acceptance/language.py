@@ -170,6 +170,27 @@ def chain_accept_length(acc: list) -> float:
     return out
 
 
+def chain_accept_length_at(acc: list, tokens: int) -> float:
+    """What sum(C - 1)/sum(V) comes to in expectation when each request generates ``tokens`` tokens
+    after the prefill's, for a chain draft whose step k is right with probability acc[k] given the
+    steps before it right: the last verify of a request is cut at its end, so short answers
+    accept less per verify than 1 + a1 + a1*a2 + ... (which is the limit of long ones). Exact:
+    E[V] by dynamic programming over the tokens left."""
+    n = len(acc)
+    reach = [1.0]  # reach[k]: probability the first k steps are all right
+    for a in acc:
+        reach.append(reach[-1] * a)
+    ev = [0.0] * (tokens + 1)  # ev[r]: expected verifies for r tokens left
+    for r in range(1, tokens + 1):
+        m = min(n, r - 1)  # a verify commits at most m draft tokens plus its own
+        e = 1.0
+        for k in range(m + 1):  # exactly k draft tokens accepted
+            pk = reach[k] * ((1 - acc[k]) if k < m else 1.0)
+            e += pk * ev[r - k - 1]
+        ev[r] = e
+    return tokens / ev[tokens] if tokens else 0.0
+
+
 def served_accept_length(metas: list) -> dict:
     """sum(C - 1) / sum(V) over the responses' meta_info (completion_tokens C, spec_verify_ct V):
     the prefill's token is no verify's."""

@@ -96,7 +96,8 @@ class Run:
         self.p = dict(SCALES[o.scale], **o.overrides)
         self.work = Path(o.work).absolute()
         self.work.mkdir(parents=True, exist_ok=True)
-        self.res = {"scale": o.scale, "release": o.release, "settings": self.p, "phases": {}, "verdicts": {}}
+        self.res = {"scale": o.scale, "release": o.release, "work": str(self.work), "settings": self.p, "phases": {},
+                    "verdicts": {}}
         self.say = o.say or (lambda m: print(m, file=sys.stderr, flush=True))
 
     def left(self) -> float:
@@ -491,11 +492,15 @@ class Run:
         self.res["served"] = served
         pred = self.res["drafts"]["correct"]["heldout"]["predicted_accept_length"]
         a = {c: v.get("accept_length") for c, v in served.items()}
-        v = {"predicted": pred, "accept_length": a}
+        # the same prediction for requests of answer_len tokens (the last verify cut at the end)
+        at = lang_mod.chain_accept_length_at(self.res["drafts"]["correct"]["heldout"]["step_accuracies"],
+                                             self.p["answer_len"] - 1)
+        v = {"predicted": pred, "predicted_at_answer_length": round(at, 4), "accept_length": a}
         if all(a.get(c) is not None for c in ("correct", "off_by_one", "floor")):
             v.update(correct_minus_off_by_one=round(a["correct"] - a["off_by_one"], 4),
                      correct_minus_floor=round(a["correct"] - a["floor"], 4),
                      served_minus_predicted=round(a["correct"] - pred, 4),
+                     served_minus_predicted_at_answer_length=round(a["correct"] - at, 4),
                      ordering=a["correct"] > a["off_by_one"] and a["correct"] > a["floor"])
             if self.o.scale == "gpu":
                 v["passed"] = (abs(a["correct"] - pred) <= 0.15 and v["correct_minus_off_by_one"] >= 0.5
