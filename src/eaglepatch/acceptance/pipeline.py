@@ -48,17 +48,19 @@ CONTROLS = ("correct", "off_by_one", "floor", "upstream_ids")
 # four servers started side by side, 49-73 s each, then 128 requests to each)
 SERVE_RESERVE_S = 110
 
-# Scales. cpu: the toy of tests/test_acceptance.py (a few hundred tokens, a few training steps);
-# gpu: the check model's DeepSeek-V3 (real MLA dims, MoE with a shared expert) on one H200.
+# Scales. cpu: the toy trained on CPU (a few hundred tokens, a few training steps; the test runs
+# the copy toy target of tests/data with its own settings); gpu: the check model's DeepSeek-V3
+# (real MLA dims, MoE with a shared expert) on one H200. draft_max_steps: the correct draft's
+# steps at most (0: its budget alone decides; the floor always trains as many as it got).
 SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
-                draft_fc_norm=False, lead=0, warm=False),
+                draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0),
     "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=8000, target_batch=128,
                 target_lr=1e-3, target_budget_s=150, train_prompts=1024, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=200, draft_batch=64, draft_lr=5e-4, draft_budget_s=70, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True),
+                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0),
 }
 
 
@@ -390,7 +392,7 @@ class Run:
             hist = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"],
                              max(self.left() - SERVE_RESERVE_S, 5) if steps
                              else min(self.p["draft_budget_s"], max(self.left() / 3, 5)),
-                             self.o.seed, self.say, max_steps=steps)
+                             self.o.seed, self.say, max_steps=steps or self.p["draft_max_steps"] or None)
             steps = hist["steps"]
             ev = run.evaluate(held)
             self.res["drafts"][name] = {"training": hist, "heldout": ev}
