@@ -140,6 +140,14 @@ def test_every_phase_timed(result):
     assert all("wall_s" in v for v in r["phases"].values()), r["phases"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _FakeRun:
     """What pipeline.Server needs of a Run: a work dir, a port, a server command (here ``python -c
     CODE``) and its environment."""
@@ -166,7 +174,7 @@ def test_server_that_exits_is_one_line_refusal(tmp_path):
     from eaglepatch.acceptance.pipeline import Server
     from eaglepatch.errors import RefusedError
 
-    s = Server(_FakeRun(tmp_path, 1, "import sys; print('address already in use'); sys.exit(3)"), "data", tmp_path,
+    s = Server(_FakeRun(tmp_path, _free_port(), "import sys; print('address already in use'); sys.exit(3)"), "data", tmp_path,
                None, None)
     with pytest.raises(RefusedError) as ei:
         with s:
@@ -174,6 +182,26 @@ def test_server_that_exits_is_one_line_refusal(tmp_path):
     line = ei.value.line()
     assert line.startswith("error: server data exited with 3 before answering (address already in use)"), line
     assert str(s.log) in line and "\n" not in line and ei.value.exit_code == 1
+
+
+def test_server_port_taken_is_refused(tmp_path):
+    """A port something already listens on is refused before the server starts, in one line naming
+    the port and --port: otherwise that listener would answer the run's requests in its place."""
+    import socket
+
+    from eaglepatch.acceptance.pipeline import Server
+    from eaglepatch.errors import RefusedError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        s = Server(_FakeRun(tmp_path, port, "import time; time.sleep(60)"), "data", tmp_path, None, None)
+        with pytest.raises(RefusedError) as ei:
+            s.start()
+    line = ei.value.line()
+    assert line.startswith(f"error: port {port} on 127.0.0.1 is taken"), line
+    assert "--port" in line and "\n" not in line and s.proc is None and not s.log.exists()
 
 
 def test_rule_next_follows_each_language():
@@ -294,16 +322,17 @@ def test_server_ready_only_after_its_warm_up(tmp_path):
     (a toy whose greedy data came back within the warm-up had its extract refused)."""
     import time
 
-    from warmkit import warming_server
-
     from eaglepatch.acceptance.pipeline import Server
 
-    with warming_server(3.0) as (url, warm):
-        run = _FakeRun(tmp_path, int(url.rsplit(":", 1)[1]), "import time; time.sleep(60)")
-        with Server(run, "data", tmp_path, None, None):
-            ready_at = time.monotonic()
-    assert ready_at >= warm["until"], "wait_ready returned during the warm-up"
-    assert warm["health"] and warm["health"][-1] is True, warm["health"]
+    port, state = _free_port(), tmp_path / "warm.jsonl"
+    code = "import runpy, sys; sys.argv = ['warmkit', '%d', '3.0', %r]; runpy.run_path(%r, run_name='__main__')" % (
+        port, str(state), str(REPO / "tests" / "warmkit.py"))
+    with Server(_FakeRun(tmp_path, port, code), "data", tmp_path, None, None):
+        ready_at = time.monotonic()
+    lines = [json.loads(x) for x in state.read_text().splitlines()]
+    health = [x["health"] for x in lines[1:]]
+    assert ready_at >= lines[0]["until"], "wait_ready returned during the warm-up"
+    assert health and health[-1] is True and False in health, health
 
 
 def test_drafts_exported_as_sglang_loads_them(result):

@@ -215,3 +215,41 @@ def test_ready_announced_only_after_the_warm_up(tmp_path):
     assert said and said[0][1].startswith("[serve] ready at"), said
     assert said[0][0] >= until, "announced ready during the warm-up"
     assert said[1][1] == "next: tools/extract.py ..."
+
+
+def test_taken_port_is_refused_before_anything_starts(tmp_path):
+    """serve.run on a port something listens on: RefusedError naming the port and --port, before
+    the server starts or any directory is made (that listener would answer /health in its place
+    and the launcher would announce it). A port whose last server left only TIME_WAIT
+    connections is free, as it is for uvicorn."""
+    import socket
+
+    from eaglepatch import serve
+    from eaglepatch.errors import RefusedError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        marker = tmp_path / "started"
+        plan = serve.Plan(argv=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"], env={},
+                          url=f"http://127.0.0.1:{port}", mkdirs=[tmp_path / "dumps"])
+        with pytest.raises(RefusedError) as ei:
+            serve.run(plan, say=lambda m: None)
+        assert serve.port_taken("127.0.0.1", port)
+    line = ei.value.line()
+    assert line.startswith(f"error: port {port} on 127.0.0.1 is taken") and "--port" in line and "\n" not in line, line
+    assert not marker.exists() and not (tmp_path / "dumps").exists()
+    assert serve.port_taken("127.0.0.1", port) is None  # closed: free again
+    # a server that closed its connections first leaves them in TIME_WAIT on its port: still free
+    with socket.socket() as lst:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        port = lst.getsockname()[1]
+        cli = socket.create_connection(("127.0.0.1", port))
+        conn, _ = lst.accept()
+        conn.close()  # the server side closes first: its end goes to TIME_WAIT
+        cli.recv(1)
+        cli.close()
+    assert serve.port_taken("127.0.0.1", port) is None

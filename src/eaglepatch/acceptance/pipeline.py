@@ -537,6 +537,17 @@ class Server:
         self.proc = None
 
     def start(self):
+        """Start the server; refused when its port is taken: a server already listening there would
+        answer /health and /generate in its place, and the run would take its data from the wrong
+        model (seen when a killed test run left its data server behind)."""
+        from ..serve import port_taken
+
+        why = port_taken("127.0.0.1", self.port)
+        if why:
+            raise RefusedError(f"port {self.port} on 127.0.0.1 is taken ({why}): the {self.name} server cannot "
+                               "listen there, and whatever does would answer in its place",
+                               "stop that process or pass another --port (the run uses --port to --port + 4, "
+                               "and --port + 20 and + 21 for the warm-up servers)")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.t = time.monotonic()
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,

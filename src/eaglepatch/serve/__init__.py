@@ -250,11 +250,39 @@ def _end_group(pgid: int, grace: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (something holds it), or None when it is free. A
+    server started on a taken port fails to bind while whatever holds it answers /health in its
+    place: the launcher would announce the wrong server, and its data would come from another
+    model."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as uvicorn binds: connections of an earlier server still in TIME_WAIT do not count, a
+        # socket listening there does
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def run(plan: Plan, say=None) -> int:
     """Start the server in its own process group and wait for it. Ctrl-C, SIGTERM and SIGHUP are
     passed on to that group; whatever of it is left when the launcher ends is killed. Returns the
-    server's exit status (0 when it ended because it was asked to)."""
+    server's exit status (0 when it ended because it was asked to). A taken port is refused first
+    (RefusedError)."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
+    from urllib.parse import urlsplit
+
+    u = urlsplit(plan.url)
+    why = port_taken(u.hostname, u.port)
+    if why:
+        from ..errors import RefusedError
+
+        raise RefusedError(f"port {u.port} on {u.hostname} is taken ({why}): the server could not listen there, "
+                           "and whatever does would answer in its place", "stop that process or pass another --port")
     for d in plan.mkdirs:
         Path(d).mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([str(a) for a in plan.argv], env=plan.environ(), stdin=subprocess.DEVNULL,
@@ -292,5 +320,6 @@ def run(plan: Plan, say=None) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
-__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "run", "DUMP_FLAGS",
+__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "port_taken", "run",
+           "DUMP_FLAGS",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]
