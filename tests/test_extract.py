@@ -434,12 +434,17 @@ def test_killed_run_resumes(assets, server, reference, expected):
     proc.wait(timeout=30)
     done_before = {r["id"] for r in records(out)}
     assert 4 <= len(done_before) < N_CONV + 1, f"killed after {len(done_before)} samples"
+    # what a kill in the middle of a write leaves, whether or not this one did: our temporary name,
+    # and safetensors' own (save_file writes .tmpXXXXXX beside its target, then renames it)
+    shard = next(out.glob("samples/*/"))
+    (shard / ".x.safetensors.123.456.tmp").write_bytes(b"partial")
+    (shard / ".tmpAbC123").write_bytes(b"partial")
     p = extract(assets, server, out, "--format", "speculators", "--concurrency", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"{len(done_before)} already done" in p.stderr
     ids = [r["id"] for r in records(out)]
     assert len(ids) == len(set(ids)) == N_CONV + 1  # nothing done twice
-    assert not list(out.glob("samples/*/.*.tmp"))
+    assert not list(out.glob("samples/*/.*")), list(out.glob("samples/*/.*"))  # no temporary of any writer
     worst = check_dataset(out, "speculators", reference, expected)
     from safetensors import safe_open
 

@@ -109,7 +109,11 @@ def _tmp_for(path: Path) -> Path:
 
 
 def stale_temporaries(out_dir: Path) -> list:
-    return list(Path(out_dir).glob(f"{SAMPLES_DIR}/*/.*.tmp"))
+    """Temporary files a killed run left among the samples: ours (``_tmp_for``) and safetensors'
+    own (``save_file`` writes ``.tmpXXXXXX`` beside its target, then renames it; a kill between
+    the two leaves it there)."""
+    d = Path(out_dir)
+    return sorted(set(d.glob(f"{SAMPLES_DIR}/*/.*.tmp")) | set(d.glob(f"{SAMPLES_DIR}/*/.tmp*")))
 
 
 def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, loss_mask) -> int:
