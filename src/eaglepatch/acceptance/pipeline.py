@@ -44,6 +44,14 @@ NUM_STEPS = 3
 GATES = {"bf16_fp32_agreement": (">=", 0.99), "bigram_predictability": ("<=", 0.5), "loop_rate": ("<=", 0.2)}
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 CONTROLS = ("correct", "off_by_one", "floor", "upstream_ids")
+
+
+def gate_failures(gates: dict) -> list:
+    """The gates ``gates`` (train.measure's figures) fails, each as 'name value (need op limit)'."""
+    return [f"{k} {gates[k]} (need {op} {lim})" for k, (op, lim) in GATES.items()
+            if not (gates[k] >= lim if op == ">=" else gates[k] <= lim)]
+
+
 # what the floor's training leaves of the budget for guard and serve (on the H200 serve took 87 s:
 # four servers started side by side, 49-73 s each, then 128 requests to each)
 SERVE_RESERVE_S = 110
@@ -162,8 +170,7 @@ class Run:
             (d / "acceptance-target.json").write_text(json.dumps(self.res["target"], indent=2))
         self.target = d
         del model
-        fails = [f"{k} {gates[k]} (need {op} {lim})" for k, (op, lim) in GATES.items()
-                 if not (gates[k] >= lim if op == ">=" else gates[k] <= lim)]
+        fails = gate_failures(gates)
         self.res["verdicts"]["target_gates"] = {"passed": not fails, "failed": fails}
         if fails and self.o.accept_failed_gates:
             self.say("[acceptance] target gates failed (%s); going on as --accept-failed-gates asks: the "
@@ -540,14 +547,11 @@ class Server:
         """Start the server; refused when its port is taken: a server already listening there would
         answer /health and /generate in its place, and the run would take its data from the wrong
         model (seen when a killed test run left its data server behind)."""
-        from ..serve import port_taken
+        from ..serve import refuse_taken_port
 
-        why = port_taken("127.0.0.1", self.port)
-        if why:
-            raise RefusedError(f"port {self.port} on 127.0.0.1 is taken ({why}): the {self.name} server cannot "
-                               "listen there, and whatever does would answer in its place",
-                               "stop that process or pass another --port (the run uses --port to --port + 4, "
-                               "and --port + 20 and + 21 for the warm-up servers)")
+        refuse_taken_port("127.0.0.1", self.port, f"the {self.name} server",
+                          "stop that process or pass another --port (the run uses --port to --port + 4, and "
+                          "--port + 20 and + 21 for the warm-up servers)")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.t = time.monotonic()
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,

@@ -268,6 +268,17 @@ def port_taken(host: str, port: int) -> str | None:
     return None
 
 
+def refuse_taken_port(host: str, port: int, who: str = "the server",
+                      fix: str = "stop that process or pass another --port") -> None:
+    """RefusedError (one line: the port, why, ``fix``) when ``port_taken``; nothing otherwise."""
+    why = port_taken(host, port)
+    if why:
+        from ..errors import RefusedError
+
+        raise RefusedError(f"port {port} on {host} is taken ({why}): {who} could not listen there, and whatever "
+                           "does would answer in its place", fix)
+
+
 def run(plan: Plan, say=None) -> int:
     """Start the server in its own process group and wait for it. Ctrl-C, SIGTERM and SIGHUP are
     passed on to that group; whatever of it is left when the launcher ends is killed. Returns the
@@ -277,12 +288,7 @@ def run(plan: Plan, say=None) -> int:
     from urllib.parse import urlsplit
 
     u = urlsplit(plan.url)
-    why = port_taken(u.hostname, u.port)
-    if why:
-        from ..errors import RefusedError
-
-        raise RefusedError(f"port {u.port} on {u.hostname} is taken ({why}): the server could not listen there, "
-                           "and whatever does would answer in its place", "stop that process or pass another --port")
+    refuse_taken_port(u.hostname, u.port)
     for d in plan.mkdirs:
         Path(d).mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([str(a) for a in plan.argv], env=plan.environ(), stdin=subprocess.DEVNULL,
@@ -320,6 +326,7 @@ def run(plan: Plan, say=None) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
-__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "port_taken", "run",
+__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "port_taken",
+           "refuse_taken_port", "run",
            "DUMP_FLAGS",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]
