@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Serve a patched SGLang with the EAGLE-3 hidden-state dump on, for tools/extract.py.
 
-  python3 tools/serve.py --model-path MODEL --dump-dir DIR [--layers IDS] [--sglang ROOT] [-- SGLANG FLAGS...]
-  python3 tools/serve.py --cpu-demo DIR [--sglang ROOT]
+  python3 tools/serve.py --model-path MODEL --dump-dir DIR [--layers IDS] [--sglang ROOT] [DUMP FLAGS] [-- SGLANG FLAGS...]
+  python3 tools/serve.py --cpu-demo DIR [--sglang ROOT] [DUMP FLAGS]
 
 Production (--model-path): runs `python -m sglang.launch_server` for MODEL on this machine's
 accelerators with EAGLE3_DUMP_DIR=DIR, EAGLE3_DUMP_LAYERS=IDS and --disable-radix-cache (the one
@@ -19,8 +19,12 @@ DIR/conversations.jsonl, the dumps in DIR/dumps, a draft config per trainer in D
 the extract, load and guard commands to run next (printed once the server answers; also in
 DIR/serve.json).
 
-The server runs in the foreground until Ctrl-C (or SIGTERM), which stops it and every process it
-started. --print prints the command instead of running it.
+Dump flags (--max-pending-mb, --final, --drain-s, --max-wait-s) set the dump's other variables; without
+one, the variable from your environment is kept (printed: which value is used), else the dump's
+default applies. The server runs in the foreground until Ctrl-C (or SIGTERM), which sends SIGTERM to
+it and every process it started: the dump writer writes its queue for at most EAGLE3_DUMP_DRAIN_S
+seconds, and serve.py waits that long plus 30 s before it kills what is left. --print prints the
+command instead of running it.
 Exit: 0 stopped by Ctrl-C or SIGTERM (and --print), 1 (or the server's own status) the server failed,
 2 usage error.
 """
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
-from eaglepatch.serve import DEFAULT_HOST, DEFAULT_PORT  # noqa: E402
+from eaglepatch.serve import DEFAULT_HOST, DEFAULT_PORT, DUMP_SETTINGS, STOP_MARGIN_S  # noqa: E402
 from eaglepatch.serve.demo import DEMO_LAYERS  # noqa: E402
 
 
@@ -64,7 +68,24 @@ def main(argv=None) -> int:
     ap.add_argument("--python", metavar="PY",
                     help="production: the interpreter whose environment has sglang's dependencies (default: this one, "
                          f"{sys.executable})")
-    ap.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)")
+    dump = {st.var: st for st in DUMP_SETTINGS}
+    ap.add_argument("--max-pending-mb", metavar="MB",
+                    help="EAGLE3_DUMP_MAX_PENDING_MB: the host arena for rows not yet written, in MiB (README "
+                         "'Sizing the host arena'; default: $EAGLE3_DUMP_MAX_PENDING_MB, else "
+                         f"{dump['EAGLE3_DUMP_MAX_PENDING_MB'].default})")
+    ap.add_argument("--final", metavar="1|0",
+                    help="EAGLE3_DUMP_FINAL: 1 also stores the final (post-norm) hidden state, 0 does not "
+                         f"(default: $EAGLE3_DUMP_FINAL, else {dump['EAGLE3_DUMP_FINAL'].default})")
+    ap.add_argument("--drain-s", metavar="S",
+                    help="EAGLE3_DUMP_DRAIN_S: on stop (SIGTERM) the dump writer writes its queue for at most S "
+                         f"seconds; serve.py waits S + {STOP_MARGIN_S:g} s before it kills the server (default: "
+                         f"$EAGLE3_DUMP_DRAIN_S, else {dump['EAGLE3_DUMP_DRAIN_S'].default})")
+    ap.add_argument("--max-wait-s", metavar="S",
+                    help="EAGLE3_DUMP_MAX_WAIT_S: how long a forward waits for room in the host arena before its "
+                         "rows are failed, in seconds (default: $EAGLE3_DUMP_MAX_WAIT_S, else "
+                         f"{dump['EAGLE3_DUMP_MAX_WAIT_S'].default})")
+    ap.add_argument("--host", default=DEFAULT_HOST,
+                    help="address to listen on, IPv4 or IPv6 (e.g. ::1) (default: %(default)s)")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
     ap.add_argument("--print", action="store_true", dest="print_only",
                     help="print the command (and prepare the CPU demo) instead of running it")
@@ -76,6 +97,9 @@ def main(argv=None) -> int:
         if not 0 < a.port < 65536:
             raise UsageError(f"--port {a.port} is out of range", "pass a port from 1 to 65535")
         layers = serve.parse_layers(a.layers) if a.layers is not None else None
+        host = serve.check_host(a.host)
+        settings, setting_notes = serve.dump_settings({"--max-pending-mb": a.max_pending_mb, "--final": a.final,
+                                                       "--drain-s": a.drain_s, "--max-wait-s": a.max_wait_s})
         if a.cpu_demo is not None:
             if a.python:
                 raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",
@@ -84,14 +108,14 @@ def main(argv=None) -> int:
 
             plan = cpu_demo_plan(a.cpu_demo, sglang=a.sglang, series_dir=a.series,
                                  layers=layers if layers is not None else DEMO_LAYERS, dump_dir=a.dump_dir,
-                                 host=a.host, port=a.port, extra=extra)
+                                 host=host, port=a.port, extra=extra, settings=settings)
         else:
             if a.dump_dir is None:
                 raise UsageError("--dump-dir is missing", "pass the directory the server writes its dumps to "
                                  "(EAGLE3_DUMP_DIR; on a shared filesystem for several replicas)")
             plan = serve.production_plan(a.model_path, a.dump_dir, layers, a.sglang, a.series, a.python,
-                                         a.host, a.port, extra)
-        for line in plan.notes:
+                                         host, a.port, extra, settings)
+        for line in plan.notes + setting_notes:
             print(("" if line.startswith("warning: ") else "[serve] ") + line, file=sys.stderr)
         if a.print_only:
             print(plan.shell())

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .commit import after_reverse_hint, committed, prepare_commit
+from .commit import after_reverse_hint, branch_exists, committed, fetched_checkout, prepare_commit
 from .errors import RefusedError, UsageError
 from . import gitcmd
 from .gitcmd import clean_env, require_git
@@ -384,21 +384,42 @@ def _fetched_already(dest: Path, series: Series) -> UpstreamTree | None:
     return None
 
 
+def _fetched_then_reversed(dest: Path, series: Series) -> UpstreamTree | None:
+    """`dest` when it is a checkout `--fetch` made for the series' release that holds that release
+    without the series now (reversed, then put back at the release or the removal committed, as
+    `--reverse` says); None otherwise."""
+    try:
+        tree = UpstreamTree.open(dest, {series.release: series})
+        if tree.kind == "git" and tree.release == series.release and tree.state(series) == "upstream" \
+                and fetched_checkout(tree, series):
+            return tree
+    except (UsageError, RefusedError):
+        pass
+    return None
+
+
 def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callable[[str], None] = print,
                     command: str | None = None) -> UpstreamTree:
     """Fetch `release` into a new git checkout at `dest` and apply `series` there with --commit.
     The checkout is made and patched in `.<dest>.eaglepatch-fetch-<pid>` beside `dest`, then
     renamed: a killed run leaves no `dest` (and its leftover is removed by the next run); a
-    `dest` that a finished run made is accepted as already fetched."""
+    `dest` that a finished run made is accepted as already fetched, and one whose series was
+    reversed since is patched again there (`--commit`, replacing the series branch it left)."""
     dest = Path(os.path.expanduser(str(dest))).absolute()
     if dest.exists() and not dest.is_dir():
         raise UsageError(f"DEST {dest} is a file", "pass a new directory as DEST")
     if dest.is_dir() and any(dest.iterdir()):
         tree = _fetched_already(dest, series)
+        if tree is not None:
+            say(f"{series.name}: already fetched, applied and committed ({tree.describe()})")
+            return tree
+        tree = _fetched_then_reversed(dest, series)
         if tree is None:
             raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
-        say(f"{series.name}: already fetched, applied and committed ({tree.describe()})")
-        return tree
+        say(f"{dest} is the checkout --fetch made, without {series.name} now: applying it again there")
+        # what finishes an interrupted run here is apply --commit --force on the tree (the default command)
+        apply_series(tree, series, commit=True, force=branch_exists(tree, series), say=say)
+        return UpstreamTree.open(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -13,6 +13,7 @@ A repository in the middle of a merge, rebase, cherry-pick, revert or bisect is 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from .errors import RefusedError
 from .gitcmd import GIT_ID, open_repo, run
 from .interrupts import held_interrupts, stop_point
 from .outputs import scratch_dir
-from .series import Series, header_to_message
+from .series import Series, header_to_message, tool_command
 
 BUSY = (("MERGE_HEAD", "a merge", "git merge --continue, or git merge --abort"),
         ("rebase-merge", "a rebase", "git rebase --continue, or git rebase --abort"),
@@ -242,27 +243,89 @@ def _identity_env(g: _Git) -> dict:
 def after_reverse_hint(tree, series: Series) -> str | None:
     """After `--reverse` in a git checkout whose HEAD has the series committed (what `--commit` and
     `--fetch` make): the removal is uncommitted changes, which the next `apply --commit` refuses.
-    The next step, or None when the work tree matches HEAD."""
+    The next step, or None when the work tree matches HEAD. Every printed command names the tree
+    (`git -C ROOT`: it works from any directory and never acts on another repository), the commit
+    brings an identity where git has none (`-c user.name=... -c user.email=...`, as `--commit`
+    does), and the last line names the command that patches the tree again (README step 1's
+    `apply.py --fetch` for a checkout it made)."""
     repo = open_repo(tree.root)
     try:
         g = _Git(repo)
+        root = Path(repo.working_tree_dir).resolve()
         prefix = _prefix(repo, tree.package_parent)
         paths = [prefix + rel for rel in series.files()]
-        if not g("status", "--porcelain", "--untracked-files=no", "--", *paths).strip():
+        dirty = [ln[3:] for ln in g("status", "--porcelain", "--untracked-files=no", "--", *paths).splitlines()
+                 if ln.strip()]
+        if not dirty:
             return None
         others = g("status", "--porcelain", "--untracked-files=no").splitlines()
         only_series = all(ln[3:] in paths for ln in others)
         head = g("rev-parse", "--abbrev-ref", "HEAD")
         base = _upstream_ref(g, paths, len(series.patches))
+        identity = _identity_flags(g)
+        fetched = made_by_fetch(g, series.release)
     finally:
         repo.close()
+    git = f"git -C {shlex.quote(str(root))}"
     lines = [f"the series is removed from the work tree only: {head} still has it committed, so these are "
              "uncommitted changes (apply --commit refuses them). Next, either:"]
     if base and only_series:
-        lines.append(f"  git checkout -f {base}    # back to sglang {series.release} as committed there "
-                     "(only the series' files change)")
-    lines.append(f"  git commit -a -m 'Remove {series.name}'    # record the removal on {head}")
+        lines.append(f"  {git} checkout -q -f {shlex.quote(base)}    # back to sglang {series.release} as "
+                     "committed there (only the series' files change)")
+    what = "-a " if only_series else ""
+    tail = "" if only_series else " -- " + " ".join(shlex.quote(x) for x in dirty)
+    lines.append(f"  {git}{identity} commit -q {what}-m {shlex.quote('Remove ' + series.name)}{tail}    "
+                 f"# record the removal on {head}" + ("" if only_series else " (the series' files only)"))
+    again = (tool_command("apply", "--fetch", series.release, root) if fetched
+             else tool_command("apply", root, "--commit", "--force"))
+    lines.append(f"Either way, to patch it again later: {again}")
     return "\n".join(lines)
+
+
+def _identity_flags(g: _Git) -> str:
+    """` -c user.name=... -c user.email=...` (GIT_ID's) for whichever of the two git has no value
+    for here, as `--commit` brings its own (`_identity_env`); "" when git has both."""
+    out = ""
+    for var, key in (("NAME", "user.name"), ("EMAIL", "user.email")):
+        try:
+            g("config", key)
+        except RefusedError:
+            out += f" -c {shlex.quote(key + '=' + GIT_ID['GIT_AUTHOR_' + var])}"
+    return out
+
+
+# the subject of the one commit `--fetch` makes (eaglepatch.fetch: the release's files, tagged v<release>)
+FETCH_SUBJECT = "sglang {release} (from the released wheel)"
+
+
+def made_by_fetch(g: _Git, release: str) -> bool:
+    """Whether the repository is one `apply --fetch` made for `release`: its tag v<release> is on the
+    commit `--fetch` makes."""
+    try:
+        return g("log", "-1", "--format=%s", f"refs/tags/v{release}") == FETCH_SUBJECT.format(release=release)
+    except RefusedError:
+        return False
+
+
+def fetched_checkout(tree, series: Series) -> bool:
+    """Whether `tree` (a git checkout) is one `apply --fetch` made for the series' release."""
+    repo = open_repo(tree.root)
+    try:
+        return made_by_fetch(_Git(repo), series.release)
+    finally:
+        repo.close()
+
+
+def branch_exists(tree, series: Series) -> bool:
+    """Whether the repository has the branch `--commit` makes for the series."""
+    repo = open_repo(tree.root)
+    try:
+        _Git(repo)("rev-parse", "--verify", "-q", f"refs/heads/{branch_name(series)}")
+        return True
+    except RefusedError:
+        return False
+    finally:
+        repo.close()
 
 
 def _upstream_ref(g: _Git, paths: list, n: int) -> str | None:

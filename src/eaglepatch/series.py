@@ -10,8 +10,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import unidiff
-
 from .errors import UsageError
 
 HEADER_FIELDS = ("Subject", "Description", "Why", "Origin", "Forwarded", "Last-Update", "Drop-When")
@@ -189,6 +187,8 @@ def parse_patch(data: bytes, name: str, path: Path | None = None) -> Patch:
     fields = parse_header(header, where)
     if not text.startswith("diff --git "):
         raise UsageError(f"malformed patch {where}: the diff does not start with 'diff --git'", fix)
+    import unidiff  # here, not at the top: tools/test.py lists the series before any install
+
     try:
         ps = unidiff.PatchSet(text)
     except Exception as exc:  # unidiff.UnidiffParseError and friends

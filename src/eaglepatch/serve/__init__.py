@@ -11,13 +11,20 @@ Two plans, each a ``Plan`` (the ``launch_server`` command line and the variables
   patch built once in the cache (or ``--sglang ROOT`` copied, plus the smoke patch), the import
   stubs, ``SGLANG_USE_CPU_ENGINE=1`` and the CPU flags (``cpu_flags``).
 
-``run(plan)`` starts the server in its own process group, says when it answers, forwards Ctrl-C
-and SIGTERM to it and leaves no process of it behind.
+``dump_settings`` reads the dump's other settings (``EAGLE3_DUMP_MAX_PENDING_MB``, ``_FINAL``,
+``_DRAIN_S``, ``_MAX_WAIT_S``) from serve.py's flags, else from the user's environment, and checks
+them before anything starts.
+
+``run(plan)`` starts the server in its own process group, says when it answers, stops it with
+SIGTERM on Ctrl-C, SIGTERM or SIGHUP, gives the dump writer its drain (``EAGLE3_DUMP_DRAIN_S``)
+plus ``STOP_MARGIN_S`` before SIGKILL, and leaves no process of it behind.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 import os
 import shlex
 import signal
@@ -41,7 +48,32 @@ DEFAULT_PORT = 30000
 # is off unless asked for, and asking for one ends the launch with one line naming it.
 DUMP_FLAGS = ("--disable-radix-cache",)
 PREFILL_GRAPH_FLAG = "--disable-prefill-cuda-graph"
-STOP_GRACE_S = 15.0
+# SIGTERM to the server's process group: the dump writer drains its queue for at most
+# EAGLE3_DUMP_DRAIN_S seconds, then exits; run() waits that long plus STOP_MARGIN_S (the rest of
+# SGLang's shutdown) before SIGKILL
+STOP_MARGIN_S = 30.0
+DEFAULT_DRAIN_S = 20.0  # the dump's own default (eagle3_capture.settings.DEFAULT_DRAIN_S)
+
+
+@dataclass(frozen=True)
+class DumpSetting:
+    """One of the dump's settings that serve.py passes on: its flag, variable, the dump's default
+    and what its value is (``seconds``/``MiB``: a positive finite number; ``1/0``: a boolean)."""
+
+    flag: str
+    var: str
+    default: str
+    unit: str
+
+
+DUMP_SETTINGS = (
+    DumpSetting("--max-pending-mb", "EAGLE3_DUMP_MAX_PENDING_MB", "4096", "MiB"),
+    DumpSetting("--final", "EAGLE3_DUMP_FINAL", "1", "1/0"),
+    DumpSetting("--drain-s", "EAGLE3_DUMP_DRAIN_S", f"{DEFAULT_DRAIN_S:g}", "seconds"),
+    DumpSetting("--max-wait-s", "EAGLE3_DUMP_MAX_WAIT_S", "120", "seconds"),
+)
+# what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def cpu_flags(model, tokenizer=None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> list:
@@ -80,6 +112,80 @@ def parse_layers(text: str) -> list:
     return ids
 
 
+def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
+    """``raw`` (stripped) as the variable's value, or a UsageError naming where it came from."""
+    value = str(raw).strip()
+    boolean = st.unit == "1/0"
+    if boolean:
+        ok = value.lower() in _TRUE + _FALSE
+    else:
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        ok = math.isfinite(number) and number > 0
+    if ok:
+        return value
+    what = "1 or 0" if boolean else f"a positive finite number of {st.unit}"
+    if from_flag:
+        raise UsageError(f"{st.flag} {raw!r} is not {what}",
+                         f"pass {st.flag} 1 or {st.flag} 0" if boolean else f"pass e.g. {st.flag} {st.default}")
+    raise UsageError(f"{st.var}={raw!r} (from the environment) is not {what}",
+                     f"set it to {'1 or 0' if boolean else 'e.g. ' + st.default}, unset it, or pass {st.flag}")
+
+
+def dump_settings(flags: dict, environ=None) -> tuple[dict, list]:
+    """(variables, notes): ``EAGLE3_DUMP_MAX_PENDING_MB``, ``_FINAL``, ``_DRAIN_S`` and ``_MAX_WAIT_S``
+    for the server. ``flags`` maps a setting's flag (``--drain-s``) to the value given, or None:
+    a flag wins over the user's environment, which is kept (not dropped) when no flag is given.
+    ``EAGLE3_DUMP_DRAIN_S`` is always passed (its default when neither says), so the server drains
+    for as long as ``run`` waits; the others only when given (the dump's default otherwise). Every
+    value is checked here, before anything starts (UsageError: one line)."""
+    environ = os.environ if environ is None else environ
+    env, used = {}, []
+    for st in DUMP_SETTINGS:
+        if flags.get(st.flag) is not None:
+            env[st.var] = _check_setting(st, flags[st.flag], True)
+            used.append(f"{st.var}={env[st.var]} ({st.flag})")
+        elif environ.get(st.var, "").strip():
+            env[st.var] = _check_setting(st, environ[st.var], False)
+            used.append(f"{st.var}={env[st.var]} (from the environment)")
+        else:
+            if st.var == "EAGLE3_DUMP_DRAIN_S":
+                env[st.var] = st.default
+            used.append(f"{st.var}={st.default} (default)")
+    return env, ["dump settings: " + ", ".join(used)]
+
+
+def stop_grace_s(env: dict) -> float:
+    """How long ``run`` waits, after its SIGTERM, before it kills the server: the dump's drain
+    (``EAGLE3_DUMP_DRAIN_S`` as passed to the server, its default when not) plus ``STOP_MARGIN_S``."""
+    try:
+        drain = float(env.get("EAGLE3_DUMP_DRAIN_S") or DEFAULT_DRAIN_S)
+    except ValueError:
+        drain = DEFAULT_DRAIN_S
+    if not (math.isfinite(drain) and drain > 0):
+        drain = DEFAULT_DRAIN_S
+    return drain + STOP_MARGIN_S
+
+
+def check_host(host: str) -> str:
+    """``--host`` as launch_server takes it: an IPv6 address given in brackets (``[::1]``) loses
+    them; an empty host is refused."""
+    h = str(host).strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if not h or any(c.isspace() or c in "[]/" for c in h):
+        raise UsageError(f"--host {host!r} is not an address to listen on",
+                         "pass an IP address or host name, e.g. --host 127.0.0.1 or --host ::1")
+    if ":" in h:
+        try:
+            ipaddress.IPv6Address(h)
+        except ValueError:
+            raise UsageError(f"--host {host!r} is not an IPv6 address", "pass e.g. --host ::1") from None
+    return h
+
+
 @dataclass
 class Plan:
     """A server to start: ``argv`` with ``env`` set on top of this process's environment (less any
@@ -93,6 +199,9 @@ class Plan:
     mkdirs: list = field(default_factory=list)
     after_ready: list = field(default_factory=list)  # lines printed once the server answers
     info_file: Path | None = None  # the CPU demo's serve.json (gets the server's pid at start)
+
+    def stop_grace_s(self) -> float:
+        return stop_grace_s(self.env)
 
     def environ(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
@@ -144,8 +253,10 @@ def _probe_python(python: str) -> dict:
 
 
 def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_dir=None, python=None,
-                    host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=()) -> Plan:
-    """``launch_server`` for ``model_path`` on this machine's accelerators with the dump on."""
+                    host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=(), settings=None) -> Plan:
+    """``launch_server`` for ``model_path`` on this machine's accelerators with the dump on;
+    ``settings``: the dump variables of ``dump_settings`` (default: from the environment)."""
+    settings = dump_settings({})[0] if settings is None else settings
     python = str(python or sys.executable)
     dump_dir = Path(dump_dir).expanduser().absolute()
     if dump_dir.exists() and not dump_dir.is_dir():
@@ -156,6 +267,7 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
     env = {"EAGLE3_DUMP_DIR": str(dump_dir)}
     if layers is not None:
         env["EAGLE3_DUMP_LAYERS"] = ",".join(map(str, layers))
+    env.update(settings)
     if sglang is not None:
         tree, series, notes = patched_tree_at(sglang, series_dir)
         env["PYTHONPATH"] = os.pathsep.join([str(tree.package_parent)] + ([os.environ["PYTHONPATH"]]
@@ -183,7 +295,10 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
 
 
 def _url(host: str, port: int) -> str:
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    """Where this machine reaches a server listening on ``host``: a wildcard address by its
+    loopback, an IPv6 address in brackets (``http://[::1]:30000``)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 # ---- running it ------------------------------------------------------------------------------------
@@ -237,13 +352,15 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _end_group(pgid: int, grace: float = 5.0) -> None:
+def _end_group(pgid: int, grace: float = 5.0, term: bool = True, grace_term: float = 5.0) -> None:
     """Give what is left of the group ``grace`` seconds to finish on its own (the resource tracker
-    removes the semaphores it tracks), then SIGTERM, then SIGKILL."""
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    removes the semaphores it tracks), then (``term``) SIGTERM and ``grace_term`` seconds more,
+    then SIGKILL."""
+    steps = [(None, grace)] + ([(signal.SIGTERM, grace_term)] if term else []) + [(signal.SIGKILL, 5.0)]
+    for sig, wait in steps:
         if sig is not None:
             _kill_group(pgid, sig)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if not _group_alive(pgid):
                 return
@@ -257,7 +374,8 @@ def port_taken(host: str, port: int) -> str | None:
     model."""
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         # as uvicorn binds: connections of an earlier server still in TIME_WAIT do not count, a
         # socket listening there does
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -280,10 +398,11 @@ def refuse_taken_port(host: str, port: int, who: str = "the server",
 
 
 def run(plan: Plan, say=None) -> int:
-    """Start the server in its own process group and wait for it. Ctrl-C, SIGTERM and SIGHUP are
-    passed on to that group; whatever of it is left when the launcher ends is killed. Returns the
-    server's exit status (0 when it ended because it was asked to). A taken port is refused first
-    (RefusedError)."""
+    """Start the server in its own process group and wait for it. Ctrl-C, SIGTERM and SIGHUP send
+    SIGTERM to that group (the signal the dump writer drains on), and the group gets
+    ``plan.stop_grace_s()`` (the drain plus ``STOP_MARGIN_S``) to end before SIGKILL; whatever of it
+    is left when the launcher ends is killed. Returns the server's exit status (0 when it ended
+    because it was asked to). A taken port is refused first (RefusedError)."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     from urllib.parse import urlsplit
 
@@ -298,20 +417,25 @@ def run(plan: Plan, say=None) -> int:
         info["server_pid"] = proc.pid
         plan.info_file.write_text(json.dumps(info, indent=2) + "\n")
     asked = []
+    grace = plan.stop_grace_s()
 
-    def forward(sig, _frame):
+    def forward(_sig, _frame):
         asked.append(time.monotonic())
-        _kill_group(proc.pid, signal.SIGTERM if sig == signal.SIGHUP else sig)
+        _kill_group(proc.pid, signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     threading.Thread(target=_announce, args=(proc, plan, say), daemon=True).start()
+    told = False
     try:
         while True:
             try:
-                rc = proc.wait(timeout=1.0)
+                rc = proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
-                if asked and time.monotonic() - asked[0] > STOP_GRACE_S:
+                if asked and not told:
+                    told = True
+                    say(f"[serve] stopping: waiting up to {grace:g} s for the dump to drain")
+                if asked and time.monotonic() - asked[0] > grace:
                     _kill_group(proc.pid, signal.SIGKILL)
     finally:
         for s, h in old.items():
@@ -319,14 +443,19 @@ def run(plan: Plan, say=None) -> int:
         if proc.poll() is None:
             _kill_group(proc.pid, signal.SIGKILL)
         proc.wait()
-        _end_group(proc.pid)  # the scheduler, detokenizer and resource tracker it may leave
+        # the scheduler, detokenizer and resource tracker it may leave; after a stop, what is left
+        # of the drain's time (the writing process may outlive launch_server's own process)
+        if asked:
+            _end_group(proc.pid, max(0.0, asked[0] + grace - time.monotonic()), term=False)
+        else:
+            _end_group(proc.pid, grace_term=grace)
     if asked:
         say("[serve] server stopped")
         return 0
     return rc if rc >= 0 else 128 - rc
 
 
-__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "parse_layers", "patched_tree_at", "port_taken",
-           "refuse_taken_port", "run",
-           "DUMP_FLAGS",
+__all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "dump_settings", "check_host", "parse_layers",
+           "patched_tree_at", "port_taken", "refuse_taken_port", "run", "stop_grace_s",
+           "DUMP_FLAGS", "DUMP_SETTINGS", "STOP_MARGIN_S",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]

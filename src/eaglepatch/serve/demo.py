@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .. import PINNED_RELEASE, cpuenv
 from ..errors import UsageError
-from . import DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, patched_tree_at, tinychat
+from . import DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_settings, patched_tree_at, tinychat
 
 # EAGLE3_DUMP_LAYERS of the demo (4 decoder layers): the embedding output and layers 0-2 (aux layers:
 # speculators takes all four, SpecForge the three non-negative ones it trains), then N-1 = 3, the
@@ -198,7 +198,7 @@ def next_commands(url: str, demo_dir: Path, dump_dir: Path, drafts: dict, defaul
     import shlex
 
     d = shlex.quote(str(demo_dir))
-    ex = (f"python3 {tool('extract.py')} --server {url} --model {d}/model --data {d}/conversations.jsonl "
+    ex = (f"python3 {tool('extract.py')} --server {shlex.quote(url)} --model {d}/model --data {d}/conversations.jsonl "
           f"--dump-dir {shlex.quote(str(dump_dir))}")
     cmds = []
     for fmt in ("specforge", "speculators"):
@@ -222,8 +222,10 @@ def next_commands(url: str, demo_dir: Path, dump_dir: Path, drafts: dict, defaul
 
 
 def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, dump_dir=None,
-                  host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=(), say=_say) -> Plan:
-    """Prepare the demo directory, the CPU environment and the tree; the server's Plan."""
+                  host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=(), say=_say, settings=None) -> Plan:
+    """Prepare the demo directory, the CPU environment and the tree; the server's Plan. ``settings``:
+    the dump variables of ``dump_settings`` (default: from the environment)."""
+    settings = dump_settings({})[0] if settings is None else settings
     from ..smoke import STUBS
     from ..smoke.tinyconfig import DEEPSEEK_V3
 
@@ -260,7 +262,7 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     cmds = next_commands(url, demo_dir, dump_dir, drafts, sorted(k for k in layers if k != n - 1))
     env = {"SGLANG_USE_CPU_ENGINE": "1", "EAGLE3_DUMP_DIR": str(dump_dir), "EAGLE3_DUMP_LAYERS": ",".join(map(str, layers)),
            "PYTHONPATH": os.pathsep.join([str(tree), str(STUBS)]), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **settings}
     argv = [str(py), "-m", "sglang.launch_server", *cpu_flags(model, model, host, port), *extra]
     info = {"url": url, "tree": str(tree), "python": str(py), "model": str(model), "data": str(data),
             "dump_dir": str(dump_dir), "layers": layers, "drafts": drafts, "commands": cmds}

@@ -162,6 +162,7 @@ REFUSALS = [  # (label, ServerArgs settings, text the refusal must contain[, wha
      "--disable-prefill-cuda-graph", "prefill_graph"),
     ("dp attention", {"enable_dp_attention": True, "dp_size": 2, "tp_size": 2}, "DP attention", "attention_dp"),
     ("attention dp size", {"attn_dp_size": 2, "tp_size": 2}, "DP attention", "attention_dp"),
+    ("dp replicas", {"dp_size": 2}, "--dp-size 2"),
     ("pp > 1", {"pp_size": 2}, "--pp-size"),
     ("deepep a2a", {"moe_a2a_backend": "deepep"}, "--moe-a2a-backend"),
     ("mooncake a2a", {"moe_a2a_backend": "mooncake"}, "--moe-a2a-backend"),

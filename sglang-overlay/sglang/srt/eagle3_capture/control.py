@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import uuid
@@ -48,11 +49,49 @@ UPSTREAM = {
     # a server's SIGTERM drains the requests, then kills the process tree through this name
     "sglang.srt.managers.tokenizer_manager": ("kill_process_tree",),
 }
-SERVER_ARGS = ("tokenizer_worker_num",)  # ServerArgs fields read here (0.5.23: in arg_groups/fields)
+# ServerArgs fields the series reads without a default (0.5.23: declared in arg_groups/fields)
+SERVER_ARGS = ("tokenizer_worker_num", "dp_size")
+
+
+MAX_FLUSH_TIMEOUT = 7 * 24 * 3600.0  # a week: any longer is a typo, and inf would never answer
 
 
 class FlushError(RuntimeError):
     """The writer did not answer (not started, gone, or slower than the timeout)."""
+
+
+def flush_timeout(value) -> float:
+    """A flush call's ``timeout`` (None: the default) as seconds; ValueError naming the fix."""
+    if value is None:
+        return DEFAULT_FLUSH_TIMEOUT
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"timeout {value!r} is not a number of seconds; send e.g. {{\"timeout\": 60}}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"timeout {value!r} is not a number of seconds; send e.g. {{\"timeout\": 60}}") from None
+    if not 0 < seconds <= MAX_FLUSH_TIMEOUT:  # nan fails too
+        raise ValueError(f"timeout {value!r} must be a number of seconds in (0, {MAX_FLUSH_TIMEOUT:g}]; "
+                         f"send e.g. {{\"timeout\": 60}}")
+    return seconds
+
+
+# The control socket lives in Linux's abstract namespace ("@name" in EAGLE3_DUMP_CONTROL): no file
+# to leave behind, no path-length limit from a long TMPDIR; only the server's own user (or root) is
+# answered (SO_PEERCRED).
+def _address(path: str):
+    return "\0" + path[1:] if path.startswith("@") else path
+
+
+def _peer_allowed(conn) -> bool:
+    import struct
+
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return False
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid in (os.getuid(), 0)
 
 
 # ---- writer side (scheduler process of TP rank 0) ----------------------------------------------
@@ -61,13 +100,13 @@ class ControlServer:
     def __init__(self, writer, path: str):
         self.writer = writer
         self.path = path
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        os.chmod(path, 0o600)
+        try:
+            self.sock.bind(_address(path))
+        except OSError as exc:
+            self.sock.close()
+            raise RuntimeError(f"eagle3 dump: cannot listen at {path} ({exc}); another writer of this "
+                               f"launch holds it (a data-parallel replica?)") from None
         self.sock.listen(16)
         self.thread = threading.Thread(target=self._serve, name="eagle3-dump-control", daemon=True)
         self.thread.start()
@@ -82,11 +121,13 @@ class ControlServer:
 
     def _answer(self, conn) -> None:
         with conn:
+            if not _peer_allowed(conn):
+                return
             try:
                 request = json.loads(_read_line(conn))
                 op = request.get("op")
                 if op == "flush":
-                    reply = self.writer.flush_report(float(request.get("timeout") or DEFAULT_FLUSH_TIMEOUT))
+                    reply = self.writer.flush_report(flush_timeout(request.get("timeout")))
                 elif op in ("pause", "resume"):
                     self.writer.paused = op == "pause"
                     reply = {"ok": True, "paused": self.writer.paused}
@@ -100,13 +141,7 @@ class ControlServer:
                 pass
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        finally:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+        self.sock.close()
 
 
 def _read_line(conn) -> str:
@@ -131,7 +166,11 @@ def start_server(writer) -> Optional[ControlServer]:
 # ---- launching process ----------------------------------------------------------------------
 
 def new_path() -> str:
-    return os.path.join(tempfile.gettempdir(), f"eagle3-dump-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
+    """A control address for one launch: abstract (Linux), else a socket file in the temp dir."""
+    name = f"eagle3-dump-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    if sys.platform.startswith("linux"):
+        return "@" + name
+    return os.path.join(tempfile.gettempdir(), name + ".sock")
 
 
 def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None) -> dict:
@@ -140,11 +179,11 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None) -
     if not path:
         raise FlushError("the dump is not on in this process (EAGLE3_DUMP_DIR was not set when the "
                          "server or Engine started)")
-    wait = DEFAULT_FLUSH_TIMEOUT if timeout is None else float(timeout)
+    wait = flush_timeout(timeout)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(wait + 5.0)
-            s.connect(path)
+            s.connect(_address(path))
             s.sendall((json.dumps({"op": op, "timeout": wait}) + "\n").encode())
             line = _read_line(s)
     except (OSError, socket.timeout) as exc:
@@ -162,17 +201,41 @@ def flush(timeout: Optional[float] = None) -> dict:
     return call("flush", timeout)
 
 
-def _flush_quietly(why: str) -> None:
-    path = os.environ.get(ENV_CONTROL)
-    if path and not os.path.exists(path):  # Ctrl-C reaches the scheduler too: it drained and left
-        logger.warning("eagle3 dump: the writer had stopped before %s (a scheduler that exits writes "
-                       "its queue first; one that is killed does not)", why)
+_FLUSHED_AT_STOP = set()  # control addresses flushed for a stop already (once per launch)
+
+
+def _flush_quietly(why: str, path: Optional[str] = None) -> None:
+    """Flush before the launch stops (once per launch): Engine.shutdown, the server's stop, exit."""
+    path = path or os.environ.get(ENV_CONTROL)
+    if not path or path in _FLUSHED_AT_STOP:
         return
+    _FLUSHED_AT_STOP.add(path)
     try:
-        reply = flush()
+        reply = call("flush", None, path)
         logger.info("eagle3 dump flushed before %s: %s", why, reply)
-    except FlushError as exc:
-        logger.error("eagle3 dump: flush before %s failed: %s", why, exc)
+    except FlushError as exc:  # Ctrl-C reaches the scheduler too: it may have drained and left
+        logger.error("eagle3 dump: flush before %s failed: %s (a writer that exits writes its queue "
+                     "first, within EAGLE3_DUMP_DRAIN_S; one that is killed does not)", why, exc)
+
+
+def _run_in_thread(fn, *args):
+    """An awaitable of ``fn(*args)`` on a thread of its own: flushes never queue behind one another
+    (asyncio's default executor has a few threads, which stuck flushes would hold)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run():
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda e=exc: future.done() or future.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=run, name="eagle3-dump-flush", daemon=True).start()
+    return future
 
 
 def _engine_hooks(engine_cls) -> None:
@@ -186,9 +249,7 @@ def _engine_hooks(engine_cls) -> None:
         return flush(timeout)
 
     def shutdown_after_flush(self, *args, **kwargs):
-        if os.environ.get(ENV_CONTROL) and not getattr(self, "_eagle3_flushed", False):
-            self._eagle3_flushed = True
-            _flush_quietly("Engine.shutdown")
+        _flush_quietly("Engine.shutdown")
         return shutdown(self, *args, **kwargs)
 
     shutdown_after_flush.__doc__ = shutdown.__doc__
@@ -216,7 +277,6 @@ def _http_hooks(http_server) -> None:
     app = http_server.app
     if getattr(app, "_eagle3_hooks", False):
         return
-    import asyncio
     from contextlib import asynccontextmanager
 
     from fastapi import Request
@@ -227,9 +287,14 @@ def _http_hooks(http_server) -> None:
             body = await request.json()
         except ValueError:  # no body: the default timeout
             body = {}
-        timeout = body.get("timeout") if isinstance(body, dict) else None
         try:
-            reply = await asyncio.get_running_loop().run_in_executor(None, flush, timeout)
+            if body is not None and not isinstance(body, dict):
+                raise ValueError('the body must be a JSON object, e.g. {"timeout": 60}')
+            timeout = flush_timeout((body or {}).get("timeout"))
+        except ValueError as exc:
+            return JSONResponse({"flushed": False, "error": str(exc)}, status_code=400)
+        try:
+            reply = await _run_in_thread(flush, timeout)
         except FlushError as exc:
             return JSONResponse({"flushed": False, "error": str(exc)}, status_code=503)
         return JSONResponse(reply)
@@ -248,7 +313,7 @@ def _http_hooks(http_server) -> None:
             logger.error("eagle3 dump: could not pause for the warm-up: %s", exc)
         async with inner_lifespan(a) as state:
             yield state
-        await asyncio.get_running_loop().run_in_executor(None, _flush_quietly, "the server stopped")
+        await _run_in_thread(_flush_quietly, "the server stopped")
 
     app.router.lifespan_context = lifespan
     warmup = http_server._wait_and_warmup
@@ -271,13 +336,20 @@ def install_launcher_hooks(server_args) -> None:
     it) and add the flush entry points."""
     import sys
 
-    from .settings import ENV_DIR, DumpConfigError, resolved
+    from .settings import ENV_DIR, ENV_LAUNCH, DumpConfigError, resolved
 
     workers = resolved(server_args).tokenizer_worker_num
     if workers > 1:
         raise DumpConfigError(f"{ENV_DIR} is set but --tokenizer-worker-num {workers} serves HTTP from "
                               f"several processes, and the dump's flush lives in one; use --tokenizer-worker-num 1")
-    os.environ[ENV_CONTROL] = new_path()
+    path = os.environ[ENV_CONTROL] = new_path()
+    os.environ[ENV_LAUNCH] = uuid.uuid4().hex  # names this launch in every file it writes
+    # Upstream's Engine registered atexit(self.shutdown) before this ran, bound to the shutdown
+    # the class had then; exit handlers run last-registered first, so this flush runs before it
+    # (and before multiprocessing ends the workers): a script that never calls shutdown loses nothing.
+    import atexit
+
+    atexit.register(_flush_quietly, "the process exited", path)
     from sglang.srt.entrypoints import engine
     from sglang.srt.managers import tokenizer_manager
 

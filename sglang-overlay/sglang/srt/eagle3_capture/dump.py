@@ -36,7 +36,10 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
+import stat
+import struct
 import threading
 import time
 import uuid
@@ -48,6 +51,7 @@ import torch
 
 from .settings import (
     ENV_DIR,
+    ENV_LAUNCH,
     ENV_LAYERS,
     SERIES_RELEASE,
     SERIES_VERSION,
@@ -61,14 +65,55 @@ from .settings import (
     resolved,
     text_config,
 )
-from .identity import RequestInfo, prompt_key, request_key, requests_of
-from .staging import HostStaging
+from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
+from .staging import HostStaging, StagingTimeout
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "eagle3-dump/1"
 FILE_MODE = 0o644  # dump files: a shared dump directory's readers may run as other users
 ABANDONED_KEPT = 4096  # dropped chunked requests whose later chunks are still skipped
+UNWRITTEN_KEPT = 100000  # requests named in the unwritten ledger at most
+# What must be equal for a file already at a request's name to be kept (the same request prefilled
+# again: a retraction, a client's retry); anything else replaces it. The launch id is part of it:
+# a restart (another checkpoint, other layers, another adapter) never keeps an earlier launch's file.
+IDENTITY_FIELDS = ("launch_id", "model_path", "rid", "prompt_key", "input_source", "lora_id", "mm_hashes",
+                   "eagle3_layer_ids", "final", "dtype", "architecture")
+HEADER_MAX = 100 << 20  # a safetensors header larger than this is not one of ours
+
+
+def unwritten_path(directory: str) -> str:
+    """The ledger a writing process leaves when requests it was handed were not written."""
+    return os.path.join(directory, f"eagle3-dump-unwritten.{HOST}.{os.getpid()}.json")
+
+
+def identity_of(metadata: Dict[str, str]) -> str:
+    return json.dumps([metadata.get(k) for k in IDENTITY_FIELDS])
+
+
+def read_header_of_regular_file(path: str) -> Optional[Dict[str, str]]:
+    """The metadata of the safetensors file at ``path`` when it is a regular file (no link, FIFO,
+    device or directory is ever opened for reading: O_NOFOLLOW | O_NONBLOCK, then fstat), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, 8, 0)
+        if len(head) != 8:
+            return None
+        (n,) = struct.unpack("<Q", head)
+        if not 2 <= n <= HEADER_MAX:
+            return None
+        header = json.loads(os.pread(fd, n, 8))
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -137,6 +182,9 @@ class DumpWriter:
         self.warmup = 0  # requests prefilled while paused (the HTTP server's warm-up)
         self.reprefilled = 0  # prefills again of a request whose file is written (retracted)
         self.paused = False  # set by the control socket: prefills now are not the users'
+        self.max_wait_s: Optional[float] = None  # the longest a forward waits for room (None: no bound)
+        self.unwritten: "OrderedDict[str, dict]" = OrderedDict()  # rid -> why, of requests not written
+        self._current: Optional[_Job] = None  # the job the writer thread works on
         self._control = None
         # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
@@ -202,7 +250,17 @@ class DumpWriter:
         everything = sources
         copied = [n for n, t in everything.items() if t.is_cuda or n == "input_ids"]
         held = sum(_nbytes(t) for n, t in everything.items() if n not in copied)
-        buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held)
+        try:
+            buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held, self.max_wait_s)
+        except StagingTimeout as exc:  # the writer is stuck (a hung dump disk): fail loudly, keep serving
+            for span in spans:
+                self._not_written(span.req, f"not dumped: the forward waited {exc}")
+            self.failed += len(spans)
+            logger.error("%s: a prefill of %d requests (%s) is not dumped: the forward waited %s; the "
+                         "server keeps serving, and requests go on failing like this until the dump disk "
+                         "takes writes again; %d failed so far", ENV_DIR, len(spans),
+                         ", ".join(printable(sp.req.rid) for sp in spans[:8]), exc, self.failed)
+            return
         host = {n: t.contiguous() for n, t in everything.items() if n not in copied}
         stream = self._side_stream() if any(everything[n].is_cuda for n in copied) else None
         oversized = buffers and not self.staging.in_arena(buffers[0])  # pageable: the copy is synchronous
@@ -263,14 +321,18 @@ class DumpWriter:
                 job.set()
                 self._queue.task_done()
                 continue
+            self._current = job
             try:
                 if job.event is not None:
                     job.event.synchronize()
                 self._gather(job)
             except Exception:  # the thread must outlive any one job, or the forward would hang
                 self.failed += len(job.spans)
+                for span in job.spans:
+                    self._not_written(span.req, "its forward's rows could not be read")
                 logger.exception("%s: a batch of %d requests was not dumped", ENV_DIR, len(job.spans))
             finally:
+                self._current = None
                 self.staging.release(job.buffers, job.held)
                 self._queue.task_done()
 
@@ -282,13 +344,14 @@ class DumpWriter:
             rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()}
             try:
                 self._take(span, rows)
-            except Exception:  # this request's problem: the others of the forward are written
+            except Exception as exc:  # this request's problem: the others of the forward are written
                 self.failed += 1
                 partial = self._partials.pop(span.req.rid, None)
                 if partial is not None:
                     self.staging.release(partial.buffers, queued=False)
+                self._not_written(span.req, f"{type(exc).__name__}: {exc}")
                 logger.exception("%s: request %s (key %s) was not dumped; %d failed so far",
-                                 ENV_DIR, span.req.rid, span.req.key, self.failed)
+                                 ENV_DIR, printable(span.req.rid), span.req.key, self.failed)
         for p in [p for p in self._partials.values() if not p.seen]:
             self._drop(p, "its next chunk did not come (aborted or retracted)")
 
@@ -363,27 +426,34 @@ class DumpWriter:
     def _path(self, req: RequestInfo) -> str:
         return os.path.join(self.directory, f"{req.key}.safetensors")
 
-    def _written_before(self, req: RequestInfo, key_of_prompt: Optional[str] = None) -> bool:
-        """Whether this request's file is there already (a retracted request prefilled again,
-        or a client's retry of the same request): it is kept. A file of the same request id
-        with another prompt is replaced (logged): a request id names one request."""
-        path = self._path(req)
-        if not os.path.exists(path):
+    def _written_before(self, req: RequestInfo, metadata: Optional[Dict[str, str]] = None) -> bool:
+        """Whether this request's file is there already: kept when it is a regular file of this
+        very request (``IDENTITY_FIELDS``: this launch, model, prompt, input source, adapter,
+        images, layers; a retracted request prefilled again, a client's retry). Anything else at
+        its name is replaced (logged when it was another request's file); nothing but a regular
+        file is ever opened. Without ``metadata`` (a chunk of a request whose prompt is not all
+        in yet) a file of this launch and request id is enough."""
+        header = read_header_of_regular_file(self._path(req))
+        if header is None:
             return False
-        if key_of_prompt is not None:
-            from safetensors import safe_open
-
-            try:
-                with safe_open(path, "pt") as f:
-                    before = (f.metadata() or {}).get("prompt_key")
-            except Exception:  # unreadable: write it again
-                return False
-            if before != key_of_prompt:
-                logger.warning("%s: request id %s came again with another prompt; its file %s is replaced",
-                               ENV_DIR, req.rid, path)
-                return False
+        if metadata is None:
+            same = header.get("launch_id") == self.metadata.get("launch_id") and header.get("rid") == printable(req.rid)
+        else:
+            same = identity_of(header) == identity_of(metadata)
+        if not same:
+            logger.warning("%s: request id %s came again as another request (%s); its file is replaced", ENV_DIR,
+                           printable(req.rid), ", ".join(k for k in IDENTITY_FIELDS
+                                                         if header.get(k) != (metadata or self.metadata).get(k)
+                                                         and k != "rid") or "launch")
+            return False
         self.reprefilled += 1
         return True
+
+    def _not_written(self, req: RequestInfo, why: str) -> None:
+        """Name a request this writer will not write (the unwritten ledger, at a stop)."""
+        self.unwritten[req.rid] = {"rid": printable(req.rid), "key": req.key, "why": why}
+        while len(self.unwritten) > UNWRITTEN_KEPT:
+            self.unwritten.popitem(last=False)
 
     def _write(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
         from safetensors.torch import save_file
@@ -393,14 +463,14 @@ class DumpWriter:
         if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
             ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
         pkey = prompt_key(ids.tolist())
-        if self._written_before(req, pkey):
+        key = req.key
+        metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
+        if self._written_before(req, metadata):
             return
         out = {"input_ids": ids}
         for name, host in rows.items():
             if name != "input_ids":
                 out[name] = host[:length]
-        key = req.key
-        metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
         path = self._path(req)
         tmp = os.path.join(self.directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -412,8 +482,9 @@ class DumpWriter:
             self.written += 1
         except Exception as exc:  # a full or vanished disk must not stop serving
             self.failed += 1
+            self._not_written(req, f"the write failed: {exc}")
             logger.error("%s: dump of request %s (key %s) failed (%s); %d failed so far", ENV_DIR,
-                         req.rid, key, exc, self.failed)
+                         printable(req.rid), key, exc, self.failed)
             try:
                 os.unlink(tmp)
             except OSError:
@@ -442,6 +513,94 @@ class DumpWriter:
                         error=f"the dump writer did not catch up within {timeout:g} s")
         return dict(self.counts(), flushed=True)
 
+    # ---- stops ------------------------------------------------------------------------
+    def pending_requests(self) -> List[RequestInfo]:
+        """The requests handed to the writer and not yet written or failed: queued forwards, the
+        one being written, chunked requests whose last chunk has not run."""
+        jobs = [j for j in list(self._queue.queue) + [self._current] if isinstance(j, _Job)]
+        seen, out = set(), []
+        for req in [sp.req for j in jobs for sp in j.spans] + [p.req for p in list(self._partials.values())]:
+            if req.rid not in seen:
+                seen.add(req.rid)
+                out.append(req)
+        return out
+
+    def write_ledger(self, pending: List[RequestInfo], why: str) -> Optional[str]:
+        """Durably name what this writer did not write (``unwritten_path``); the ledger is removed
+        when nothing is left to name. Returns its path when one was written."""
+        path = unwritten_path(self.directory)
+        entries = list(self.unwritten.values())
+        entries += [{"rid": printable(r.rid), "key": r.key, "why": why} for r in pending if r.rid not in self.unwritten]
+        if not entries:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                _fsync(self.directory)
+            return None
+        body = {"format": "eagle3-dump-unwritten/1", "launch_id": self.metadata.get("launch_id"), "host": HOST,
+                "pid": os.getpid(), "time": time.time(), "counts": self.counts(), "requests": entries}
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with open(tmp, "w") as handle:
+                json.dump(body, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, path)
+            _fsync(self.directory)
+        except OSError as exc:
+            logger.error("%s: could not write the unwritten-requests ledger %s (%s): %d requests not "
+                         "written: %s", ENV_DIR, path, exc, len(entries), [e["rid"] for e in entries[:20]])
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return None
+        return path
+
+    def drain(self, seconds: float, why: str) -> bool:
+        """At a stop: name what is pending in the ledger first (a SIGKILL during the drain still
+        leaves the names), write the queue for at most ``seconds``, then leave the ledger of what
+        was not written by then (none: no ledger; the one file being written as the drain gives
+        up may still land). Whether everything queued was written."""
+        if not self.enabled or self._thread is None or not self._thread.is_alive():
+            return True
+        started = time.monotonic()
+        pending = self.pending_requests()
+        if pending:
+            self.write_ledger(pending, "the writing process was stopped before its file was written")
+        done = threading.Event()
+        self._queue.put(done)
+        flushed = done.wait(max(seconds, 0.0))
+        for p in list(self._partials.values()):
+            self._not_written(p.req, "the server stopped before its last chunk was prefilled")
+        left = self.pending_requests()
+        ledger = self.write_ledger(left, f"not written within the {seconds:g} s drain (EAGLE3_DUMP_DRAIN_S)")
+        logger.warning("%s: %s; drained in %.1f s: %s%s", ENV_DIR, why, time.monotonic() - started,
+                       ", ".join(f"{v} {k}" for k, v in self.counts().items()),
+                       f"; not written: {ledger}" if ledger else "; nothing left unwritten")
+        return flushed
+
+    def install_sigterm_drain(self, seconds: float) -> None:
+        """The writing process owns its SIGTERM (systemd, Slurm, container runtimes and
+        ``kill -TERM -PGID`` signal every process of the group): write the queue for at most
+        ``seconds``, then end as the signal would have (the handler before, or the default)."""
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one drain, whatever else arrives
+            try:
+                self.drain(seconds, "SIGTERM")
+            finally:
+                if callable(previous):
+                    signal.signal(signal.SIGTERM, previous)
+                    previous(signum, frame)
+                else:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm = (on_sigterm, previous)
+
     def close(self) -> None:
         """Write what is queued, stop answering the control socket, stop the thread (at exit)."""
         if self._thread is not None and self._thread.is_alive():
@@ -453,8 +612,16 @@ class DumpWriter:
             self._queue.put(None)
             self._thread.join()
             for p in list(self._partials.values()):
+                self._not_written(p.req, "the server stopped before its last chunk was prefilled")
                 self._drop(p, "the server stopped before its last chunk")
+            if self.unwritten:
+                self.write_ledger([], "")
             self.staging.close()
+        sigterm = getattr(self, "_sigterm", None)
+        if sigterm is not None and signal.getsignal(signal.SIGTERM) is sigterm[0] \
+                and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm[1] if sigterm[1] is not None else signal.SIG_DFL)
+            self._sigterm = None
             logger.info("%s: %s; %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()),
                         self.staging.summary())
 
@@ -523,6 +690,9 @@ def start_dump(runner, target, settings: DumpSettings):
         "sglang_version": str(sglang_version),
         "series_version": SERIES_VERSION,
         "tp_size": str(get_tensor_model_parallel_world_size()),
+        # one per launch (the launch check sets it; a runner built without one gets its own)
+        "launch_id": os.environ.get(ENV_LAUNCH) or uuid.uuid4().hex,
+        "replica_rank": "0",  # --dp-size > 1 is refused (settings.check_server_args): one replica
     }
     writer = DumpWriter(
         settings.directory,
@@ -535,11 +705,13 @@ def start_dump(runner, target, settings: DumpSettings):
         placeholder_id=placeholder,
         vocab_size=text_config(hf_config).vocab_size,
     )
+    writer.max_wait_s = settings.max_wait_s
     if writer.enabled:
         from . import identity
 
         identity.install()  # each prefill's requests, taken before its forward runs
         writer.start_control()
+        writer.install_sigterm_drain(settings.drain_s)
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, ENV_LAYERS,

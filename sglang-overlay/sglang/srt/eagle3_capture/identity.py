@@ -47,8 +47,20 @@ TABLE_KEPT = 65536  # RequestInfo of prefills not taken yet (a forward that neve
 
 
 def request_key(rid: str) -> str:
-    """File key of a request: sha256 (hex) of its request id, UTF-8."""
-    return hashlib.sha256(str(rid).encode("utf-8")).hexdigest()
+    """File key of a request: sha256 (hex) of its request id, UTF-8 (a lone surrogate, which UTF-8
+    cannot hold, as its three-byte form: Python's ``surrogatepass``)."""
+    return hashlib.sha256(str(rid).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def printable(rid: str) -> str:
+    """The request id as it is stored in a file's metadata and logged: itself when UTF-8 can hold
+    it, else with each lone surrogate written as a ``\\udXXX`` escape."""
+    rid = str(rid)
+    try:
+        rid.encode("utf-8")
+        return rid
+    except UnicodeEncodeError:
+        return rid.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def prompt_key(token_ids: Sequence[int]) -> str:
@@ -74,7 +86,7 @@ class RequestInfo:
 
     def metadata(self) -> dict:
         return {
-            "rid": self.rid,
+            "rid": printable(self.rid),
             "input_source": "input_embeds" if self.input_embeds else "input_ids",
             "lora_id": self.lora_id,
             "mm_hashes": json.dumps(list(self.mm_hashes)),

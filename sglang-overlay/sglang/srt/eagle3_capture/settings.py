@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import uuid
 from typing import List, Optional, Sequence
@@ -15,7 +16,16 @@ ENV_DIR = "EAGLE3_DUMP_DIR"
 ENV_LAYERS = "EAGLE3_DUMP_LAYERS"
 ENV_FINAL = "EAGLE3_DUMP_FINAL"
 ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
-DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB")
+ENV_LAUNCH = "EAGLE3_DUMP_LAUNCH_ID"  # one id per launch: set by the launch check, inherited by the workers
+ENV_DRAIN_S = "EAGLE3_DUMP_DRAIN_S"
+ENV_MAX_WAIT_S = "EAGLE3_DUMP_MAX_WAIT_S"
+DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
+             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S")
+# SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
+# waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
+DEFAULT_DRAIN_S = 20.0
+# how long a forward waits for room in the host arena (a hung dump disk) before its rows are failed
+DEFAULT_MAX_WAIT_S = 120.0
 # the host arena's size: one 30K-token Kimi-K2.5 prefill of 4 layers + final (30000 x 7168 x 2 x 5
 # bytes = 2051 MiB) fits with room beside it for the next forwards (README: sizing the arena)
 DEFAULT_MAX_PENDING_MB = 4096
@@ -103,12 +113,27 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise DumpConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
 
 
+def _positive(env, name: str, default: float, unit: str) -> float:
+    """A positive finite number from ``env[name]`` (``default`` when unset)."""
+    raw = env.get(name, "").strip() or repr(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise DumpConfigError(f"{name}={raw!r} must be a positive finite number of {unit}; "
+                              f"use e.g. {name}={default:g}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpSettings:
     directory: str
     layer_ids: Optional[List[int]]  # as given (the release's draft-id reading); None: the default
     final: bool
     max_pending_bytes: int
+    drain_s: float = DEFAULT_DRAIN_S  # SIGTERM: the longest the writing process writes before it exits
+    max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
@@ -131,17 +156,10 @@ class DumpSettings:
                     f"{ENV_LAYERS}={raw_layers!r} names no layer; use e.g. {ENV_LAYERS}=-1,2,30"
                 )
         final = _parse_bool(ENV_FINAL, env.get(ENV_FINAL, "1"))
-        raw_cap = env.get(ENV_MAX_PENDING_MB, str(DEFAULT_MAX_PENDING_MB)).strip()
-        try:
-            cap_mb = float(raw_cap)
-        except ValueError:
-            cap_mb = -1.0
-        if cap_mb <= 0:
-            raise DumpConfigError(
-                f"{ENV_MAX_PENDING_MB}={raw_cap!r} must be a positive number of MiB; "
-                f"use e.g. {ENV_MAX_PENDING_MB}={DEFAULT_MAX_PENDING_MB}"
-            )
-        return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)))
+        cap_mb = _positive(env, ENV_MAX_PENDING_MB, DEFAULT_MAX_PENDING_MB, "MiB")
+        return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)),
+                   drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
+                   max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"))
 
     def capture_indices(self, num_layers: int) -> List[int]:
         """The capture indices the dump writes, ascending: the ids read as a draft's are on this
@@ -333,6 +351,12 @@ def check_server_args(args) -> None:
             attn_dp is not None,
             f"DP attention (--attn-dp-size / --enable-dp-attention, {attn_dp} attention ranks) splits "
             f"requests across attention ranks; drop it",
+        ),
+        (
+            attn_dp is None and args.dp_size > 1,
+            f"--dp-size {args.dp_size} runs {args.dp_size} data-parallel replicas, each with its own dump "
+            f"writer, and a flush reaches only one of them (the others' files are lost at the stop); run "
+            f"one server per replica (--dp-size 1) behind a router",
         ),
         (
             arg("pp_size", 1) > 1,

@@ -12,7 +12,9 @@ the rows of a request prefilled in chunks wait until its last chunk. ``HostStagi
 - ``reserve(sizes, held=0)`` (the forward thread): views into the arena for a forward's rows,
   plus ``held`` bytes that need no buffer (host tensors written as they are). When the block
   does not fit now, the forward waits until the writer has written earlier forwards
-  (back-pressure: nothing is dropped); each wait is timed, counted and logged (rate-limited).
+  (back-pressure); each wait is timed, counted and logged (rate-limited). A wait is bounded
+  (``max_wait``, EAGLE3_DUMP_MAX_WAIT_S): past it ``StagingTimeout`` is raised, and the writer
+  fails that forward's requests loudly instead of holding the whole tensor-parallel group.
   A forward's rows never wait for anything else: with the arena empty every forward that fits
   the cap goes through.
 - A forward larger than the whole arena gets temporary pageable buffers instead (nothing
@@ -114,6 +116,10 @@ def _register(arena: torch.Tensor) -> bool:
     return True
 
 
+class StagingTimeout(RuntimeError):
+    """A forward waited ``max_wait`` seconds for room in the arena (the writer is stuck)."""
+
+
 class HostStaging:
     def __init__(self, cap_bytes: int, pinned: bool, allocate: bool = True):
         """``allocate=False``: a rank that writes nothing holds no arena (it must not reserve)."""
@@ -138,6 +144,7 @@ class HostStaging:
         self.wait_s_total = 0.0
         self.wait_s_max = 0.0
         self.oversized = 0  # forwards larger than the arena, copied through pageable buffers
+        self.timeouts = 0  # forwards that gave up waiting (max_wait): their rows are not dumped
         self._last_log = float("-inf")
         self._closed = False
 
@@ -190,8 +197,20 @@ class HostStaging:
             off += _aligned(size)
         return out
 
-    def reserve(self, sizes: Sequence[int], held: int = 0) -> List[torch.Tensor]:
-        """Buffers for one forward's rows (``sizes`` bytes each); see the module's docstring."""
+    def _wait(self, start: Optional[float], max_wait: Optional[float], why: str) -> float:
+        """One back-pressure wait of the forward thread (``self.cond`` held); StagingTimeout once
+        ``max_wait`` seconds have passed since ``start`` (the first wait)."""
+        start = start or time.perf_counter()
+        left = None if max_wait is None else start + max_wait - time.perf_counter()
+        if left is not None and left <= 0:
+            self.timeouts += 1
+            raise StagingTimeout(f"{why} for {max_wait:g} s (EAGLE3_DUMP_MAX_WAIT_S)")
+        self.cond.wait(left)
+        return start
+
+    def reserve(self, sizes: Sequence[int], held: int = 0, max_wait: Optional[float] = None) -> List[torch.Tensor]:
+        """Buffers for one forward's rows (``sizes`` bytes each); see the module's docstring.
+        ``max_wait``: the longest the forward waits for room (StagingTimeout after it)."""
         if not sizes:
             return []
         if not self.arena.numel():
@@ -201,9 +220,8 @@ class HostStaging:
         with self.cond:
             if block > self.cap:  # larger than the whole arena: pageable, one at a time
                 while self.oversized_in_flight:
-                    start = start or time.perf_counter()
                     why = "another prefill larger than the arena is being written"
-                    self.cond.wait()
+                    start = self._wait(start, max_wait, why)
                 self.oversized += 1
                 self.oversized_in_flight += 1
                 self._oversized_bytes += block
@@ -217,8 +235,11 @@ class HostStaging:
                 while off is None or (self.queued and self.held_bytes + held > self.cap):
                     if off is not None:
                         self.alloc.free(off)
-                    start = start or time.perf_counter()
-                    self.cond.wait()
+                    try:
+                        start = self._wait(start, max_wait, why)
+                    except StagingTimeout:
+                        self.waited(time.perf_counter() - start, why)
+                        raise
                     off = self.alloc.alloc(block)
                 out = self._views(off, sizes)
             self.in_use += block + held
