@@ -267,6 +267,18 @@ def test_a_patched_and_committed_tree_is_told_by_its_hashes(checkout_059):
     assert "this tree is sglang 0.5.9 (from the hashes in sglang-0.5.9/manifest.json)" in one_line_error(r)
 
 
+def _reverse_steps(out: str) -> dict:
+    """{"checkout"|"commit": the shell command} of the steps `--reverse` prints (comments cut off)."""
+    steps = {}
+    for ln in out.splitlines():
+        cmd = ln.split("    #")[0].strip()
+        if cmd.startswith("git ") and " checkout " in cmd:
+            steps["checkout"] = cmd
+        elif cmd.startswith("git ") and " commit " in cmd:
+            steps["commit"] = cmd
+    return steps
+
+
 def test_reverse_of_a_fetched_checkout_names_the_next_step(tmp_path):
     """After --fetch the series is committed: --reverse leaves uncommitted changes that the next
     --commit refuses. It says so and what to do; doing it leads to a clean upstream tree that
@@ -277,11 +289,11 @@ def test_reverse_of_a_fetched_checkout_names_the_next_step(tmp_path):
     r = run_tool("apply", dest, "--reverse", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "eaglepatch/sglang-0.5.9 still has it committed" in r.stdout
-    step = next(ln.split("#")[0].strip() for ln in r.stdout.splitlines() if "git checkout -f" in ln)
-    assert step == "git checkout -f main" and "git commit -a" in r.stdout
+    step = _reverse_steps(r.stdout)["checkout"]
+    assert step == f"git -C {dest.resolve()} checkout -q -f main" and "commit -q -a -m" in r.stdout
     # the same hint when the reverse is run again
-    assert "git checkout -f main" in run_tool("apply", dest, "--reverse", env=env).stdout
-    git(dest, *step.split()[1:])
+    assert step in run_tool("apply", dest, "--reverse", env=env).stdout
+    subprocess.run(step, shell=True, check=True, cwd=tmp_path)
     assert git(dest, "status", "--porcelain") == "" and set(manifest_state(dest / "python").values()) == {"upstream"}
     r = run_tool("apply", dest, "--commit", "--force", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -291,3 +303,66 @@ def test_reverse_of_a_fetched_checkout_names_the_next_step(tmp_path):
     git(dest, "commit", "-q", "-a", "-m", "Remove the series")
     r = run_tool("apply", dest, "--reverse", env=env)
     assert r.returncode == 0 and "nothing to reverse" in r.stdout and "git checkout" not in r.stdout
+
+
+@pytest.mark.parametrize("step", ["checkout", "commit", "none"])
+def test_reverse_steps_then_readme_step_1_again(step, tmp_path):
+    """Issue 29, item 14: README step 1 (`apply.py --fetch`, from some directory), `--reverse`, one
+    of the steps it prints, run as printed from another git repository, in this session without a
+    git identity, then README step 1 again: each step acts on the fetched tree only (`git -C`), the
+    commit needs no identity of the user's, and step 1 succeeds, the series applied and committed
+    again. ("none": step 1 right after the reverse undoes it.)"""
+    env = {"EAGLEPATCH_PATCHES": str(BASIC_ROOT)}
+    work = tmp_path / "work"
+    work.mkdir()
+    dest = work / "sglang-0.5.9"
+    assert run_tool("apply", "--fetch", cwd=work, env=env).returncode == 0
+    assert subprocess.run(["git", "config", "user.name"], cwd=dest, capture_output=True).returncode != 0  # no identity
+    other = tmp_path / "other"  # the directory the user runs the steps from: a repository of its own
+    other.mkdir()
+    git(other, "init", "-q", "-b", "main")
+    (other / "f").write_text("mine\n")
+    git(other, "add", "f")
+    git(other, "commit", "-q", "-m", "other work")
+    (other / "f").write_text("mine, edited\n")
+    other_before = (git(other, "rev-parse", "HEAD"), git(other, "status", "--porcelain"))
+    r = run_tool("apply", dest, "--reverse", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _reverse_steps(r.stdout)
+    assert set(steps) == {"checkout", "commit"}, r.stdout
+    assert all(c.startswith(f"git -C {dest.resolve()} ") for c in steps.values()), steps
+    assert f"to patch it again later: python3 {REPO / 'tools' / 'apply.py'} --fetch 0.5.9 {dest.resolve()}" in r.stdout
+    if step != "none":
+        done = subprocess.run(steps[step], shell=True, cwd=other, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert (git(other, "rev-parse", "HEAD"), git(other, "status", "--porcelain")) == other_before
+        assert git(dest, "status", "--porcelain") == ""
+        assert set(manifest_state(dest / "python").values()) == {"upstream"}
+        if step == "commit":
+            assert git(dest, "log", "-1", "--format=%s %an").strip() == "Remove sglang-0.5.9 eaglepatch"
+    r = run_tool("apply", "--fetch", cwd=work, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(manifest_state(dest / "python").values()) == {"patched"}
+    assert git(dest, "status", "--porcelain") == ""
+    assert git(dest, "rev-parse", "--abbrev-ref", "HEAD").strip() == "eaglepatch/sglang-0.5.9"
+    assert git(dest, "log", "-1", "--format=%s").strip() == git(dest, "log", "-1", "--format=%s",
+                                                                "eaglepatch/sglang-0.5.9").strip()
+    r = run_tool("apply", "--fetch", cwd=work, env=env)  # and once more: already there
+    assert r.returncode == 0 and "already fetched, applied and committed" in r.stdout
+
+
+def test_reverse_steps_commit_only_the_series_beside_other_changes(tmp_path):
+    """A reversed checkout with another tracked file edited: no checkout step (it would discard the
+    edit), and the commit step records the series' files only, leaving the edit uncommitted."""
+    env = {"EAGLEPATCH_PATCHES": str(BASIC_ROOT)}
+    dest = tmp_path / "co"
+    assert run_tool("apply", "--fetch", "0.5.9", dest, env=env).returncode == 0
+    mine = dest / "python" / "sglang" / "version.py"
+    mine.write_text(mine.read_text() + "# mine\n")
+    r = run_tool("apply", dest, "--reverse", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _reverse_steps(r.stdout)
+    assert set(steps) == {"commit"} and " -a " not in steps["commit"], r.stdout
+    subprocess.run(steps["commit"], shell=True, check=True, cwd=tmp_path)
+    assert git(dest, "status", "--porcelain") == " M python/sglang/version.py\n"
+    assert set(manifest_state(dest / "python").values()) == {"upstream"}

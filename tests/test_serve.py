@@ -58,7 +58,7 @@ def test_production_print(patched_checkout, tmp_path):
                  env={"PYTHONPATH": "/elsewhere"})
     assert r.returncode == 0, r.stderr
     env, argv = split_shell(r.stdout.strip())
-    assert env == {"EAGLE3_DUMP_DIR": str(dumps), "EAGLE3_DUMP_LAYERS": "-1,1,29,60",
+    assert env == {"EAGLE3_DUMP_DIR": str(dumps), "EAGLE3_DUMP_LAYERS": "-1,1,29,60", "EAGLE3_DUMP_DRAIN_S": "20",
                    "PYTHONPATH": f"{patched_checkout / 'python'}{os.pathsep}/elsewhere"}
     assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "moonshotai/Kimi-K2.5",
                     "--disable-radix-cache", "--host", "127.0.0.1", "--port", "30000", "--tp", "8",
@@ -83,6 +83,19 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         (["--cpu-demo", tmp_path / "demo", "--python", sys.executable], "--python is for production serving"),
         (["--cpu-demo", tmp_path / "demo", "--layers=-1,4"], "--layers [4] out of range: the demo model has 4"),
         (["--cpu-demo", patched_checkout], "is not empty and was not made by the demo"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--drain-s", "nan"],
+         "--drain-s 'nan' is not a positive finite number of seconds; pass e.g. --drain-s 20"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--max-wait-s", "inf"],
+         "--max-wait-s 'inf' is not a positive finite number of seconds"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--max-pending-mb=-5"],
+         "--max-pending-mb '-5' is not a positive finite number of MiB"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--max-pending-mb", "0"], "'0' is not a positive"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--drain-s", "soon"], "'soon' is not a positive"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--final", "2"],
+         "--final '2' is not 1 or 0; pass --final 1 or --final 0"),
+        (["--cpu-demo", tmp_path / "demo", "--drain-s=-inf"], "--drain-s '-inf' is not a positive"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "[::1"], "--host '[::1' is not an address"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "1:2:3"], "--host '1:2:3' is not an IPv6"),
     ]
     if not (importlib.util.find_spec("sglang")):  # this python has no sglang of its own to serve
         cases.append((["--model-path", "m", "--dump-dir", tmp_path / "d"], "has no sglang to serve; pass --sglang ROOT"))
@@ -90,6 +103,23 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         r = run_tool("serve", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert needle in one_line_error(r), (args, r.stderr)
+    # the user's own dump variables are checked as the flags are (a flag given instead wins)
+    env_cases = [
+        ({"EAGLE3_DUMP_DRAIN_S": "inf"}, "EAGLE3_DUMP_DRAIN_S='inf' (from the environment) is not a positive finite "
+                                         "number of seconds; set it to e.g. 20, unset it, or pass --drain-s"),
+        ({"EAGLE3_DUMP_MAX_PENDING_MB": "nan"}, "EAGLE3_DUMP_MAX_PENDING_MB='nan' (from the environment)"),
+        ({"EAGLE3_DUMP_MAX_WAIT_S": "0"}, "EAGLE3_DUMP_MAX_WAIT_S='0' (from the environment)"),
+        ({"EAGLE3_DUMP_FINAL": "maybe"}, "EAGLE3_DUMP_FINAL='maybe' (from the environment) is not 1 or 0"),
+    ]
+    for env, needle in env_cases:
+        for where in (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout],
+                      ["--cpu-demo", tmp_path / "demo"]):
+            r = run_tool("serve", *where, "--print", env=env)
+            assert r.returncode == 2, (env, r.stderr)
+            assert needle in one_line_error(r), (env, r.stderr)
+    r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--print",
+                 "--drain-s", "5", env={"EAGLE3_DUMP_DRAIN_S": "inf"})
+    assert r.returncode == 0 and split_shell(r.stdout.strip())[0]["EAGLE3_DUMP_DRAIN_S"] == "5", r.stderr
     assert hashes(patched_checkout) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sglang-eagle3"]  # no dump dir, no demo dir
 
@@ -253,3 +283,211 @@ def test_taken_port_is_refused_before_anything_starts(tmp_path):
         cli.recv(1)
         cli.close()
     assert serve.port_taken("127.0.0.1", port) is None
+
+
+def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp_path):
+    """EAGLE3_DUMP_MAX_PENDING_MB, _FINAL, _DRAIN_S and _MAX_WAIT_S: the user's own values are
+    passed on (not dropped), a flag wins over them, the drain is always passed (its default when
+    neither says), and one line says which value is used and where it came from."""
+    base = ["--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--print"]
+    user = {"EAGLE3_DUMP_MAX_PENDING_MB": "8192", "EAGLE3_DUMP_FINAL": "0", "EAGLE3_DUMP_MAX_WAIT_S": "60",
+            "EAGLE3_DUMP_SOMETHING_ELSE": "x"}
+    r = run_tool("serve", *base, env=user)
+    assert r.returncode == 0, r.stderr
+    env = split_shell(r.stdout.strip())[0]
+    assert {k: v for k, v in env.items() if k.startswith("EAGLE3_DUMP_")} == {
+        "EAGLE3_DUMP_DIR": str(tmp_path / "d"), "EAGLE3_DUMP_MAX_PENDING_MB": "8192", "EAGLE3_DUMP_FINAL": "0",
+        "EAGLE3_DUMP_DRAIN_S": "20", "EAGLE3_DUMP_MAX_WAIT_S": "60"}
+    assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=8192 (from the environment), EAGLE3_DUMP_FINAL=0 "
+            "(from the environment), EAGLE3_DUMP_DRAIN_S=20 (default), EAGLE3_DUMP_MAX_WAIT_S=60 (from the "
+            "environment)") in r.stderr.splitlines(), r.stderr
+    r = run_tool("serve", *base, "--max-pending-mb", "1024", "--final", "1", "--drain-s", "45", "--max-wait-s", "7.5",
+                 env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
+    assert r.returncode == 0, r.stderr
+    env = split_shell(r.stdout.strip())[0]
+    assert (env["EAGLE3_DUMP_MAX_PENDING_MB"], env["EAGLE3_DUMP_FINAL"], env["EAGLE3_DUMP_DRAIN_S"],
+            env["EAGLE3_DUMP_MAX_WAIT_S"]) == ("1024", "1", "45", "7.5")
+    assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=1024 (--max-pending-mb), EAGLE3_DUMP_FINAL=1 "
+            "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s)"
+            ) in r.stderr.splitlines(), r.stderr
+
+
+# A stand-in for launch_server, started by tools/serve.py through a stand-in interpreter (--python):
+# it records the EAGLE3_DUMP_* variables it got, answers /health on --host/--port (IPv6 too), and
+# starts a "writer" in its process group that, on SIGTERM, drains for EAGLE3_DUMP_DRAIN_S seconds
+# (as the dump writer does), then leaves a marker. FAKE_MODE=wait: the server waits for its writer
+# before it exits; orphan: it exits at once and the writer outlives it.
+FAKE_SERVER = r"""
+import http.server, json, os, signal, socket, subprocess, sys, time
+state = os.environ["FAKE_STATE"]
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+with open(os.path.join(state, "env.json"), "w") as f:
+    json.dump({k: v for k, v in os.environ.items() if k.startswith("EAGLE3_DUMP_")}, f)
+WRITER = '''
+import os, signal, sys, time
+state, drain = sys.argv[1], float(os.environ["EAGLE3_DUMP_DRAIN_S"])
+def mark(name):
+    open(os.path.join(state, name), "w").close()
+def on_term(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mark("writer-sigterm")
+    time.sleep(drain)
+    mark("drained")
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, lambda *_: mark("writer-sigint"))
+mark("writer-up")
+while True:
+    time.sleep(1)
+'''
+writer = subprocess.Popen([sys.executable, "-c", WRITER, state])
+while not os.path.exists(os.path.join(state, "writer-up")):
+    time.sleep(0.05)
+def on_term(*_):
+    if os.environ["FAKE_MODE"] == "wait":
+        writer.wait()
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, lambda *_: open(os.path.join(state, "server-sigint"), "w").close())
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+class S(http.server.HTTPServer):
+    address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+S((host, port), H).serve_forever()
+"""
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serve_and_stop(patched_checkout, tmp_path, host: str, mode: str, extra=(), env=None):
+    """tools/serve.py on the stand-in server: wait for "ready", Ctrl-C (SIGINT) it; (exit status,
+    its stderr, seconds from the Ctrl-C to its exit, the stand-in's state directory, the port)."""
+    import signal
+    import time
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    py = tmp_path / "python"
+    real, fake = shlex.quote(sys.executable), shlex.quote(str(tmp_path / "fake_server.py"))
+    py.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = sglang.launch_server ]; then shift 2; exec {real} {fake} "$@"; fi\n'
+                  f'exec {real} "$@"\n')
+    py.chmod(0o755)
+    port = _free_port(host)
+    err = tmp_path / "serve.err"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "serve.py"), "--model-path", "m", "--dump-dir",
+                                 str(tmp_path / "dumps"), "--sglang", str(patched_checkout), "--python", str(py),
+                                 "--host", host, "--port", str(port), *extra], stdout=f, stderr=f, cwd=REPO,
+                                env=dict(os.environ, FAKE_STATE=str(state), FAKE_MODE=mode, **(env or {})))
+    try:
+        deadline = time.monotonic() + 120
+        while "[serve] ready at" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        return rc, err.read_text(), time.monotonic() - t0, state, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("mode,drain", [("wait", "16"), ("orphan", "12")])
+def test_stop_waits_for_the_dump_to_drain(patched_checkout, tmp_path, mode, drain):
+    """Ctrl-C: serve.py sends SIGTERM (the signal the dump writer drains on, not SIGINT) to the
+    server's process group, says it waits up to the drain (the EAGLE3_DUMP_DRAIN_S it passed) plus
+    30 s, and does not kill the writer while it drains: neither while launch_server waits for it
+    ("wait": past the 15 s serve.py used to give) nor after launch_server has exited ("orphan": past
+    the 10 s it used to give what was left)."""
+    rc, err, took, state, _ = _serve_and_stop(patched_checkout, tmp_path, "127.0.0.1", mode, ["--drain-s", drain])
+    assert rc == 0, err
+    grace = float(drain) + 30
+    assert f"[serve] stopping: waiting up to {grace:g} s for the dump to drain" in err.splitlines(), err
+    assert (state / "writer-sigterm").exists() and (state / "drained").exists(), (sorted(os.listdir(state)), err)
+    assert not (state / "writer-sigint").exists() and not (state / "server-sigint").exists()
+    assert float(drain) <= took < grace, took
+    assert json.loads((state / "env.json").read_text())["EAGLE3_DUMP_DRAIN_S"] == drain
+    assert "[serve] server stopped" in err
+
+
+def test_ipv6_host(patched_checkout, tmp_path):
+    """--host ::1: the server listens there, serve.py reaches it at http://[::1]:PORT (says so when
+    it answers) and stops it; the user's EAGLE3_DUMP_* settings reach the server."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    rc, err, _, state, port = _serve_and_stop(patched_checkout, tmp_path, "::1", "orphan", ["--drain-s", "0.2"],
+                                              env={"EAGLE3_DUMP_MAX_PENDING_MB": "512", "EAGLE3_DUMP_FINAL": "0"})
+    assert rc == 0, err
+    assert f"[serve] ready at http://[::1]:{port} " in err, err
+    got = json.loads((state / "env.json").read_text())
+    assert (got["EAGLE3_DUMP_MAX_PENDING_MB"], got["EAGLE3_DUMP_FINAL"], got["EAGLE3_DUMP_DRAIN_S"]) == ("512", "0", "0.2")
+    # the taken-port check looks at the IPv6 address: a listener on ::1 is seen, a free port is free
+    from eaglepatch import serve
+
+    with socket.socket(socket.AF_INET6) as lst:
+        lst.bind(("::1", 0))
+        lst.listen(1)
+        assert serve.port_taken("::1", lst.getsockname()[1])
+    assert serve.port_taken("::1", _free_port("::1")) is None
+    # --print: launch_server gets the bare address ([::1] is taken as ::1)
+    r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--print",
+                 "--host", "[::1]")
+    assert r.returncode == 0, r.stderr
+    argv = split_shell(r.stdout.strip())[1]
+    assert argv[argv.index("--host") + 1] == "::1"
+
+
+def test_stop_kills_what_outlives_the_drain_and_margin(tmp_path, monkeypatch):
+    """A server that ignores SIGTERM is killed (with its group) once the drain (EAGLE3_DUMP_DRAIN_S
+    as passed) plus the margin have passed, not before (the margin made short here)."""
+    import signal
+    import threading
+    import time
+
+    from eaglepatch import serve
+
+    monkeypatch.setattr(serve, "STOP_MARGIN_S", 1.0)
+    up = tmp_path / "up"
+    script = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)")
+    plan = serve.Plan(argv=[sys.executable, "-c", script, str(up)], env={"EAGLE3_DUMP_DRAIN_S": "0.5"},
+                      url=f"http://127.0.0.1:{_free_port('127.0.0.1')}")
+    original = signal.getsignal(signal.SIGTERM)
+    asked = []
+
+    def stop():
+        while not (up.exists() and up.read_text() and signal.getsignal(signal.SIGTERM) is not original):
+            time.sleep(0.05)
+        asked.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    said = []
+    rc = serve.run(plan, say=said.append)
+    took = time.monotonic() - asked[0]
+    assert rc == 0 and said[-2:] == ["[serve] stopping: waiting up to 1.5 s for the dump to drain",
+                                     "[serve] server stopped"], said
+    assert 1.5 <= took < 10, took
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(up.read_text()), 0)
+    assert signal.getsignal(signal.SIGTERM) is original

@@ -9,9 +9,11 @@
 The environments are virtual environments under ${EAGLEPATCH_CACHE:-~/.cache/eaglepatch}
 (cpu-env-<key>, key = the requirement list and the Python version; eaglepatch.cpuenv), built
 before pytest starts, each step logged as it goes: the test environment
-(src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py
-(every run without test paths does), also the environment of every series' release and its tiny
-smoke checkpoints. Tests never build one themselves: inside pytest a missing environment is an
+(src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py or
+tests/test_dump_stops.py (every run without test paths does), also the environment of every
+series' release and its tiny smoke checkpoints. Before them, the Debian packages the tests need
+(eaglepatch.sysdeps: libfuse3 and fusermount3 for the slow and hung dump disks) are installed with
+apt-get when missing (as root; otherwise the command to run is printed and the run stops). Tests never build one themselves: inside pytest a missing environment is an
 error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-core machine, took
 17 min (the environments 4 min) and left 12 GB in ~/.cache; with the caches in place a run takes
 about 13 min.
@@ -33,9 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from eaglepatch import cli, cpuenv  # noqa: E402
+from eaglepatch import cli, cpuenv, sysdeps  # noqa: E402
 
-FUNCTIONAL = REPO / "tests" / "test_functional.py"  # the tests that run every series' environment
+# the tests that run every series' environment
+FUNCTIONAL = (REPO / "tests" / "test_functional.py", REPO / "tests" / "test_dump_stops.py")
 
 
 def _parser():
@@ -58,7 +61,7 @@ def needed(paths: list[str]) -> list[tuple[Path, str, bool]]:
     functional = not paths
     for p in paths:
         target = (REPO / p.split("::")[0]).resolve()
-        functional |= target == FUNCTIONAL or (target.is_dir() and FUNCTIONAL.is_relative_to(target))
+        functional |= any(target == f or (target.is_dir() and f.is_relative_to(target)) for f in FUNCTIONAL)
     if functional:
         from eaglepatch.series import available_series
 
@@ -92,6 +95,8 @@ def main(argv: list[str]) -> int:
     pytest_help = "--pytest-help" in head
     args = [a for a in head if a != "--pytest-help"] + tail
     try:
+        if not pytest_help:
+            sysdeps.ensure()
         py = cpuenv.ensure_env() if pytest_help else build(test_paths(args))
     except RuntimeError as exc:
         print(str(exc), file=sys.stderr)

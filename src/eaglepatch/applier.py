@@ -13,13 +13,14 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .commit import after_reverse_hint, branch_exists, committed, fetched_checkout, prepare_commit
+from .commit import after_reverse_hint, branch_exists, committed, fetched_checkout, prepare_commit, uncommitted
 from .errors import RefusedError, UsageError
 from . import gitcmd
 from .gitcmd import clean_env, require_git
@@ -341,8 +342,8 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
     if cp:
         say(f"committed {len(series.patches)} patch(es) on branch {cp.branch}")
         if cp.old and cp.old != cp.new:
-            print(f"note: --force replaced branch {cp.branch}, which was at {cp.old} (get it back with: "
-                  f"git branch {cp.branch}-old {cp.old})", file=sys.stderr, flush=True)
+            print(f"note: replaced branch {cp.branch}, which was at {cp.old} (get it back with: "
+                  f"git -C {shlex.quote(str(cp.root))} branch {cp.branch}-old {cp.old})", file=sys.stderr, flush=True)
     hint = _reverse_hint(tree, series) if reverse else None
     if hint:
         say(hint)
@@ -404,7 +405,8 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
     The checkout is made and patched in `.<dest>.eaglepatch-fetch-<pid>` beside `dest`, then
     renamed: a killed run leaves no `dest` (and its leftover is removed by the next run); a
     `dest` that a finished run made is accepted as already fetched, and one whose series was
-    reversed since is patched again there (`--commit`, replacing the series branch it left)."""
+    reversed since is patched again there: in the work tree only when HEAD still has the series
+    committed (the reverse undone), else with `--commit` (replacing the series branch it left)."""
     dest = Path(os.path.expanduser(str(dest))).absolute()
     if dest.exists() and not dest.is_dir():
         raise UsageError(f"DEST {dest} is a file", "pass a new directory as DEST")
@@ -417,8 +419,11 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
         if tree is None:
             raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
         say(f"{dest} is the checkout --fetch made, without {series.name} now: applying it again there")
-        # what finishes an interrupted run here is apply --commit --force on the tree (the default command)
-        apply_series(tree, series, commit=True, force=branch_exists(tree, series), say=say)
+        # (what finishes an interrupted run here is the apply command on the tree, the default command)
+        if uncommitted(tree, series):  # reversed in the work tree only: HEAD has the series committed
+            apply_series(tree, series, say=say)
+        else:  # put back at the release, or the removal committed
+            apply_series(tree, series, commit=True, force=branch_exists(tree, series), say=say)
         return UpstreamTree.open(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)

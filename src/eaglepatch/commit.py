@@ -316,6 +316,18 @@ def fetched_checkout(tree, series: Series) -> bool:
         repo.close()
 
 
+def uncommitted(tree, series: Series) -> bool:
+    """Whether the series' files in the work tree differ from HEAD's (e.g. reversed, not committed)."""
+    repo = open_repo(tree.root)
+    try:
+        g = _Git(repo)
+        prefix = _prefix(repo, tree.package_parent)
+        return bool(g("status", "--porcelain", "--untracked-files=no", "--",
+                      *(prefix + rel for rel in series.files())).strip())
+    finally:
+        repo.close()
+
+
 def branch_exists(tree, series: Series) -> bool:
     """Whether the repository has the branch `--commit` makes for the series."""
     repo = open_repo(tree.root)

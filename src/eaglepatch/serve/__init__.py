@@ -446,7 +446,10 @@ def run(plan: Plan, say=None) -> int:
         # the scheduler, detokenizer and resource tracker it may leave; after a stop, what is left
         # of the drain's time (the writing process may outlive launch_server's own process)
         if asked:
-            _end_group(proc.pid, max(0.0, asked[0] + grace - time.monotonic()), term=False)
+            left = asked[0] + grace - time.monotonic()
+            if not told and left > 0 and _group_alive(proc.pid):  # launch_server ended, its writer may not have
+                say(f"[serve] stopping: waiting up to {grace:g} s for the dump to drain")
+            _end_group(proc.pid, max(0.0, left), term=False)
         else:
             _end_group(proc.pid, grace_term=grace)
     if asked:

@@ -564,6 +564,8 @@ class DumpWriter:
             return True
         started = time.monotonic()
         pending = self.pending_requests()
+        logger.warning("%s: %s: writing the %d requests queued (at most %g s, EAGLE3_DUMP_DRAIN_S) before "
+                       "this process ends", ENV_DIR, why, len(pending), seconds)
         if pending:
             self.write_ledger(pending, "the writing process was stopped before its file was written")
         done = threading.Event()

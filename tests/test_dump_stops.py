@@ -1,0 +1,169 @@
+"""Stops that are not polite, through real SGLang on CPU with the series applied: an offline
+``sglang.Engine`` script that ends without ``engine.shutdown()`` (every covered release), and a
+``launch_server`` whose whole process group gets SIGTERM (what tools/serve.py, systemd, Slurm and
+container runtimes send), both with the dump on a real slow disk (FUSE: every fsync takes
+0.3 s), so the queue is still being written when the stop comes. Every answered request's file
+must be there afterwards.
+
+The writer's own drain, ledger and bounded waits: tests/test_dump_durability.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import slowfs  # noqa: E402
+from eaglepatch import cpuenv  # noqa: E402
+from eaglepatch.fetch import unpacked_release  # noqa: E402
+from eaglepatch.series import available_series  # noqa: E402
+from eaglepatch.smoke import HERE as SMOKE_DIR, ensure_checkpoints, stubs_for, worker_env  # noqa: E402
+from eaglepatch.smoke.tree import patched_tree  # noqa: E402
+
+SERIES = available_series()
+FSYNC_S = 0.3  # per fsync: a request's file costs two (the file, then the directory), 0.6 s
+N = 6
+
+
+def key(rid: str) -> str:
+    return hashlib.sha256(rid.encode("utf-8")).hexdigest()
+
+
+def files(d: Path) -> list:
+    return sorted(p.name for p in Path(d).iterdir() if p.name.endswith(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """release -> (environment python, patched tree with the smoke series, checkpoint, stubs)."""
+    made = {}
+
+    def get(release):
+        if release not in made:
+            req = cpuenv.requirements_for(release)
+            py = cpuenv.ensure_env(req)
+            work = tmp_path_factory.mktemp("stops-" + release)
+            stubs = stubs_for(req, work)
+            ckpt = ensure_checkpoints(py, work, req, stubs)["deepseek_v3"]
+            tree = patched_tree(unpacked_release(release, quiet=True), SERIES[release], work / "tree")
+            made[release] = (py, tree, ckpt, stubs)
+        return made[release]
+
+    return get
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {smoke!r})
+    from _common import CPU_SERVER_ARGS
+    import sglang
+
+    engine = sglang.Engine(**dict(CPU_SERVER_ARGS, model_path={ckpt!r}, log_level="error"))
+    ids = []
+    for k in range({n}):
+        out = engine.generate(input_ids=[3 + k, 5, 7, 11, 13, 17, 19, 23], sampling_params={{"max_new_tokens": 1}})
+        ids.append(out["meta_info"]["id"])
+    print("ANSWERED " + json.dumps(ids), flush=True)
+    # the script ends here, without engine.shutdown()
+""")
+
+
+@pytest.mark.parametrize("release", sorted(SERIES))
+def test_an_engine_script_that_never_calls_shutdown_loses_no_file(release, setups, tmp_path):
+    py, tree, ckpt, stubs = setups(release)
+    with slowfs.mounted(tmp_path / "fs", fsync_delay=FSYNC_S) as dump:
+        env = dict(worker_env(tree, stubs), EAGLE3_DUMP_DIR=str(dump), EAGLE3_DUMP_LAYERS="-1,1,3")
+        code = ENGINE_SCRIPT.format(smoke=str(SMOKE_DIR), ckpt=str(ckpt), n=N)
+        p = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, timeout=900)
+        answered = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("ANSWERED ")]
+        assert answered, (p.returncode, p.stderr[-3000:])
+        want = sorted(key(r) + ".safetensors" for r in answered[0])
+        assert files(dump) == want, (f"{len(files(dump))} of {N} files after the script exited", p.stderr[-3000:])
+
+
+def _wait_http(url: str, proc, timeout: float) -> None:
+    import requests
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, "the server exited (%s)" % proc.returncode
+        try:
+            if requests.get(url + "/health_generate", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the server did not answer within %d s" % timeout)
+
+
+def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
+    """launch_server (0.5.9) with the dump on a slow disk and a TMPDIR of 90 characters (a UNIX
+    socket path there would be too long): six requests answered, then SIGTERM to the whole group.
+    The scheduler drains its queue before it ends; every file is there, and no control socket file
+    is left in TMPDIR. On the way, flush calls with a bad timeout answer 400 with one line."""
+    import requests
+
+    sys.path.insert(0, str(SMOKE_DIR))
+    from _common import CPU_SERVER_ARGS, server_cli
+
+    py, tree, ckpt, stubs = setups("0.5.9")
+    tmpdir = tmp_path / ("t" * (90 - len(str(tmp_path)) - 1))
+    tmpdir.mkdir()
+    assert len(str(tmpdir)) == 90  # upstream's own ZMQ sockets there still fit 107 bytes
+    with socket_free_port() as port, slowfs.mounted(tmp_path / "fs", fsync_delay=FSYNC_S) as dump:
+        env = dict(worker_env(tree, stubs), EAGLE3_DUMP_DIR=str(dump), EAGLE3_DUMP_LAYERS="-1,1,3", TMPDIR=str(tmpdir))
+        cmd = [str(py), "-m", "sglang.launch_server", "--port", str(port),
+               *server_cli(dict(CPU_SERVER_ARGS, model_path=str(ckpt), log_level="info"))]
+        log = tmp_path / "server.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_http(url, proc, 600)
+            for bad in ("abc", -1, 0, 1e12, [5]):
+                r = requests.post(url + "/eagle3_dump/flush", json={"timeout": bad}, timeout=30)
+                assert r.status_code == 400 and "timeout" in r.json()["error"], (bad, r.status_code, r.text)
+                assert "\n" not in r.json()["error"]
+            rids = []
+            for k in range(N):
+                r = requests.post(url + "/generate", timeout=300, json={
+                    "input_ids": [3 + k, 5, 7, 11, 13, 17, 19, 23], "sampling_params": {"max_new_tokens": 1}})
+                r.raise_for_status()
+                rids.append(r.json()["meta_info"]["id"])
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = log.read_text()
+        assert files(dump) == sorted(key(r) + ".safetensors" for r in rids), (len(files(dump)), text[-3000:])
+        # the scheduler got the SIGTERM and wrote its queue (the launcher's own flush before it
+        # kills the tree may end the same wait first, so the drain's last line is not required)
+        assert "SIGTERM: writing the" in text, text[-3000:]
+        assert not list(Path(dump).glob("eagle3-dump-unwritten.*")), "a ledger although everything was written"
+        assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("eagle3-dump")]
+
+
+class socket_free_port:
+    def __enter__(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc):
+        return False
