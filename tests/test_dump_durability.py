@@ -284,3 +284,33 @@ def test_a_drain_cut_short_names_what_it_did_not_write(tmp_path):
         # every missing file is named; a file still being written when the drain gave up may land too
         assert everything - written <= named <= everything and len(named - (everything - written)) <= 1, (named, written)
         assert not math.isnan(took)
+
+
+# ---- what an answer says of its file ---------------------------------------------------------------
+
+def test_the_writer_tells_what_became_of_each_request_s_file(tmp_path):
+    """Over the real control socket (abstract, as a launch makes it): a probe and a request
+    prefilled during the warm-up are not dumped, and say why; a user's request is queued, then
+    written; the same request again is kept; an unknown id is unknown."""
+    w = dump_mod.DumpWriter(str(tmp_path), [2], False, 1 << 20, dict(BASE, launch_id="L"))
+    path = control.new_path()
+    assert path.startswith("@")
+    server = control.ControlServer(w, path)
+    try:
+        w.paused = True
+        _forward(w, [identity.RequestInfo("warm", 3)])
+        w.paused = False
+        _forward(w, [identity.RequestInfo("HEALTH_CHECK_1", 2), identity.RequestInfo("user", 4)])
+        states = control.dump_states(["warm", "HEALTH_CHECK_1", "user", "nobody"], path)
+        assert states["warm"].startswith("not dumped: prefilled during SGLang's warm-up")
+        assert states["HEALTH_CHECK_1"] == "not dumped: an SGLang health probe"
+        assert states["user"] in ("queued", "written") and states["nobody"] == "unknown"
+        assert control.call("flush", 10, path)["flushed"]
+        assert control.dump_states(["user"], path) == {"user": "written"}
+        _forward(w, [identity.RequestInfo("HEALTH_CHECK_2", 2), identity.RequestInfo("user", 4)])  # the same prompt
+        w.flush()
+        assert control.dump_states(["user"], path) == {"user": "kept"}
+    finally:
+        server.close()
+        w.close()
+    assert control.dump_states(["user"], path)["user"].startswith("unknown: the dump writer did not answer")

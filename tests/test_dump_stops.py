@@ -141,7 +141,11 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
                 r = requests.post(url + "/generate", timeout=300, json={
                     "input_ids": [3 + k, 5, 7, 11, 13, 17, 19, 23], "sampling_params": {"max_new_tokens": 1}})
                 r.raise_for_status()
-                rids.append(r.json()["meta_info"]["id"])
+                meta = r.json()["meta_info"]
+                rids.append(meta["id"])
+                # the answer names its file and says it is on its way (or there already)
+                assert meta["eagle3_dump"]["file"] == key(meta["id"]) + ".safetensors", meta
+                assert meta["eagle3_dump"]["state"] in ("queued", "written"), meta
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
         finally:

@@ -156,3 +156,44 @@ def test_the_check_reports_a_release_that_lacks_one(tmp_path, what, old, new, re
     target.write_text(text.replace(old, new))
     got = missing_facts(root)
     assert len(got) == 1 and reported in got[0], got
+
+
+settings_facts = sys.modules["e3c_facts.settings"]
+
+
+def release_fact_problems(release: str, root: Path) -> list:
+    """Where settings.RELEASE_FACTS[release] disagrees with the release's own source."""
+    facts = settings_facts.RELEASE_FACTS[release]
+    problems = []
+    runner = (root / "sglang/srt/model_executor/model_runner.py").read_text()
+    on_runner = "self.eagle_use_aux_hidden_state =" in runner and "self.eagle_aux_hidden_state_layer_ids =" in runner
+    if facts["draft_ids_on_runner"] != on_runner:
+        problems.append(f"draft_ids_on_runner {facts['draft_ids_on_runner']}, the source says {on_runner}")
+    mark = facts["allreduce_fusion_mark"]
+    layers = "".join(p.read_text() for p in sorted((root / "sglang/srt/layers").rglob("*.py")))
+    if mark is not None and f"hidden_states.{mark}" not in layers:
+        problems.append(f"allreduce_fusion_mark {mark!r} is not what the release's layers read")
+    if mark is None and "hidden_states._sglang_needs_allreduce_fusion" in layers:
+        problems.append("allreduce_fusion_mark None, but the release's layers defer all-reduces by a mark")
+    view = facts["resolving_view"]
+    arg_groups = sorted((root / "sglang/srt/arg_groups").rglob("*.py"))
+    defines = {p.relative_to(root).with_suffix("").as_posix().replace("/", ".") + ".resolving_view"
+               for p in arg_groups if "\ndef resolving_view(" in p.read_text()}
+    if (view is None and defines) or (view is not None and view not in defines):
+        problems.append(f"resolving_view {view!r}, the source defines {sorted(defines)}")
+    fields = [root / "sglang/srt/server_args.py"] + sorted((root / "sglang/srt/arg_groups/fields").glob("*.py"))
+    declared = "".join(p.read_text() for p in fields if p.exists())
+    problems += [f"absent field {f} is declared" for f in facts["absent_fields"] if f"\n    {f}:" in declared]
+    return problems
+
+
+@pytest.mark.parametrize("release", sorted(available_series()))
+def test_release_facts_match_the_release_s_source(release):
+    assert release_fact_problems(release, unpacked_release(release, quiet=True)) == []
+
+
+def test_release_facts_check_fails_on_another_release_s_facts(monkeypatch):
+    """The control: 0.5.23's facts read against 0.5.9's source disagree on every declared point."""
+    monkeypatch.setitem(settings_facts.RELEASE_FACTS, "0.5.9", settings_facts.RELEASE_FACTS["0.5.23"])
+    got = release_fact_problems("0.5.9", unpacked_release("0.5.9", quiet=True))
+    assert {g.split()[0] for g in got} >= {"draft_ids_on_runner", "allreduce_fusion_mark", "resolving_view"}, got

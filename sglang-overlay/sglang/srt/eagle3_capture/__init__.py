@@ -43,6 +43,7 @@ from .settings import (
     DumpSettings,
     capture_indices,
     default_capture_indices,
+    release_facts,
 )
 
 logger = logging.getLogger(__name__)
@@ -194,11 +195,22 @@ def residual_stream(hidden_states, residual):
     when it holds the deferral."""
     if residual is None:
         return hidden_states.clone()
-    if getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
+    mark = _fusion_mark()
+    if mark and getattr(hidden_states, mark, False):  # set on the deferring layers' outputs only
         from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
         return tensor_model_parallel_all_reduce(hidden_states.clone()) + residual
     return hidden_states + residual
+
+
+_FACTS = {}
+
+
+def _fusion_mark() -> Optional[str]:
+    """The release's deferred all-reduce mark (settings.RELEASE_FACTS), read once."""
+    if "mark" not in _FACTS:
+        _FACTS["mark"] = release_facts()["allreduce_fusion_mark"]
+    return _FACTS["mark"]
 
 
 def set_eagle3_layers(model, layer_ids: Optional[List[int]] = None) -> None:
@@ -241,7 +253,9 @@ def _draft_ids_to_configure(runner):
     """(configure, ids): whether the runner sets the draft's ids only after device graphs (sglang
     <= 0.5.10 keeps them on the runner itself; later releases configure them before graphs), and
     the ids (None: the draft's config names none, so SGLang's defaults)."""
-    if getattr(runner, "eagle_use_aux_hidden_state", False):
+    if not release_facts()["draft_ids_on_runner"]:
+        return False, None
+    if runner.eagle_use_aux_hidden_state:
         ids = runner.eagle_aux_hidden_state_layer_ids
         return True, (list(ids) if ids is not None else None)
     return False, None
@@ -295,7 +309,7 @@ def _check_nodes(runner) -> None:
     from .settings import resolved
 
     args = resolved(runner.server_args)
-    nnodes = getattr(args, "nnodes", 1) or 1
+    nnodes = args.nnodes
     if nnodes <= 1:
         return
     from sglang.srt.distributed.parallel_state import get_tp_group

@@ -47,10 +47,11 @@ UPSTREAM = {
     "sglang.srt.entrypoints.http_server": ("app", "lifespan", "_wait_and_warmup"),
     "sglang.srt.model_executor.forward_batch_info": ("ForwardBatch.init_new",),
     # a server's SIGTERM drains the requests, then kills the process tree through this name
-    "sglang.srt.managers.tokenizer_manager": ("kill_process_tree",),
+    # ... and answers every request through TokenizerManager.generate_request (an async generator)
+    "sglang.srt.managers.tokenizer_manager": ("kill_process_tree", "TokenizerManager.generate_request"),
 }
 # ServerArgs fields the series reads without a default (0.5.23: declared in arg_groups/fields)
-SERVER_ARGS = ("tokenizer_worker_num", "dp_size")
+SERVER_ARGS = ("tokenizer_worker_num", "dp_size", "nnodes")
 
 
 MAX_FLUSH_TIMEOUT = 7 * 24 * 3600.0  # a week: any longer is a typo, and inf would never answer
@@ -128,6 +129,11 @@ class ControlServer:
                 op = request.get("op")
                 if op == "flush":
                     reply = self.writer.flush_report(flush_timeout(request.get("timeout")))
+                elif op == "status":
+                    rids = request.get("rids")
+                    if not isinstance(rids, list):
+                        raise ValueError("status needs a list of request ids")
+                    reply = {"ok": True, "states": {str(r): self.writer.state(str(r)) for r in rids}}
                 elif op in ("pause", "resume"):
                     self.writer.paused = op == "pause"
                     reply = {"ok": True, "paused": self.writer.paused}
@@ -141,7 +147,14 @@ class ControlServer:
                 pass
 
     def close(self) -> None:
+        """Stop listening: the name is free again once this returns (an abstract name has no file
+        to unlink; shutdown wakes the accepting thread, which holds the socket open till then)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
+        self.thread.join(timeout=5)
 
 
 def _read_line(conn) -> str:
@@ -173,7 +186,7 @@ def new_path() -> str:
     return os.path.join(tempfile.gettempdir(), name + ".sock")
 
 
-def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None) -> dict:
+def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, **fields) -> dict:
     """Send one call to the writer and return its answer; FlushError when it cannot."""
     path = path or os.environ.get(ENV_CONTROL)
     if not path:
@@ -184,7 +197,7 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None) -
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(wait + 5.0)
             s.connect(_address(path))
-            s.sendall((json.dumps({"op": op, "timeout": wait}) + "\n").encode())
+            s.sendall((json.dumps(dict(fields, op=op, timeout=wait)) + "\n").encode())
             line = _read_line(s)
     except (OSError, socket.timeout) as exc:
         raise FlushError(f"the dump writer did not answer at {path} ({exc})") from None
@@ -273,6 +286,52 @@ def _kill_hooks(tokenizer_manager) -> None:
     tokenizer_manager.kill_process_tree = kill_process_tree
 
 
+STATUS_TIMEOUT = 5.0
+
+
+def _outputs(out):
+    """The output dicts of one yield of TokenizerManager.generate_request (one, or a batch's list)."""
+    return [o for o in (out if isinstance(out, list) else [out]) if isinstance(o, dict)]
+
+
+def _finished(o: dict) -> bool:
+    meta = o.get("meta_info")
+    return isinstance(meta, dict) and "id" in meta and meta.get("finish_reason") is not None
+
+
+def dump_states(rids, path: Optional[str] = None) -> dict:
+    """rid -> what became of its dump file, from the writer (``DumpWriter.state``)."""
+    try:
+        return call("status", STATUS_TIMEOUT, path, rids=list(rids))["states"]
+    except (FlushError, KeyError, ValueError) as exc:
+        return {r: f"unknown: the dump writer did not answer ({exc})" for r in rids}
+
+
+def _answer_hooks(tokenizer_manager_cls) -> None:
+    """Every finished answer (``/generate`` and ``Engine.generate``) says where its request's
+    states are and what became of them: ``meta_info["eagle3_dump"] = {"file": "<key>.safetensors",
+    "state": ...}`` (``DumpWriter.state``: queued, written, kept, not dumped: why, failed: why)."""
+    inner = tokenizer_manager_cls.generate_request
+    if getattr(inner, "_eagle3_hooks", False):
+        return
+    from .identity import request_key
+
+    async def generate_request(self, obj, request=None):
+        async for out in inner(self, obj, request):
+            done = [o for o in _outputs(out) if _finished(o)]
+            if done and os.environ.get(ENV_CONTROL):
+                states = await _run_in_thread(dump_states, [o["meta_info"]["id"] for o in done])
+                for o in done:
+                    rid = o["meta_info"]["id"]
+                    o["meta_info"]["eagle3_dump"] = {"file": request_key(rid) + ".safetensors",
+                                                     "state": states.get(str(rid), "unknown")}
+            yield out
+
+    generate_request.__doc__ = inner.__doc__
+    generate_request._eagle3_hooks = True
+    tokenizer_manager_cls.generate_request = generate_request
+
+
 def _http_hooks(http_server) -> None:
     app = http_server.app
     if getattr(app, "_eagle3_hooks", False):
@@ -355,6 +414,7 @@ def install_launcher_hooks(server_args) -> None:
 
     missing = [n for n in ("shutdown",) if not callable(getattr(engine.Engine, n, None))]
     missing += [n for n in ("kill_process_tree",) if not callable(getattr(tokenizer_manager, n, None))]
+    missing += [n for n in ("generate_request",) if not callable(getattr(tokenizer_manager.TokenizerManager, n, None))]
     http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
     if http_server is not None:
         missing += [n for n in ("app", "lifespan", "_wait_and_warmup") if not hasattr(http_server, n)]
@@ -363,5 +423,6 @@ def install_launcher_hooks(server_args) -> None:
                               f"dump's flush needs; use a release the series covers or unset {ENV_DIR}")
     _engine_hooks(engine.Engine)
     _kill_hooks(tokenizer_manager)
+    _answer_hooks(tokenizer_manager.TokenizerManager)
     if http_server is not None:
         _http_hooks(http_server)

@@ -74,6 +74,7 @@ FORMAT = "eagle3-dump/1"
 FILE_MODE = 0o644  # dump files: a shared dump directory's readers may run as other users
 ABANDONED_KEPT = 4096  # dropped chunked requests whose later chunks are still skipped
 UNWRITTEN_KEPT = 100000  # requests named in the unwritten ledger at most
+STATES_KEPT = 65536  # requests whose file's state a response can still be told
 # What must be equal for a file already at a request's name to be kept (the same request prefilled
 # again: a retraction, a client's retry); anything else replaces it. The launch id is part of it:
 # a restart (another checkpoint, other layers, another adapter) never keeps an earlier launch's file.
@@ -184,7 +185,10 @@ class DumpWriter:
         self.paused = False  # set by the control socket: prefills now are not the users'
         self.max_wait_s: Optional[float] = None  # the longest a forward waits for room (None: no bound)
         self.unwritten: "OrderedDict[str, dict]" = OrderedDict()  # rid -> why, of requests not written
+        self._states: "OrderedDict[str, str]" = OrderedDict()  # rid -> what became of its file (state())
+        self._states_lock = threading.Lock()
         self._current: Optional[_Job] = None  # the job the writer thread works on
+        self._stopping = False  # set when a drain gives up: no further job is written
         self._control = None
         # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
@@ -295,20 +299,39 @@ class DumpWriter:
             first = prefix == 0
             if req.skipped:
                 self.probes += first
+                self._set_state(req, "not dumped: an SGLang health probe")
             elif self.paused:
                 self.warmup += first
+                self._set_state(req, "not dumped: prefilled during SGLang's warm-up (before the server was ready)")
             elif prefix >= req.prompt_len:
                 pass  # generated tokens prefilled again after a retraction: not prompt rows
             elif prefix and not self.chunked:
                 self.skipped += 1
+                self._set_state(req, f"not dumped: it came with {prefix} tokens prefilled before")
                 logger.error(
                     "%s: request %s came with %d tokens prefilled before; not dumped "
-                    "(its rows would be incomplete)", ENV_DIR, req.rid, prefix,
+                    "(its rows would be incomplete)", ENV_DIR, printable(req.rid), prefix,
                 )
             else:
+                if first:
+                    self._set_state(req, "queued")
                 spans.append(_Span(start, min(length, req.prompt_len - prefix), prefix, req))
             start += length
         return spans
+
+    def _set_state(self, req: RequestInfo, state: str) -> None:
+        with self._states_lock:
+            self._states[req.rid] = state
+            self._states.move_to_end(req.rid)
+            while len(self._states) > STATES_KEPT:
+                self._states.popitem(last=False)
+
+    def state(self, rid: str) -> str:
+        """What became of a request's file: ``queued`` (handed to the writer: a flush waits for
+        it), ``written``, ``kept`` (this very request's file was there already), ``not dumped:
+        <why>``, ``failed: <why>``, or ``unknown`` (no prefill of it reached this writer)."""
+        with self._states_lock:
+            return self._states.get(str(rid), "unknown")
 
     # ---- writer thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -319,6 +342,10 @@ class DumpWriter:
                 return
             if isinstance(job, threading.Event):  # a flush: every job before it is done
                 job.set()
+                self._queue.task_done()
+                continue
+            if self._stopping:  # a drain gave up: what is left stays unwritten (named in its ledger)
+                self.staging.release(job.buffers, job.held)
                 self._queue.task_done()
                 continue
             self._current = job
@@ -419,6 +446,7 @@ class DumpWriter:
             self._abandoned[req.rid] = req.prompt_len
             while len(self._abandoned) > ABANDONED_KEPT:  # requests that never came back
                 self._abandoned.popitem(last=False)
+        self._set_state(req, "failed: " + why)
         logger.error("%s: request %s (%d prompt tokens, prefilled in chunks) is not dumped (%d of its "
                      "rows seen): %s; %d dropped so far", ENV_DIR, req.rid, req.prompt_len, rows_seen,
                      why, self.dropped)
@@ -447,10 +475,13 @@ class DumpWriter:
                                                          and k != "rid") or "launch")
             return False
         self.reprefilled += 1
+        if self.state(req.rid) == "queued":
+            self._set_state(req, "kept")
         return True
 
     def _not_written(self, req: RequestInfo, why: str) -> None:
         """Name a request this writer will not write (the unwritten ledger, at a stop)."""
+        self._set_state(req, "failed: " + why)
         self.unwritten[req.rid] = {"rid": printable(req.rid), "key": req.key, "why": why}
         while len(self.unwritten) > UNWRITTEN_KEPT:
             self.unwritten.popitem(last=False)
@@ -480,6 +511,7 @@ class DumpWriter:
             os.replace(tmp, path)
             _fsync(self.directory)
             self.written += 1
+            self._set_state(req, "written")
         except Exception as exc:  # a full or vanished disk must not stop serving
             self.failed += 1
             self._not_written(req, f"the write failed: {exc}")
@@ -571,6 +603,8 @@ class DumpWriter:
         done = threading.Event()
         self._queue.put(done)
         flushed = done.wait(max(seconds, 0.0))
+        if not flushed:
+            self._stopping = True  # the writer starts no other file: the ledger below stays true
         for p in list(self._partials.values()):
             self._not_written(p.req, "the server stopped before its last chunk was prefilled")
         left = self.pending_requests()

@@ -194,15 +194,20 @@ def check_directory(directory: str) -> None:
 
 def resolved(args):
     """The values the release decided: releases that resolve server arguments keep the raw
-    input apart (0.5.23: ``chunked_prefill_size`` is None raw, 4096 resolved), others write
-    the results back into the fields."""
-    for module in ("sglang.srt.arg_groups.model_override_base", "sglang.srt.arg_groups.overrides"):
-        try:
-            view = __import__(module, fromlist=["resolving_view"]).resolving_view
-        except (ImportError, AttributeError):
-            continue
-        return view(args)
-    return args
+    input apart (0.5.23: ``chunked_prefill_size`` is None raw, 4096 resolved) behind the view
+    their facts name (``resolving_view``); others write the results back into the fields."""
+    where = release_facts()["resolving_view"]
+    if where is None:
+        return args
+    module, _, name = where.rpartition(".")
+    try:
+        view = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError) as exc:
+        raise DumpConfigError(
+            f"sglang {SERIES_RELEASE} lacks {where} ({exc}), which the series reads resolved server "
+            f"arguments through; use the release the series was made for or port the series"
+        ) from None
+    return view(args)
 
 
 def _prefill_graph(args) -> Optional[str]:
@@ -242,24 +247,55 @@ def _attention_dp(args) -> Optional[int]:
 #       are scattered across ranks and the release's layer-loop capture does not gather them.
 #   drafts_overwriting_capture: speculative algorithms whose target setup overwrites
 #       layers_to_capture behind the package (and whose CUDA-graph capture then crashes).
+#   draft_ids_on_runner: ModelRunner keeps the draft's ids itself (eagle_use_aux_hidden_state,
+#       eagle_aux_hidden_state_layer_ids) and sets them only after device graphs: the series
+#       configures them before (later releases configure them before graphs themselves).
+#   allreduce_fusion_mark: the tensor attribute by which a layer leaves its MLP all-reduce to the
+#       next layer's fused norm (FlashInfer's fusion at TP > 1), None where the release's capture
+#       does not go through residual_stream.
+#   resolving_view: "module.function" returning the resolved view of ServerArgs, None where the
+#       release writes resolved values back into the fields.
+# tests/test_release_facts.py checks every fact against the release's own source; check_launch
+# checks absent_fields against the ServerArgs it is given.
 RELEASE_FACTS = {
     "0.5.9": {
         "absent_fields": ("disable_prefill_cuda_graph", "cuda_graph_config", "cuda_graph_backend_prefill",
                           "attn_dp_size", "enable_prefill_cp", "cp_strategy"),
         "moe_dense_tp1_scatters_capture": True,
         "drafts_overwriting_capture": (),
+        "draft_ids_on_runner": True,
+        "allreduce_fusion_mark": "_sglang_needs_allreduce_fusion",
+        "resolving_view": None,
     },
     "0.5.17": {
         "absent_fields": ("enable_piecewise_cuda_graph", "attn_dp_size", "enable_nsa_prefill_context_parallel"),
         "moe_dense_tp1_scatters_capture": False,
         "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+        "draft_ids_on_runner": False,
+        "allreduce_fusion_mark": "_sglang_needs_allreduce_fusion",
+        "resolving_view": None,
     },
     "0.5.23": {
         "absent_fields": ("enable_piecewise_cuda_graph", "enable_nsa_prefill_context_parallel"),
         "moe_dense_tp1_scatters_capture": False,
         "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+        "draft_ids_on_runner": False,
+        "allreduce_fusion_mark": None,
+        "resolving_view": "sglang.srt.arg_groups.model_override_base.resolving_view",
     },
 }
+
+
+def check_absent_fields(args) -> None:
+    """The fields this release's facts declare absent must be absent from its ServerArgs (a
+    release whose fields moved under the series would let a rule read a default instead)."""
+    present = [f for f in release_facts()["absent_fields"] if hasattr(args, f)]
+    if present:
+        raise DumpConfigError(
+            f"eagle3_capture's facts for sglang {SERIES_RELEASE} declare ServerArgs.{', '.join(present)} absent, "
+            f"but this sglang has them: its launch rules cannot be trusted here; use sglang {SERIES_RELEASE} "
+            f"as released or port the series (RELEASE_FACTS in sglang-overlay/)"
+        )
 
 
 def release_facts(release: Optional[str] = None) -> dict:
@@ -415,12 +451,13 @@ def check_model(architectures: Sequence[str], num_layers: int, settings: "DumpSe
 
 
 def _model_config(server_args):
-    try:
-        from sglang.srt.arg_groups.model_override_base import model_config_of
-
-        return model_config_of(server_args)
-    except (ImportError, AttributeError):
+    """The model config as the launch will build it: releases with a resolving view build it
+    through their ``model_config_of`` beside it, the others through ``ServerArgs.get_model_config``."""
+    where = release_facts()["resolving_view"]
+    if where is None:
         return server_args.get_model_config()
+    module = where.rpartition(".")[0]
+    return __import__(module, fromlist=["model_config_of"]).model_config_of(server_args)
 
 
 def check_launch(server_args) -> None:
@@ -428,6 +465,7 @@ def check_launch(server_args) -> None:
     starts or any weight loads: a setting under which the dump would be wrong ends the launch
     with one line (``SystemExit``: no traceback) and a non-zero exit."""
     try:
+        check_absent_fields(server_args)
         check_draft_args(server_args)
         settings = DumpSettings.from_env()
         if settings is None:
