@@ -243,6 +243,13 @@ class DumpWriter:
                          "ids before the clamp; not dumped", ENV_DIR, len(spans))
             return
         ids = forward_batch.input_ids if input_ids is None else input_ids
+        if ids.is_cuda:
+            # The ids may sit in a buffer the runner fills again for the next forward (0.5.17+'s
+            # eager runner keeps static input buffers) on this stream, while the side stream may
+            # still be busy with earlier forwards' rows: the side stream reads an owned copy, made
+            # here in stream order before it is told to wait. The states are owned already
+            # (captures are clones, the final state is a new norm output).
+            ids = ids.clone()
         sources = {"input_ids": ids}
         for name, index in self._layers:
             sources[name] = captured[index]

@@ -1,0 +1,146 @@
+"""The dump writer with CUDA tensors: the side stream, its event and the page-locked host arena,
+which CPU tests never run. Skipped without a GPU; run on the lent H200 with
+
+  python3 tests/test_dump_gpu.py [--overlay DIR] [--out FILE.json]
+
+(no pytest needed there; ``--overlay`` runs another copy of the overlay, e.g. an older commit's,
+to show a check failing on it). The raw results of runs are in docs/results/dump-gpu-*.json.
+
+1. Ids that the next forward overwrites: the runner keeps its input ids in a static buffer and
+   fills it again for the next forward on the main stream, while the side stream is still busy
+   copying an earlier, large forward's rows. The file must hold the ids of its own forward.
+2. A forward's rows reach the file bit for bit through the pinned arena, the submit returns
+   before its device-to-host copies are done (the forward does not wait for them), and the
+   arena is page-locked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+
+try:
+    import pytest
+except ImportError:  # the GPU machine may have no pytest: __main__ below runs the checks
+    pytest = None
+
+HIDDEN = 7168
+
+
+class _Mode:
+    name = "EXTEND"
+
+
+class _Batch:
+    def __init__(self, ids, lens, infos):
+        self.forward_mode = _Mode()
+        self.input_ids = ids
+        self.extend_seq_lens_cpu = list(lens)
+        self.extend_prefix_lens_cpu = [0] * len(lens)
+        self._eagle3_requests = list(infos)
+
+
+def _package(overlay=None):
+    from eaglepatch.overlay import import_package
+
+    name = "e3c_gpu_%d" % (abs(hash(str(overlay))) % 10**6)
+    import_package(name, Path(overlay) if overlay else None)
+    return __import__(name + ".dump", fromlist=["DumpWriter"]), __import__(name + ".identity", fromlist=["RequestInfo"])
+
+
+def check_ids_survive_the_next_forward(tmp: Path, overlay=None) -> dict:
+    dump, identity = _package(overlay)
+    dev = torch.device("cuda")
+    w = dump.DumpWriter(str(tmp), [2, 3], False, 4 << 30, {"launch_id": "gpu"})
+    big_t = 40000  # 40000 x 7168 x 2 B x 2 states = 1.07 GiB of rows for the side stream
+    big = [identity.RequestInfo("big", big_t)]
+    ids_big = torch.randint(0, 1000, (big_t,), device=dev)
+    rows = {i: torch.randn(big_t, HIDDEN, device=dev, dtype=torch.bfloat16) for i in (2, 3)}
+    static = torch.empty(4096, dtype=torch.int64, device=dev)  # the runner's input buffer
+    small_t, mismatches, trials = 64, 0, 5
+    for trial in range(trials):
+        w.submit(_Batch(ids_big, [big_t], big), rows, None)
+        want = torch.arange(small_t, device=dev) + 1000 * (trial + 1)
+        static[:small_t].copy_(want)
+        small_rows = {i: torch.randn(small_t, HIDDEN, device=dev, dtype=torch.bfloat16) for i in (2, 3)}
+        req = identity.RequestInfo("small-%d" % trial, small_t)
+        w.submit(_Batch(static[:small_t], [small_t], [req]), small_rows, None)
+        static[:small_t].fill_(-7)  # the next forward's ids, on the main stream, at once
+        w.flush()
+        from safetensors.torch import load_file
+
+        got = load_file(str(tmp / (req.key + ".safetensors")))["input_ids"]
+        mismatches += int(not torch.equal(got, want.cpu()))
+    w.close()
+    return {"check": "ids survive the next forward", "trials": trials, "files with another forward's ids": mismatches,
+            "passed": mismatches == 0}
+
+
+def check_rows_bit_for_bit_and_async(tmp: Path, overlay=None) -> dict:
+    dump, identity = _package(overlay)
+    dev = torch.device("cuda")
+    w = dump.DumpWriter(str(tmp), [2, 3], False, 4 << 30, {"launch_id": "gpu"})
+    t = 30000
+    rows = {i: torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16) for i in (2, 3)}
+    ids = torch.randint(0, 1000, (t,), device=dev)
+    req = identity.RequestInfo("rows", t)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    w.submit(_Batch(ids, [t], [req]), rows, None)
+    submit_s = time.perf_counter() - t0
+    job = w._queue.queue[0] if w._queue.queue else None
+    pending_after_submit = job is not None and job.event is not None and not job.event.query()
+    w.flush()
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp / (req.key + ".safetensors")))
+    equal = all(torch.equal(got["layer.%d" % (i - 1)], rows[i].cpu()) for i in (2, 3)) and torch.equal(
+        got["input_ids"], ids.cpu())
+    pinned = bool(w.staging.pinned)
+    w.close()
+    return {"check": "rows bit for bit through the pinned arena, submit does not wait", "bytes": 2 * t * HIDDEN * 2,
+            "submit_ms": round(submit_s * 1e3, 2), "copies still running after submit": pending_after_submit,
+            "bit for bit": equal, "arena page-locked": pinned, "passed": equal and pinned and pending_after_submit}
+
+
+CHECKS = (check_ids_survive_the_next_forward, check_rows_bit_for_bit_and_async)
+
+if pytest is not None:
+    cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the lent H200: see docstring)")
+
+    @cuda
+    def test_ids_survive_the_next_forward_overwriting_their_buffer(tmp_path):
+        r = check_ids_survive_the_next_forward(tmp_path)
+        assert r["passed"], r
+
+    @cuda
+    def test_rows_reach_the_file_bit_for_bit_through_the_pinned_arena_without_waiting(tmp_path):
+        r = check_rows_bit_for_bit_and_async(tmp_path)
+        assert r["passed"], r
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="the dump writer's GPU checks")
+    ap.add_argument("--overlay", help="another copy of sglang-overlay/ to run (default: this repo's)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    a = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "overlay": a.overlay or "repo",
+           "results": []}
+    for check in CHECKS:
+        with tempfile.TemporaryDirectory() as d:
+            r = check(Path(d), a.overlay)
+        print(json.dumps(r), flush=True)
+        out["results"].append(r)
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    sys.exit(0 if all(r["passed"] for r in out["results"]) else 1)
