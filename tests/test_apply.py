@@ -366,3 +366,20 @@ def test_reverse_steps_commit_only_the_series_beside_other_changes(tmp_path):
     subprocess.run(steps["commit"], shell=True, check=True, cwd=tmp_path)
     assert git(dest, "status", "--porcelain") == " M python/sglang/version.py\n"
     assert set(manifest_state(dest / "python").values()) == {"upstream"}
+
+@pytest.mark.parametrize("stage", ["commit-objects", "replacing"])
+def test_killed_fetch_over_a_reversed_checkout_is_finished_by_the_same_command(stage, tmp_path):
+    """README step 1 again over its reversed checkout, killed before or after the commit point:
+    the same command finishes or undoes it, then leaves the series applied and committed."""
+    env = {"EAGLEPATCH_PATCHES": str(BASIC_ROOT)}
+    dest = tmp_path / "sglang-0.5.9"
+    assert run_tool("apply", "--fetch", cwd=tmp_path, env=env).returncode == 0
+    r = run_tool("apply", dest, "--reverse", env=env)
+    subprocess.run(_reverse_steps(r.stdout)["checkout"], shell=True, check=True, cwd=tmp_path)
+    kill(start_stopped("apply", "--fetch", "0.5.9", dest, stage=stage, env=env))
+    r = run_tool("apply", "--fetch", "0.5.9", dest, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(manifest_state(dest / "python").values()) == {"patched"}
+    assert git(dest, "status", "--porcelain") == ""
+    assert git(dest, "rev-parse", "--abbrev-ref", "HEAD").strip() == "eaglepatch/sglang-0.5.9"
+    assert not (dest / "python" / TXN).exists()

@@ -305,7 +305,7 @@ class _Batch:
     prefill's ForwardBatch (``rids``; ``totals``: each prompt's length)."""
 
     def __init__(self, ids, seq_lens, prefix_lens=None, mode="EXTEND", slots=None, totals=None, rids=None,
-                 infos=None, orig_seq_lens=None):
+                 infos=None):
         self.forward_mode = _Mode(mode)
         self.input_ids = ids
         self.extend_seq_lens_cpu = list(seq_lens)
@@ -314,8 +314,6 @@ class _Batch:
         self.req_pool_indices = torch.tensor(slots if slots is not None else list(range(n)))
         pre = self.extend_prefix_lens_cpu
         totals = totals if totals is not None else [a + b for a, b in zip(pre, seq_lens)]
-        # what SGLang's device tensor of full lengths holds when the writer would read it
-        self.orig_seq_lens = torch.tensor(orig_seq_lens if orig_seq_lens is not None else totals, dtype=torch.int32)
         rids = rids if rids is not None else [f"r{i}" for i in range(n)]
         self._eagle3_requests = infos if infos is not None else [
             identity.RequestInfo(rid, int(t)) for rid, t in zip(rids, totals)]
@@ -706,25 +704,6 @@ def test_requests_that_share_a_prompt_image_text_or_adapter_never_share_a_file(t
         assert json.loads(meta["mm_hashes"]) == list(info.mm_hashes)
         assert meta["input_source"] == ("input_embeds" if info.input_embeds else "input_ids")
         assert meta["prompt_key"] == dump_mod.prompt_key(same.tolist())
-    w.close()
-
-
-def test_lengths_the_scheduler_bumps_in_place_do_not_lose_the_request(tmp_path):
-    """0.5.9 bumps orig_seq_lens (add_(1)) when the prefill batch becomes the decode batch, while
-    the side-stream copy of it may still be queued: the writer must not read it. Here the batch's
-    device lengths hold the bumped values the late copy reads; the prompts' own lengths are whole."""
-    layers = [1]
-    pf = _Prefill([100, 20], layers)
-    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 20, {}, chunked=True)
-    ids = torch.cat([pf.reqs[0]["ids"][:64], pf.reqs[1]["ids"]])
-    cap = {2: torch.cat([pf.reqs[0]["layers"][1][:64], pf.reqs[1]["layers"][1]])}
-    fin = torch.cat([pf.reqs[0]["final"][:64], pf.reqs[1]["final"]])
-    w.submit(_Batch(ids, [64, 20], rids=[pf.rid(0), pf.rid(1)], totals=[100, 20], orig_seq_lens=[101, 21]), cap, fin)
-    pf.forward(w, [(0, 0, 64, 36)])
-    w.flush()
-    assert (w.written, w.dropped, w.failed) == (2, 0, 0)
-    pf.check(tmp_path, 0)
-    pf.check(tmp_path, 1)
     w.close()
 
 

@@ -382,8 +382,8 @@ def _serve_and_stop(patched_checkout, tmp_path, host: str, mode: str, extra=(), 
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     py = tmp_path / "python"
     real, fake = shlex.quote(sys.executable), shlex.quote(str(tmp_path / "fake_server.py"))
-    py.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = sglang.launch_server ]; then shift 2; exec {real} {fake} "$@"; fi\n'
-                  f'exec {real} "$@"\n')
+    py.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = sglang.launch_server ]; then\n'
+                  f'  shift 2; exec {real} {fake} "$@"\nfi\nexec {real} "$@"\n')
     py.chmod(0o755)
     port = _free_port(host)
     err = tmp_path / "serve.err"
@@ -440,7 +440,8 @@ def test_ipv6_host(patched_checkout, tmp_path):
     assert rc == 0, err
     assert f"[serve] ready at http://[::1]:{port} " in err, err
     got = json.loads((state / "env.json").read_text())
-    assert (got["EAGLE3_DUMP_MAX_PENDING_MB"], got["EAGLE3_DUMP_FINAL"], got["EAGLE3_DUMP_DRAIN_S"]) == ("512", "0", "0.2")
+    assert (got["EAGLE3_DUMP_MAX_PENDING_MB"], got["EAGLE3_DUMP_FINAL"], got["EAGLE3_DUMP_DRAIN_S"]) == \
+        ("512", "0", "0.2")
     # the taken-port check looks at the IPv6 address: a listener on ::1 is seen, a free port is free
     from eaglepatch import serve
 

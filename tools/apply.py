@@ -32,7 +32,8 @@ def main(argv=None) -> int:
                          "replacing an existing one, whose old commit is printed)")
     ap.add_argument("--fetch", nargs="*", metavar="[RELEASE [DEST]]",
                     help=f"download RELEASE (default: the pinned release, {PINNED_RELEASE}) into a new git repo "
-                         "DEST (default: ./sglang-RELEASE) and apply there with --commit")
+                         "DEST (default: ./sglang-RELEASE) and apply there with --commit; a DEST it made before is "
+                         "accepted as it is, or, reversed since, patched again")
     a = ap.parse_args(argv)
     command = " ".join(shlex.quote(x) for x in ["python3", "tools/apply.py", *(sys.argv[1:] if argv is None
                                                                                 else argv)])

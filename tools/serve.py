@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Serve a patched SGLang with the EAGLE-3 hidden-state dump on, for tools/extract.py.
 
-  python3 tools/serve.py --model-path MODEL --dump-dir DIR [--layers IDS] [--sglang ROOT] [DUMP FLAGS] [-- SGLANG FLAGS...]
+  python3 tools/serve.py --model-path MODEL --dump-dir DIR [--layers IDS] [--sglang ROOT] [DUMP FLAGS]
+                         [-- SGLANG FLAGS...]
   python3 tools/serve.py --cpu-demo DIR [--sglang ROOT] [DUMP FLAGS]
 
 Production (--model-path): runs `python -m sglang.launch_server` for MODEL on this machine's
@@ -20,11 +21,14 @@ the extract, load and guard commands to run next (printed once the server answer
 DIR/serve.json).
 
 Dump flags (--max-pending-mb, --final, --drain-s, --max-wait-s) set the dump's other variables; without
-one, the variable from your environment is kept (printed: which value is used), else the dump's
-default applies. The server runs in the foreground until Ctrl-C (or SIGTERM), which sends SIGTERM to
-it and every process it started: the dump writer writes its queue for at most EAGLE3_DUMP_DRAIN_S
-seconds, and serve.py waits that long plus 30 s before it kills what is left. --print prints the
-command instead of running it.
+one, the variable from your environment is kept (one line says which value is used and from where),
+else the dump's default applies.
+
+The server runs in the foreground until Ctrl-C (or SIGTERM), which sends SIGTERM to it and every
+process it started: the dump writer writes its queue for at most EAGLE3_DUMP_DRAIN_S seconds, and
+serve.py waits that long plus 30 s before it kills what is left. --print prints the command instead
+of running it.
+
 Exit: 0 stopped by Ctrl-C or SIGTERM (and --print), 1 (or the server's own status) the server failed,
 2 usage error.
 """

@@ -30,7 +30,7 @@ from .lock import tree_lock
 from .outputs import can_write, move_new_checkout, scratch_dir
 from .series import Patch, Series, sha256_bytes
 from .tree import UpstreamTree
-from .txn import Transaction, recover, refuse_if_pending
+from .txn import Transaction, describe_pending, recover, refuse_if_pending
 from .verdicts import ANCHOR_DRIFT, SeriesCheck, check_series
 
 HUNK_RE = re.compile(r"^Hunk #(\d+) succeeded at (\d+)(?: \(offset (-?\d+) lines?\))?\.", re.M)
@@ -388,11 +388,13 @@ def _fetched_already(dest: Path, series: Series) -> UpstreamTree | None:
 def _fetched_then_reversed(dest: Path, series: Series) -> UpstreamTree | None:
     """`dest` when it is a checkout `--fetch` made for the series' release that holds that release
     without the series now (reversed, then put back at the release or the removal committed, as
-    `--reverse` says); None otherwise."""
+    `--reverse` says), or that an interrupted run of this left a transaction in (the apply finishes
+    or undoes it first); None otherwise."""
     try:
         tree = UpstreamTree.open(dest, {series.release: series})
-        if tree.kind == "git" and tree.release == series.release and tree.state(series) == "upstream" \
-                and fetched_checkout(tree, series):
+        if tree.kind != "git" or tree.release != series.release or not fetched_checkout(tree, series):
+            return None
+        if describe_pending(tree.package_parent) is not None or tree.state(series) == "upstream":
             return tree
     except (UsageError, RefusedError):
         pass
@@ -419,11 +421,19 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
         if tree is None:
             raise UsageError(f"{dest} already exists and is not empty", "pass a new directory as DEST")
         say(f"{dest} is the checkout --fetch made, without {series.name} now: applying it again there")
-        # (what finishes an interrupted run here is the apply command on the tree, the default command)
+        if describe_pending(tree.package_parent) is not None:  # this, interrupted: finished or undone first
+            require_git()
+            with tree_lock(tree.package_parent):
+                msg = recover(tree.package_parent)
+            if msg:
+                say(msg)
+            done = _fetched_already(dest, series)
+            if done is not None:
+                return done
         if uncommitted(tree, series):  # reversed in the work tree only: HEAD has the series committed
-            apply_series(tree, series, say=say)
+            apply_series(tree, series, say=say, command=command)
         else:  # put back at the release, or the removal committed
-            apply_series(tree, series, commit=True, force=branch_exists(tree, series), say=say)
+            apply_series(tree, series, commit=True, force=branch_exists(tree, series), say=say, command=command)
         return UpstreamTree.open(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
