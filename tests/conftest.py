@@ -266,3 +266,13 @@ def small_git(fast_tmp, release_059) -> Path:
     from txnkit import small_checkout
 
     return small_checkout(release_059, fast_tmp / "co", series_files(BASIC))
+
+
+def python3_in(bindir: Path) -> Path:
+    """``bindir/python3`` running this interpreter as a user's ``python3`` would be run: a script
+    that execs it (a symlink to a virtual environment's python outside the environment loses the
+    environment's packages)."""
+    exe = bindir / "python3"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    exe.chmod(0o755)
+    return exe

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import yaml
-from conftest import REPO, one_line_error, run_tool
+from conftest import REPO, one_line_error, python3_in, run_tool
 
 
 def test_pinned_gate_passes_on_the_real_series():
@@ -96,7 +96,7 @@ def test_the_documented_ci_gate_passes_on_a_clean_release_and_fails_on_a_drifted
     user.mkdir()
     (user / "eaglepatch").symlink_to(REPO)
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").symlink_to(sys.executable)
+    python3_in(tmp_path / "bin")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("SGLANG_VERSION", None)
 

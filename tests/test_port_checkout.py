@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, one_line_error, run_tool
+from conftest import REPO, one_line_error, python3_in, run_tool
 
 from eaglepatch.fetch import make_git_checkout
 from eaglepatch.series import load_series
@@ -27,7 +27,7 @@ def shell(tmp_path):
     """Run a printed command line as a user would paste it into bash (`python3` = this interpreter)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "python3").symlink_to(sys.executable)
+    python3_in(bindir)
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
 
     def run(cmd: str, cwd) -> subprocess.CompletedProcess:
@@ -103,6 +103,15 @@ def test_a_conflicting_port_goes_through_a_checkout_to_an_accepted_series(tmp_pa
     assert "stopped at 0005-engine-refuse-dump-settings" in r.stdout
     text = (dest / ENGINE).read_text()
     assert len(REGION.findall(text)) == 2
+    # each conflict is named by the def its markers sit in, in the file as written (issue 29, item
+    # 18): the launch hunk's markers are in _calculate_rank_ranges, ~600 lines from where 0.5.9 had it
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("<<<<<<< old patched")]
+    defs = [m.group(1) for ln in lines[:starts[1]] if (m := re.match(r"\s*(?:async\s+)?def (\w+)", ln))]
+    assert defs[-1] == "_calculate_rank_ranges"
+    assert (f"{dest / ENGINE} lines {starts[0] + 1}, {starts[1] + 1}: hunk 0 [<module>] " in r.stdout
+            and "; hunk 1 [_calculate_rank_ranges] " in r.stdout
+            and "(in sglang 0.5.9 it was in _launch_subprocesses)" in r.stdout), r.stdout
     # the engine's launch moved into a class upstream: keep upstream, put the two hook lines back
     text = take_new_upstream(text).replace(
         "from sglang.srt.elastic_ep.", "from sglang.srt import eagle3_capture\nfrom sglang.srt.elastic_ep.", 1)
