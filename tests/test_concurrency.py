@@ -105,3 +105,46 @@ def test_concurrent_apply_against_reverse_and_verify(tree_and_states, trial):
     assert claims["saw upstream"] + claims["saw patched"] == kinds.count("verify"), claims
     print(f"trial {trial}: {len(kinds)} runs from {start}: {dict(claims)}; final "
           f"{'patched' if hashes(tree) == patched else 'upstream'}")
+
+
+# ------------------------------------------------------------------------------------------
+# EAGLEPATCH_LOCK_TIMEOUT (issue 29, item 24): a finite number of seconds >= 0; `inf` waited
+# forever behind a held lock and `nan` meant 0
+
+BAD_TIMEOUTS = ["inf", "nan", "-1", "1e999", "soon", "-inf"]
+
+
+@pytest.mark.parametrize("value", BAD_TIMEOUTS)
+def test_a_lock_timeout_that_is_not_a_finite_number_is_a_usage_error(small, tmp_path, value):
+    from conftest import one_line_error, run_tool
+    before = hashes(small)
+    env = {"EAGLEPATCH_LOCK_TIMEOUT": value}
+    for tool, args in (("apply", [small, "--series", BASIC]), ("verify", [small, "--series", BASIC, "--smoke", "none",
+                                                                         "--json", tmp_path / "v.json"]),
+                       ("export", ["--overlay", "--check"])):
+        r = run_tool(tool, *args, env=env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (tool, r.stdout, r.stderr)
+        err = one_line_error(r)
+        assert f"EAGLEPATCH_LOCK_TIMEOUT={value!r} is not a finite number of seconds >= 0" in err, err
+        assert r.stdout == "", (tool, r.stdout)
+    assert hashes(small) == before and not (tmp_path / "v.json").exists()
+
+
+def test_a_bad_lock_timeout_behind_a_held_lock_is_refused_at_once(small):
+    from conftest import one_line_error
+    from txnkit import interrupt, start_stopped
+    before = hashes(small)
+    holder = start_stopped("apply", small, "--series", BASIC, stage="staged")  # holds the lock
+    try:
+        for value in ("inf", "nan"):
+            try:
+                r = subprocess.run([sys.executable, str(REPO / "tools" / "apply.py"), small, "--series", BASIC],
+                                   capture_output=True, text=True, timeout=30,
+                                   env=dict(os.environ, EAGLEPATCH_LOCK_TIMEOUT=value))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"EAGLEPATCH_LOCK_TIMEOUT={value}: still waiting for the lock after 30 s")
+            assert r.returncode == 2 and "is not a finite number" in one_line_error(r), (value, r.stdout, r.stderr)
+    finally:
+        rc, _, err = interrupt(holder)
+    assert rc == 2 and "Traceback" not in err
+    assert hashes(small) == before

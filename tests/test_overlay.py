@@ -67,6 +67,41 @@ def test_the_gate_fails_on_any_difference(tmp_path, damage):
     assert run_tool("export", "--overlay", "--check", "--out", series, env=env).returncode == 0
 
 
+@pytest.mark.parametrize("stray", ["dump.py.save", "dump (copy).py", "dump-v2.py", "class.py", "notes.txt",
+                                   "copy of eagle3/dump.py", "__pycache__.py.save"])
+def test_export_packs_only_the_packages_modules(tmp_path, stray):
+    """Only modules (NAME.py, NAME a valid module name, in folders with valid package names) and
+    declared data go into the 0001 patch: nano's `dump.py.save`, a file manager's `dump (copy).py`
+    and any other file there is refused in one line, exit 2, with the series left as it was
+    (export --overlay and --overlay --check alike)."""
+    from conftest import one_line_error
+    series = tmp_path / "patches" / "sglang-0.5.9"
+    shutil.copytree(available_series()["0.5.9"], series)
+    ov = tmp_path / "overlay"
+    shutil.copytree(overlay.overlay_root(), ov, ignore=shutil.ignore_patterns("__pycache__"))
+    assert run_tool("export", "--overlay", "--out", series, env={"EAGLEPATCH_OVERLAY": str(ov)}).returncode == 0
+    f = ov / overlay.PACKAGE_DIR / stray
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes((ov / overlay.PACKAGE_DIR / "dump.py").read_bytes())
+    before = {p.name: p.read_bytes() for p in series.iterdir()}
+    for args in ([], ["--check"]):
+        r = run_tool("export", "--overlay", *args, "--out", series, env={"EAGLEPATCH_OVERLAY": str(ov)})
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        err = one_line_error(r)
+        assert str(f) in err and "nothing was written" in err, err
+        assert {p.name: p.read_bytes() for p in series.iterdir()} == before
+
+
+def test_declared_data_is_packed(tmp_path, monkeypatch):
+    ov = tmp_path / "overlay"
+    shutil.copytree(overlay.overlay_root(), ov, ignore=shutil.ignore_patterns("__pycache__"))
+    (ov / overlay.PACKAGE_DIR / "layers.json").write_text("{}\n")
+    with pytest.raises(overlay.UsageError, match="layers.json is not a module of the package"):
+        overlay.source_files(ov)
+    monkeypatch.setattr(overlay, "DATA", (f"{overlay.PACKAGE_DIR}/*.json",))
+    assert overlay.source_files(ov)[f"{overlay.PACKAGE_DIR}/layers.json"] == b"{}\n"
+
+
 def test_generated_patch_is_what_git_writes_for_a_branch(tmp_path):
     """The new-file patch equals `git diff --cached` of a real repository holding the files."""
     gen = overlay.generate_for("0.5.9", "0.5.9-9")

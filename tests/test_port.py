@@ -115,6 +115,55 @@ def test_clean_port_drops_hunks_upstream_has_moves_the_rest_and_writes_an_exact_
     assert hashes(out) == before
 
 
+ENGINE = "sglang/srt/entrypoints/engine.py"
+
+
+def test_a_conflict_is_named_by_the_def_that_encloses_its_markers(tmp_path, release_059, release_0510):
+    """0.5.9 -> 0.5.10: the engine hunk that sat in `_launch_subprocesses` conflicts with code
+    upstream moved; its markers land in `_calculate_rank_ranges`, ~600 lines away, and that is
+    the def the report names (the old one is in the detail), at the marker's line of the file
+    `--checkout` writes."""
+    r = run_tool("port", "--from", "0.5.9", "--to", "0.5.10", "--out", tmp_path / "out", "--json", tmp_path / "p.json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    res = json.loads((tmp_path / "p.json").read_text())
+    by = {(h["patch"].split("-", 1)[0], h["file"], h["hunk"]): h for h in res["hunks"]}
+    eng = by[("0005", ENGINE, 1)]
+    assert eng["status"] == "conflict" and eng["anchor"] == "_calculate_rank_ranges", eng
+    assert "in sglang 0.5.9 it was in _launch_subprocesses" in eng["detail"]
+    assert f"hunk 1 [_calculate_rank_ranges] near line {eng['line']} of the merge" in r.stdout
+    assert "pp_size_per_node" in eng["sides"]["new upstream"]
+    assert "eagle3_capture.check_launch(server_args)" in eng["sides"]["old patched"]
+    assert by[("0005", ENGINE, 0)]["anchor"] == "<module>" and by[("0005", ENGINE, 0)]["line"] < eng["line"]
+    # the 0.5.23 conflict stays where it was (its new-upstream side is empty: the line before counts)
+    assert by[("0002", DS, 1)]["anchor"] == "DeepseekV2Model.forward"
+
+
+def test_marker_anchor_reads_the_file_as_written():
+    marked = (b"class A:\n"
+              b"    def moved(self):\n"
+              b"        x = 1\n"
+              b"<<<<<<< old patched\n"
+              b"        hook()\n"
+              b"        y = 2\n"
+              b"||||||| old upstream\n"
+              b"        y = 2\n"
+              b"=======\n"
+              b"        y = 3\n"
+              b">>>>>>> new upstream\n"
+              b"        return y\n"
+              b"\n"
+              b"def other():\n"
+              b"<<<<<<< old patched\n"
+              b"    hook()\n"
+              b"||||||| old upstream\n"
+              b"=======\n"
+              b">>>>>>> new upstream\n"
+              b"    pass\n")
+    assert port.merge.marker_anchor(marked, 4) == "A.moved"
+    assert port.merge.marker_anchor(marked, 15) == "other"  # an empty new-upstream side: the line before
+    assert port.merge.marker_anchor(marked, 5) is None  # no marker there
+
+
 def test_merge_file_conflict_regions_are_parsed_per_side():
     base = b"a\nb\nc\n"
     n, merged = port.merge_file(b"a\nB1\nc\n", base, b"a\nB2\nc\n")

@@ -100,6 +100,26 @@ def test_verify_copies_a_link_to_an_ancestor_once(small):
     assert hashes(small) == before
 
 
+@pytest.mark.parametrize("target", ["/", "the tree's parent", "a loop through a link out of the tree"])
+def test_verify_never_copies_a_link_to_the_root_or_an_ancestor(small, fast_tmp, target):
+    """A link in the tree to `/` (the ancestor check compared against `//`), to a directory above
+    the tree, or back to a directory the copy came through by way of a link out of the tree, is
+    skipped by the smoke copy (not followed, not copied); verify runs as usual."""
+    if target == "/":
+        (small / MODELS / "root").symlink_to("/")
+    elif target == "the tree's parent":
+        (small / MODELS / "up").symlink_to(small.parent)
+    else:
+        out = fast_tmp / "out-of-tree"
+        out.mkdir()
+        (out / "back").symlink_to(small / "sglang" / "srt")
+        (small / MODELS / "out").symlink_to(out)
+    before = hashes(small)
+    r = run_with_timeout("verify", small, "--series", BASIC, timeout=90)
+    assert r.returncode == 0 and "CLEAN" in r.stdout, r.stdout + r.stderr
+    assert hashes(small) == before
+
+
 def test_one_package_through_two_paths_has_one_lock(small, fast_tmp):
     site = _aliased(small, fast_tmp)
     before = hashes(small)

@@ -487,3 +487,152 @@ def test_apply_commit_then_export_keeps_the_smoke_patches(fast_tmp, release_059)
     assert hashes(series) == before  # the smoke patch and smoke.series are still there, byte for byte
     r = run_tool("export", co, "--base", "v0.5.9", "--out", series, "--check")
     assert r.returncode == 0 and "byte-identical" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# a transaction's plan is bound to the tree it lies in (issue 29, item 20): a killed change on a
+# tree that was then moved is finished there; on a copy, only the copy changes; a planted plan
+# reaches nothing outside the tree
+
+def _killed(tree: Path, commit: bool) -> None:
+    kill(start_stopped("apply", tree, "--series", BASIC, *(["--commit"] if commit else []), stage="replacing"))
+
+
+def _pp(tree: Path, commit: bool) -> Path:
+    return tree / "python" if commit else tree
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["installed", "commit"])
+def test_a_killed_change_on_a_moved_tree_is_finished_there(small, small_git, commit):
+    tree = small_git if commit else small
+    _killed(tree, commit)
+    assert state(_pp(tree, commit)) == "mixed"
+    moved = tree.parent / f"{tree.name}-moved"
+    shutil.move(tree, moved)  # `mv T T2`
+    r = apply(moved, "--check")  # names the command on the moved tree
+    assert r.returncode == 1 and f"tools/apply.py {moved}" in one_line_error(r), r.stdout + r.stderr
+    r = apply(moved, *(["--commit"] if commit else []))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "completed the interrupted" in r.stdout and f"made in {_pp(tree, commit)}" in r.stdout, r.stdout
+    if commit:
+        assert_committed(moved)
+    else:
+        assert state(moved) == "patched" and not leftovers(moved), leftovers(moved)
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["installed", "commit"])
+def test_a_killed_change_on_a_copied_tree_changes_the_copy_only(small, small_git, commit):
+    tree = small_git if commit else small
+    _killed(tree, commit)
+    copy = tree.parent / f"{tree.name}-copy"
+    shutil.copytree(tree, copy, symlinks=True)  # `cp -r T T3`: the log, the staged files, .git
+    before = hashes(tree)
+    head = git(tree, "symbolic-ref", "HEAD") if commit else None
+    r = apply(copy, *(["--commit"] if commit else []))
+    assert r.returncode == 0 and "completed the interrupted" in r.stdout, r.stdout + r.stderr
+    if commit:
+        assert_committed(copy)
+        assert git(tree, "symbolic-ref", "HEAD") == head  # the original's HEAD was not switched
+    else:
+        assert state(copy) == "patched" and not leftovers(copy)
+    assert hashes(tree) == before, "recovering the copy changed the original"
+    assert state(_pp(tree, commit)) == "mixed" and (_pp(tree, commit) / TXN).is_dir()
+    r = apply(tree, *(["--commit"] if commit else []))  # the original is still finished by its own run
+    assert r.returncode == 0 and "completed the interrupted" in r.stdout, r.stdout + r.stderr
+    if commit:
+        assert_committed(tree)
+    else:
+        assert state(tree) == "patched" and not leftovers(tree)
+
+
+def _plant(pp: Path, ops: list, ready: bool, fmt: int = 3, git_part: dict | None = None) -> Path:
+    txn = pp / TXN
+    txn.mkdir()
+    (txn / "plan.json").write_text(json.dumps({"format": fmt, "command": "python3 tools/apply.py x", "ops": ops,
+                                               "mkdirs": [], "rmdirs": [], "git": git_part}))
+    if ready:
+        (txn / "READY").write_text("ready\n")
+    return txn
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+@pytest.mark.parametrize("op", ["replace", "delete", "undo a created file"])
+def test_a_planted_plan_reaches_nothing_outside_the_tree(small, fast_tmp, how, op):
+    """A plan.json put into the tree (or left by a tree it was copied from) that names a file
+    outside: with READY the redo would replace or delete it, without READY the undo would delete
+    it as a file the change created. Each is refused in one line; nothing anywhere changes."""
+    from eaglepatch.series import sha256_bytes
+    outside = fast_tmp / "outside"
+    outside.mkdir()
+    victim = outside / "victim.py"
+    victim.write_bytes(b"precious = 1\n")
+    new, old = outside / ".victim.py.eaglepatch-new", outside / ".victim.py.eaglepatch-old"
+    if op == "replace":
+        new.write_bytes(b"replaced = 1\n")
+    if op == "delete":
+        os.link(victim, old)
+    if how == "absolute":  # the format 2 of eaglepatch 0.x: absolute paths
+        fmt, real = 2, str(victim)
+        rel = lambda p: str(p)  # noqa: E731
+    elif how == "dotdot":
+        fmt, real = 3, os.path.relpath(victim, small)
+        rel = lambda p: os.path.relpath(p, small)  # noqa: E731
+    else:  # a directory link inside the tree that leads out of it
+        (small / "sglang" / "srt" / "out").symlink_to(outside)
+        fmt, real = 3, "sglang/srt/out/victim.py"
+        rel = lambda p: f"sglang/srt/out/{p.name}"  # noqa: E731
+    o = {"path": "sglang/srt/out/victim.py", "real": real, "sha256": sha256_bytes(b"replaced = 1\n"), "mode": 0o644,
+         "new": rel(new) if op != "delete" else None, "old": rel(old) if op == "delete" else None}
+    if op == "undo a created file":
+        o["sha256"] = sha256_bytes(victim.read_bytes())
+    txn = _plant(small, [o], ready=op != "undo a created file", fmt=fmt)
+    before, before_out = hashes(small), hashes(outside)
+    r = apply(small)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = one_line_error(r)
+    assert f"the interrupted transaction in {txn} names" in err and "nothing was changed" in err, err
+    assert victim.read_bytes() == b"precious = 1\n" and hashes(outside) == before_out
+    assert hashes(small) == before and txn.is_dir() and state(small) == "upstream"
+    r = apply(small, "--check")  # still named as pending
+    assert r.returncode == 1 and "interrupted transaction is pending" in one_line_error(r)
+
+
+def test_a_planted_plan_with_a_foreign_git_part_is_refused(small_git, fast_tmp):
+    """The git part of a plan names the work tree as the path from it down to the tree: one that
+    does not hold the tree, a ref that is no branch, or an index that is not beside git's own is
+    refused before anything runs."""
+    pp = small_git / "python"
+    good = {"ref": f"refs/heads/{BRANCH}", "new": "a" * 40, "old": None, "head": "refs/heads/main", "pkg": "python"}
+    idx = {"path": ":git index", "real": "index", "new": ".index.eaglepatch-new", "old": ".index.eaglepatch-old",
+           "sha256": None, "mode": 0o644}
+    before = hashes(small_git)
+    for git_part, ops, what in [
+        (dict(good, pkg="elsewhere"), [idx], "git work tree"),
+        (dict(good, ref="HEAD --upload-pack=x"), [idx], "not a branch"),
+        (dict(good), [dict(idx, new="../../../victim")], "not the file staged beside it"),
+        (None, [idx], "without a git part"),
+    ]:
+        txn = _plant(pp, ops, ready=True, git_part=git_part)
+        r = apply(small_git, "--commit")
+        assert r.returncode == 1 and what in one_line_error(r), (what, r.stdout, r.stderr)
+        shutil.rmtree(txn)
+        assert hashes(small_git) == before and git(small_git, "symbolic-ref", "HEAD").strip() == "refs/heads/main"
+
+
+def test_recovery_refuses_a_change_that_wrote_out_of_the_tree_through_a_link(small, fast_tmp):
+    """A change that wrote through a directory link to outside the tree (allowed while it runs)
+    is not finished by recovery, which changes only files inside the tree: one line, nothing
+    changed, the log kept."""
+    other = fast_tmp / "other"
+    other.mkdir()
+    models = small / MODELS
+    shutil.move(models, other / "models")
+    models.symlink_to(other / "models")
+    _killed(small, False)
+    before, before_other = hashes(small), hashes(other)
+    r = apply(small)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = one_line_error(r)
+    assert f"names {MODELS}/deepseek_v2.py at ../other/models/deepseek_v2.py, which leaves the tree" in err, err
+    assert hashes(small) == before and hashes(other) == before_other and (small / TXN).is_dir()

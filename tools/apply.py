@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch.applier import apply_series, fetch_and_apply
         from eaglepatch.errors import UsageError
+        from eaglepatch.lock import lock_timeout
+
+        lock_timeout()  # a bad EAGLEPATCH_LOCK_TIMEOUT: one line, exit 2, before anything is read or written
         from eaglepatch.series import available_series, check_release, load_series
         from eaglepatch.tree import resolve_series
 

@@ -44,8 +44,10 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch.errors import UsageError
         from eaglepatch.export import export_series
+        from eaglepatch.lock import lock_timeout
         from eaglepatch.series import check_release, default_patches_root
 
+        lock_timeout()  # a bad EAGLEPATCH_LOCK_TIMEOUT: one line, exit 2, before anything is read or written
         if a.overlay:
             if a.repo or a.base or a.branch or a.series_version:
                 raise UsageError("--overlay takes no REPO, --base, --branch or --series-version",

@@ -63,7 +63,9 @@ def main(argv=None) -> int:
 
     def body() -> int:
         from eaglepatch.errors import UsageError
+        from eaglepatch.lock import lock_timeout
 
+        lock_timeout()  # a bad EAGLEPATCH_LOCK_TIMEOUT: one line, exit 2, before anything is read or written
         if a.continue_dir is not None:
             others = [f for f, v in (("--from", a.from_release), ("--to", a.to_release), ("--from-tree", a.from_tree),
                                       ("--to-tree", a.to_tree), ("--series", a.series), ("--out", a.out),

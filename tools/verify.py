@@ -30,8 +30,10 @@ def main(argv=None) -> int:
     def body() -> int:
         from eaglepatch.outputs import check_output_file
         from eaglepatch.report import verify_tree, write_json
+        from eaglepatch.lock import lock_timeout
         from eaglepatch.tree import resolve_series
 
+        lock_timeout()  # a bad EAGLEPATCH_LOCK_TIMEOUT: one line, exit 2, before anything is read or written
         if a.json is not None:
             check_output_file(a.json, "--json")
         pick = resolve_series(a.root, a.series, nearest=True)

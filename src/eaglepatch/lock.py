@@ -10,14 +10,15 @@ Where a filesystem refuses flock on a directory, the lock is a file named after 
 device and inode under the eaglepatch cache (`<cache>/locks/`, EAGLEPATCH_CACHE or
 ~/.cache/eaglepatch) instead, never in the system temp dir.
 
-A second run waits, saying so on stderr, up to EAGLEPATCH_LOCK_TIMEOUT seconds (default 300),
-then refuses in one line. The lock is reentrant within a process.
+A second run waits, saying so on stderr, up to EAGLEPATCH_LOCK_TIMEOUT seconds (default 300; a
+finite number >= 0, anything else is a one-line usage error, exit 2), then refuses in one line. The lock is reentrant within a process.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import sys
 import time
@@ -32,17 +33,30 @@ DEFAULT_TIMEOUT = 300.0
 _held: dict = {}  # (st_dev, st_ino) -> [fd, depth]
 
 
+def lock_timeout(timeout: float | None = None) -> float:
+    """The lock wait, checked (see `_timeout`): tools call it first, so that a bad
+    EAGLEPATCH_LOCK_TIMEOUT is refused before they read or write anything."""
+    return _timeout(timeout)
+
+
 def _timeout(timeout: float | None) -> float:
+    """The lock wait in seconds: `timeout`, else EAGLEPATCH_LOCK_TIMEOUT, else 300. A finite
+    number >= 0 (0: do not wait); anything else (`inf`, `nan`, `-1`, `soon`) is a usage error."""
     if timeout is not None:
-        return timeout
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
+        raw, what = timeout, "the lock timeout"
+    else:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT
+        what = f"{TIMEOUT_ENV}={raw!r}"
     try:
-        return max(0.0, float(raw))
-    except ValueError:
-        raise UsageError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds", f"set {TIMEOUT_ENV} to e.g. 300") \
-            from None
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{what} is not a finite number of seconds >= 0 (inf, nan and negative numbers are refused)",
+                         f"set {TIMEOUT_ENV} to a number of seconds, e.g. 300 (0: do not wait); nothing was changed")
+    return value
 
 
 def _open(pp: Path) -> tuple[int, tuple]:
@@ -143,6 +157,7 @@ def _lock_one(pp: Path, say=None, timeout: float | None = None):
 def tree_locks(*pps, say=None, timeout: float | None = None):
     """Lock several trees (each its real package, see `lock_dirs`), always in the same order (no
     deadlock between two such runs)."""
+    limit = _timeout(timeout)  # a bad timeout is refused before anything is opened or created
     seen = {}
     for given in pps:
         for p in lock_dirs(given):
@@ -153,5 +168,5 @@ def tree_locks(*pps, say=None, timeout: float | None = None):
                 seen.setdefault((0, len(seen)), Path(given))  # _lock_one refuses it in one line
     with ExitStack() as stack:
         for _, p in sorted(seen.items()):
-            stack.enter_context(_lock_one(p, say, timeout))
+            stack.enter_context(_lock_one(p, say, limit))
         yield

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import keyword
 import os
 import re
 import stat
@@ -42,7 +43,31 @@ _CONSTANT = r'^{name} = "[^"\n]*"$'
 
 # names no overlay file has: editor swap and lock files, backups, merge leftovers, byte code
 STRAY = ("*.swp", "*.swo", "*.swn", "*.swx", ".*.sw?", "*~", ".#*", "#*#", "*.orig", "*.rej", "*.bak", "*.tmp",
-         "*.pyc", "*.pyo", ".DS_Store")
+         "*.pyc", "*.pyo", ".DS_Store", "*.save", "*.save.*")
+# what the package holds besides its modules (`<name>.py`, name a valid module name, in folders
+# whose names are valid package names): package-parent-relative glob patterns; none yet
+DATA: tuple[str, ...] = ()
+
+
+def _module_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
+def _not_packed(rel: Path) -> str | None:
+    """Why the file at package-parent-relative `rel` is no part of the package, or None: only
+    modules and declared data are (an editor's `dump.py.save`, a file manager's `dump (copy).py`
+    and the like never are)."""
+    if any(fnmatch.fnmatchcase(rel.as_posix(), pat) for pat in DATA):
+        return None
+    if any(fnmatch.fnmatchcase(rel.name, pat) for pat in STRAY):
+        return "looks like an editor swap file, backup or merge leftover, not part of the package"
+    bad_dir = next((d for d in rel.parts[:-1] if not _module_name(d)), None)
+    if bad_dir is not None:
+        return f"is in the folder {bad_dir!r}, which is not a valid package name, so not part of the package"
+    if rel.suffix != ".py" or not _module_name(rel.name[:-3]):
+        return ("is not a module of the package (a module is NAME.py, NAME a valid Python name; other files go in "
+                "eaglepatch.overlay.DATA)")
+    return None
 
 
 def overlay_root() -> Path:
@@ -51,7 +76,9 @@ def overlay_root() -> Path:
 
 
 def source_files(root: Path | None = None) -> dict[str, bytes]:
-    """Package-parent-relative path -> bytes of every file under the overlay's sglang/."""
+    """Package-parent-relative path -> bytes of every file of the package under the overlay's
+    sglang/: its modules and declared `DATA`. Anything else there (an editor's leftover, a copy
+    named `dump (copy).py`, a symbolic link) is refused in one line, exit 2, nothing written."""
     root = root or overlay_root()
     if not (root / PACKAGE).is_dir():
         raise UsageError(f"{root} holds no {PACKAGE}/ folder", "run from a checkout of the project (sglang-overlay/)")
@@ -65,10 +92,11 @@ def source_files(root: Path | None = None) -> dict[str, bytes]:
         why = None
         if not stat.S_ISREG(mode):
             why = "is a symbolic link or special file, not a regular file"
-        elif any(fnmatch.fnmatchcase(path.name, pat) for pat in STRAY):
-            why = "looks like an editor swap file, backup or merge leftover, not part of the package"
+        else:
+            why = _not_packed(path.relative_to(root))
         if why:
-            raise UsageError(f"{path} {why} (every file under {root / PACKAGE} goes into each series' 0001 patch)",
+            raise UsageError(f"{path} {why} (the package in {root / PACKAGE} goes into each series' 0001 patch, "
+                             "and nothing else may sit there)",
                              "remove it (or rename it, if it is a real module) and run export --overlay again; "
                              "nothing was written")
         out[path.relative_to(root).as_posix()] = path.read_bytes()

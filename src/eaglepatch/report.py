@@ -197,11 +197,18 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
 _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".eaglepatch-txn")
 
 
+def _within(path: str, top: str) -> bool:
+    """`path` is `top` or lies below it (both real paths; `/` holds everything)."""
+    return os.path.commonpath([path, top]) == top
+
+
 def _copy_ignore(d, names):
-    """What the smoke copy leaves out: caches, a transaction log, and whatever is neither a
-    directory nor a regular file once links are followed (a FIFO would block the copy)."""
+    """What the smoke copy leaves out: caches, a transaction log, whatever is neither a directory
+    nor a regular file once links are followed (a FIFO would block the copy), and, skipped
+    without a word, a link to a directory that holds the one being copied (`/`, the tree, any
+    directory above it, or one the copy came through on its way here): copying it never ends."""
     skip = set(_SKIP(d, names))
-    here = os.path.realpath(d)
+    chain = None
     for n in names:
         full = os.path.join(d, n)
         try:
@@ -211,8 +218,14 @@ def _copy_ignore(d, names):
         if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
             skip.add(n)
         elif stat.S_ISDIR(mode) and os.path.islink(full):
+            if chain is None:  # the real directory behind each step of the way to `d`, links followed
+                p = os.path.abspath(d)
+                chain = {os.path.realpath(p)}
+                while os.path.dirname(p) != p:
+                    p = os.path.dirname(p)
+                    chain.add(os.path.realpath(p))
             real = os.path.realpath(full)
-            if here == real or here.startswith(real + os.sep):  # a link to an ancestor: copying it never ends
+            if any(_within(c, real) for c in chain):
                 skip.add(n)
     return skip
 

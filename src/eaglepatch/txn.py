@@ -7,7 +7,11 @@ Before the commit point everything that can fail is done or checked:
      filesystem;
   2. `<package parent>/.eaglepatch-txn/plan.json` (`home`: the real parent of the package, the
      same for every path naming it): every operation, written and synced first, so whatever a
-     crash leaves is known;
+     crash leaves is known. Its paths are relative to that directory (the git part: to the work
+     tree git finds from it), so the plan is bound to the tree it lies in: recovery on a tree that
+     was moved acts on the moved tree, on a copy on the copy only, and an entry that would leave
+     the tree (an absolute path, `..`, a symbolic link on the way) is refused before anything is
+     done;
   3. staging, beside each target (same directory, so same filesystem): the new bytes as
      `.<name>.eaglepatch-new`, a hard link to the original as `.<name>.eaglepatch-old`, new
      directories; for `apply --commit` also the new git index and the branch ref;
@@ -18,7 +22,10 @@ After READY only renames and unlinks in directories proven writable remain:
   6. cleanup: the links to the originals, emptied directories and the log removed.
 
 Recovery, by the next run that writes the tree: DONE -> cleanup; READY -> redo (idempotent);
-neither -> undo (staged files, links, new directories and the branch removed). A redo that
+neither -> undo (staged files, links, new directories and the branch removed). Recovery touches
+only files inside the tree it runs on: a plan entry outside it (an absolute path, `..`, a link on
+the way, as a change that wrote through a link out of the tree has) is refused in one line before
+anything is done, the log kept (`bind_plan`). A redo that
 cannot proceed (say an immutable file) is undone from the links to the originals, so the tree is
 left original or changed, never between, and the failure is one line. Tools that promise to
 write nothing (apply --check, verify) do not recover: `refuse_if_pending` says what is pending
@@ -30,6 +37,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 from dataclasses import asdict, dataclass
@@ -42,7 +50,8 @@ from .outputs import can_write
 from .series import sha256_bytes
 
 TXN = ".eaglepatch-txn"
-FORMAT = 2
+FORMAT = 3  # 3: paths relative to the tree (2: absolute paths, still read where they lie inside the tree)
+GIT_INDEX = ":git index"
 NEW_SUFFIX = ".eaglepatch-new"
 OLD_SUFFIX = ".eaglepatch-old"
 SLACK_BYTES = 64 * 1024
@@ -50,8 +59,10 @@ SLACK_BYTES = 64 * 1024
 
 @dataclass
 class Op:
+    """In memory every path is absolute; in plan.json `real`, `new` and `old` are relative to the
+    tree (`to_disk` / `bind_plan`)."""
     path: str  # what the series names (package-parent relative), or a label such as ':git index'
-    real: str  # absolute path renamed over or unlinked (a symlinked file: the file it points to)
+    real: str  # path renamed over or unlinked (a symlinked file: the file it points to)
     new: str | None  # staged new content; None = delete `real`
     old: str | None  # link to the original; None = `real` did not exist
     sha256: str | None = None  # of the new content
@@ -239,9 +250,14 @@ class Transaction:
 
     # --------------------------------------------------------------------------------------
     def plan(self) -> dict:
+        """The plan in memory: absolute paths (what redo / undo / cleanup act on)."""
         return {"format": FORMAT, "command": self.command, "ops": [asdict(o) for o in self.ops],
                 "mkdirs": self.mkdirs, "rmdirs": sorted(self.rmdirs, key=lambda p: -len(Path(p).parts)),
                 "git": self.git}
+
+    def disk_plan(self) -> dict:
+        """The plan as plan.json holds it: every path relative to the tree (see `to_disk`)."""
+        return to_disk(self.plan(), self.pp)
 
     def run(self, git_stage=None) -> None:
         """Preflight, stage, commit (READY), redo, clean up. `git_stage()` runs last before READY.
@@ -253,7 +269,7 @@ class Transaction:
             raise RefusedError(f"cannot create the transaction log {self.dir}: {_why(exc)}",
                                "free space or fix permissions and run again; nothing was changed") from None
         try:
-            _write_synced(self.dir / "plan.json", json.dumps(self.plan(), indent=1, sort_keys=True).encode())
+            _write_synced(self.dir / "plan.json", json.dumps(self.disk_plan(), indent=1, sort_keys=True).encode())
             _fsync_dir(self.dir)
             _fsync_dir(self.pp)
             self._stage()
@@ -440,9 +456,177 @@ def _read_plan(txn: Path) -> dict | None:
         plan = json.loads((txn / "plan.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(plan, dict) or plan.get("format") != FORMAT or not isinstance(plan.get("ops"), list):
+    if not isinstance(plan, dict) or plan.get("format") not in (2, FORMAT) or not isinstance(plan.get("ops"), list) \
+            or not all(isinstance(o, dict) and isinstance(o.get("path"), str) for o in plan["ops"]):
         return None
     return plan
+
+
+# ------------------------------------------------------------------------------------------
+# the plan on disk: bound to the tree it lies in
+
+def _rel(path: str, base: Path | str) -> str:
+    """`path` relative to `base`, POSIX (a path outside it keeps its `..`: recovery refuses it)."""
+    return Path(os.path.relpath(path, base)).as_posix()
+
+
+def to_disk(plan: dict, home_dir: Path | str) -> dict:
+    """`plan` (absolute paths) as plan.json holds it: each file path relative to `home_dir`, the
+    git index by its name beside the index git finds from the tree, the git work tree as the path
+    from it down to `home_dir` (`pkg`), and `home` (where it was made, for messages only)."""
+    home_dir = Path(home_dir)
+    ops = []
+    for o in plan["ops"]:
+        o = dict(o)
+        for k in ("real", "new", "old"):
+            if o[k] is not None:
+                o[k] = os.path.basename(o[k]) if o["path"] == GIT_INDEX else _rel(o[k], home_dir)
+        ops.append(o)
+    out = dict(plan, format=FORMAT, home=str(home_dir), ops=ops,
+               mkdirs=[_rel(d, home_dir) for d in plan.get("mkdirs", [])],
+               rmdirs=[_rel(d, home_dir) for d in plan.get("rmdirs", [])])
+    g = plan.get("git")
+    if g:
+        out["git"] = {k: v for k, v in g.items() if k != "cwd"}
+        out["git"]["pkg"] = _rel(home_dir, os.path.realpath(g["cwd"]))
+    return out
+
+
+_SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
+_REF = re.compile(r"^refs/heads/(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+
+
+def bind_plan(plan: dict, home_dir: Path | str) -> dict:
+    """The plan read from `<home_dir>/.eaglepatch-txn` with every path resolved against
+    `home_dir` (the tree recovery runs on, wherever the plan was made), or a one-line refusal,
+    before anything is done, when an entry would reach outside it: an absolute path, `..`, a
+    symbolic link on the way to it, a staged file not beside its target, a git work tree other
+    than the one holding the tree. Format 2 plans (absolute paths) are read where their paths lie
+    inside `home_dir`."""
+    home_dir = Path(os.path.realpath(home_dir))
+    txn = home_dir / TXN
+    made = plan.get("home") if isinstance(plan.get("home"), str) else None
+    fix = (f"recovery changes only files inside {home_dir}, so nothing was changed; restore the tree (git checkout / "
+           "reinstall sglang), put back any file that change reached through a link out of the tree (its "
+           f"original is beside it as .NAME{OLD_SUFFIX}), then remove {txn}")
+    if made and made != str(home_dir):
+        fix += f" (the log was made in {made})"
+
+    def refuse(what: str):
+        raise RefusedError(f"the interrupted transaction in {txn} names {what}", fix)
+
+    def inside(rel, is_dir: bool = False, label: str | None = None) -> Path:
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            refuse(f"{rel!r}, which is not a path")
+        shown = f"{label} at {rel}" if label and label != rel else rel
+        if plan.get("format") == 2:  # absolute paths: those inside this tree only
+            if not os.path.isabs(rel):
+                refuse(f"{rel!r}, which is not an absolute path (format 2)")
+            rel = _rel(os.path.normpath(rel), home_dir)
+        if os.path.isabs(rel):
+            refuse(f"the absolute path {shown}, outside the tree")
+        parts = rel.split("/")
+        if any(x in ("", ".", "..") for x in parts) or parts[0] == TXN:
+            refuse(f"{shown}, which leaves the tree (..)" if ".." in parts else f"{shown!r}, which is not a path "
+                   "inside the tree")
+        full = home_dir.joinpath(*parts)
+        d = full if is_dir else full.parent
+        real = os.path.realpath(d)
+        if real != str(d):  # a symbolic link on the way (never the last component of a file: that is replaced)
+            link = next((str(a) for a in reversed([d, *d.parents]) if a.is_symlink()), str(d))
+            where = "outside the tree" if os.path.commonpath([real, str(home_dir)]) != str(home_dir) else "elsewhere"
+            refuse(f"{shown}, reached through the symbolic link {link} (to {real}, {where})")
+        return full
+
+    def beside(real: Path, stored, suffix: str, name: str) -> str | None:
+        if stored is None:
+            return None
+        want = real.parent / f".{real.name}{suffix}"
+        if not isinstance(stored, str):
+            refuse(f"{stored!r} for {name}, which is not a path")
+        if name == GIT_INDEX:
+            got, exp = os.path.basename(stored), want.name
+        elif plan.get("format") == 2:
+            got, exp = _rel(os.path.normpath(stored), home_dir) if os.path.isabs(stored) else None, _rel(want, home_dir)
+        else:
+            got, exp = stored, _rel(want, home_dir)
+        if got != exp:
+            refuse(f"{stored!r} for {name}, which is not the file staged beside it")
+        return str(want)
+
+    g_in = plan.get("git")
+    git = index = None
+    if g_in is not None:
+        if not isinstance(g_in, dict):
+            refuse("a git part that is not an object")
+        ref, new, old, head = g_in.get("ref"), g_in.get("new"), g_in.get("old"), g_in.get("head")
+        if not (isinstance(ref, str) and _REF.match(ref)):
+            refuse(f"the git ref {ref!r}, which is not a branch")
+        if not (isinstance(new, str) and _SHA.match(new)) or not (old is None or isinstance(old, str) and _SHA.match(old)):
+            refuse(f"the commits {new!r} / {old!r}, which are not commit ids")
+        if not (isinstance(head, str) and (_SHA.match(head) or _REF.match(head))):
+            refuse(f"HEAD {head!r}, which is neither a branch nor a commit id")
+        if plan.get("format") == 2:
+            cwd = g_in.get("cwd")
+            pkg = _rel(home_dir, os.path.realpath(cwd)) if isinstance(cwd, str) and os.path.isabs(cwd) else None
+        else:
+            pkg = g_in.get("pkg")
+        parts = [] if pkg in (".", "") else pkg.split("/") if isinstance(pkg, str) else None
+        if parts is None or any(x in ("", ".", "..") for x in parts) or len(parts) >= len(home_dir.parts) \
+                or list(home_dir.parts[len(home_dir.parts) - len(parts):]) != parts:
+            refuse(f"the git work tree {g_in.get('cwd') or pkg!r}, which does not hold this tree")
+        root = home_dir.parents[len(parts) - 1] if parts else home_dir
+        r = git_run(["rev-parse", "--show-toplevel", "--git-path", "index"], root, check=False)
+        out = r.stdout.decode("utf-8", "replace").splitlines()
+        if r.returncode != 0 or len(out) != 2 or os.path.realpath(out[0]) != str(root):
+            refuse(f"the git work tree {root}, which is not one")
+        index = Path(out[1]) if os.path.isabs(out[1]) else root / out[1]
+        git = {"cwd": str(root), "ref": ref, "new": new, "old": old, "head": head}
+
+    ops = []
+    for o in plan["ops"]:
+        name = o.get("path")
+        if name == GIT_INDEX:
+            if index is None:
+                refuse(f"{GIT_INDEX} without a git part")
+            real = index
+        elif not isinstance(name, str) or name.startswith(":"):
+            refuse(f"the operation {name!r}, which eaglepatch does not make")
+        else:
+            real = inside(o.get("real"), label=name)
+        sha, mode = o.get("sha256"), o.get("mode", 0o644)
+        if not (sha is None or isinstance(sha, str)) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            refuse(f"{name}'s hash or mode, which is malformed")
+        new = beside(real, o.get("new"), NEW_SUFFIX, name)
+        old = beside(real, o.get("old"), OLD_SUFFIX, name)
+        if new is None and old is None:
+            refuse(f"{name} to be deleted without a link to its original")
+        ops.append(asdict(Op(name, str(real), new, old, sha, mode)))
+    return {"format": FORMAT, "command": plan.get("command") if isinstance(plan.get("command"), str) else None,
+            "home": made, "ops": ops,
+            "mkdirs": [str(inside(d, is_dir=True)) for d in plan.get("mkdirs") or []],
+            "rmdirs": [str(inside(d, is_dir=True)) for d in plan.get("rmdirs") or []],
+            "git": git}
+
+
+def _command(plan: dict | None, home_dir: Path | str) -> str | None:
+    """The command that finishes `plan`, its paths moved along with the tree (a log made in /a/T
+    found in /b/T2 names /b/T2)."""
+    cmd = (plan or {}).get("command")
+    made = (plan or {}).get("home")
+    if not isinstance(cmd, str) or not isinstance(made, str):
+        return cmd if isinstance(cmd, str) else None
+    old, new = Path(made), Path(os.path.realpath(home_dir))
+    pairs = []
+    while True:  # the tree and the directories above it whose names did not change
+        pairs.append((str(old), str(new)))
+        if old.name != new.name or old.parent == old or new.parent == new or len(pairs) > 3:
+            break
+        old, new = old.parent, new.parent
+    for a, b in pairs:
+        if a != b and a in cmd:
+            return cmd.replace(a, b)
+    return cmd
 
 
 def describe_pending(pp: Path | str) -> tuple[str, dict | None] | None:
@@ -465,7 +649,7 @@ def refuse_if_pending(pp: Path | str, what: str) -> None:
     if pending is None:
         return
     desc, plan = pending
-    cmd = plan.get("command") if plan else None
+    cmd = _command(plan, home(pp))
     raise RefusedError(f"an interrupted transaction is pending in {home(pp) / TXN}: {desc}",
                        f"run {cmd + ' ' if cmd else 'tools/apply.py on this tree '}again to finish it, then "
                        f"rerun this; {what} writes nothing, so it does not recover it")
@@ -489,17 +673,20 @@ def recover(pp: Path | str) -> str | None:
                 raise RefusedError(f"cannot remove the unfinished transaction log {txn}: {_why(exc)}",
                                    "fix its permissions and run again") from None
             return f"recovered: removed an unfinished eaglepatch transaction log in {txn} (no file had changed)"
-        cmd = plan.get("command") or "an eaglepatch run"
+        bound = bind_plan(plan, txn.parent)  # refused here, before anything is done, if it reaches out of the tree
+        cmd = _command(plan, txn.parent) or "an eaglepatch run"
         n = len([o for o in plan["ops"] if not o["path"].startswith(":")])
+        made = bound.get("home")
+        moved = f" (made in {made}, before the tree was moved or copied here)" if made and made != str(txn.parent) else ""
         if (txn / "READY").exists():
             try:
-                finish(plan, txn)
+                finish(bound, txn)
             except RefusedError as exc:
                 raise RefusedError(f"recovering the transaction of `{cmd}`: {exc.problem}", exc.fix) from None
-            return f"recovered: completed the interrupted `{cmd}` from {txn} ({n} file(s))"
+            return f"recovered: completed the interrupted `{cmd}` from {txn}{moved} ({n} file(s))"
         try:
-            undo(plan, txn)
+            undo(bound, txn)
         except (OSError, RefusedError) as exc:
             raise RefusedError(f"cannot undo the unfinished transaction of `{cmd}` in {txn}: {_why(exc)}",
                                "fix that and run again") from None
-        return f"recovered: undid the unfinished `{cmd}` from {txn} (it had not changed any file)"
+        return f"recovered: undid the unfinished `{cmd}` from {txn}{moved} (it had not changed any file)"

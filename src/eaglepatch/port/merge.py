@@ -10,8 +10,10 @@ and which one upstream already has) and once for the whole file (the result).
 
 from __future__ import annotations
 
+import ast
 import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from ..anchors import anchor_at, hunk_anchor_line
@@ -61,6 +63,50 @@ def conflict_regions(merged: bytes) -> list[dict]:
         elif cur is not None:
             cur[key] += s
     return out
+
+
+def _key(region: dict) -> tuple:
+    return tuple(region[lab] for lab in LABELS)
+
+
+def marker_anchor(marked: bytes, line: int) -> str | None:
+    """The def/class (qualified name) that encloses the conflict region whose `<<<<<<<` marker is
+    at `line` (1-based) of `marked`, the file as written, markers and all: the file is read with
+    every region replaced by its new-upstream side (else, when that does not parse, its
+    old-patched side) and the region's first line looked up there (an empty side: the line
+    before it, as for an insertion). None when the marker is not there or neither reading parses."""
+    src = split_lines(marked)
+    for side in (LABELS[2], LABELS[0]):
+        out, at, key, start, empty = [], None, None, 0, False
+        for n, ln in enumerate(src, 1):
+            s = ln.decode("utf-8", errors="replace")
+            if key is None and s.startswith("<<<<<<< " + LABELS[0]):
+                key, start = LABELS[0], len(out)
+                if n == line:
+                    at = start + 1
+                continue
+            if key is not None and s.startswith("||||||| " + LABELS[1]):
+                key = LABELS[1]
+                continue
+            if key is not None and s.rstrip("\r\n") == "=======":
+                key = LABELS[2]
+                continue
+            if key is not None and s.startswith(">>>>>>> " + LABELS[2]):
+                if at == start + 1 and len(out) == start:
+                    empty = True
+                key = None
+                continue
+            if key is None or key == side:
+                out.append(ln)
+        if at is None:
+            return None
+        source = b"".join(out)
+        try:
+            ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        return anchor_at(source, max(at - 1, 1) if empty else at)[0]
+    return None
 
 
 def _first_sides(merged: bytes) -> tuple[int | None, dict]:
@@ -226,19 +272,42 @@ class FileMerge:
                 state = moved.data
                 continue
             conflicted = True
-            unmerged.append(b"".join(one))
             line, sides = _first_sides(merged)
-            self.res.hunks.append(HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
-                                           f"{n} conflict region(s) in the 3-way merge", line, sides))
+            hp = HunkPort(self.patch.name, self.fp.path, h.index, anchor, CONFLICT,
+                          f"{n} conflict region(s) in the 3-way merge", line, sides)
+            self.res.hunks.append(hp)
+            unmerged.append((hp, b"".join(one)))
         if conflicted:
             marked = state  # the hunks that merged, then each conflicting one merged with its markers
-            for one in unmerged:
+            made = []
+            for hp, one in unmerged:
+                had = Counter(_key(r) for r in conflict_regions(marked))
                 marked = merge_file(one, base, marked)[1]
+                made.append((hp, Counter(_key(r) for r in conflict_regions(marked)) - had))
             self.trees.marked[self.fp.path] = marked
+            self._place(marked, made)
             return True, False
         self.trees.new_state[self.fp.path] = state
         locate(self.res, self.patch.name, self.fp.path, theirs, state, base)
         return False, not upstream_has(state, theirs)
+
+
+    def _place(self, marked: bytes, made: list) -> None:
+        """Each conflicting hunk as the file is written (`marked`, what `--checkout` leaves):
+        the line of its `<<<<<<<` marker, the sides of that region, and the def/class enclosing
+        the markers there, which is where upstream moved the code (the old release's enclosing
+        def/class, when another, is named in the detail)."""
+        regions = conflict_regions(marked)
+        for hp, keys in made:
+            region = next((r for r in regions if _key(r) in keys), None)
+            if region is None:  # merged into another hunk's region: nothing of its own to point at
+                continue
+            hp.line = region["line"]
+            hp.sides = {lab: region[lab] for lab in LABELS}
+            where = marker_anchor(marked, region["line"])
+            if where is not None and where != hp.anchor:
+                hp.detail += f" (in sglang {self.res.from_release} it was in {hp.anchor})"
+                hp.anchor = where
 
 
 def merge_patch(res: PortResult, trees: Trees, patch: Patch, to_release: str, series_version: str) -> tuple[bool, bool]:

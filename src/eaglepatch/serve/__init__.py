@@ -410,6 +410,8 @@ def run(plan: Plan, say=None) -> int:
     refuse_taken_port(u.hostname, u.port)
     for d in plan.mkdirs:
         Path(d).mkdir(parents=True, exist_ok=True)
+    say(f"[serve] starting the server (its own log follows; until \"[serve] ready\", warnings, an "
+        f"openai_harmony traceback and \"/health ... 503\" lines are its warm-up, not a failure)")
     proc = subprocess.Popen([str(a) for a in plan.argv], env=plan.environ(), stdin=subprocess.DEVNULL,
                             start_new_session=True)
     if plan.info_file is not None:
