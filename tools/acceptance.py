@@ -8,11 +8,17 @@ unpatched SGLang), checking each with tools/guard.py first.
   python3 tools/acceptance.py --work DIR --site SITE --patched-files DIR --out RESULT.json   # GPU
 
 --cpu runs the toy of tests/test_acceptance.py in the cached CPU environment with sglang 0.5.9 (patched
-tree from the cache); serving is replayed there (sglang runs no EAGLE-3 decoding on CPU). The GPU run
-serves sglang 0.5.17 from SITE (an unpacked .gpu-bundle) with the series' patched files laid over a copy.
-Phases: target, data, drafts, guard, serve; each is timed in the result. --budget-s stops starting
-phases when the time is spent; the same --work resumes (target and data are reused).
-Exit: 0 done and every verdict passed, 1 a verdict failed, 2 usage error or a refused target.
+tree from the cache). No server loads a draft there (sglang runs no EAGLE-3 decoding on CPU): each
+control's accept length is replayed from the extracted data and reported as `replayed`, which shows what
+a layer mix-up costs, not that serving works. The GPU run serves sglang 0.5.17 from SITE (an unpacked
+.gpu-bundle) with the series' patched files laid over a copy, and reports `served`.
+Phases: target, data, drafts, guard, then serve (GPU) or replay (CPU); each is timed in the result, and
+long ones print progress at least every 30 s. --budget-s stops starting phases when the time is spent
+(0: no budget); the same --work resumes (target and data are reused). Drafts the budget cut short are not
+measured: the run reports no accept length and ends with `not measured: drafts trained N of M steps
+(budget)`. Settings, --out, the ports and a given --target are checked before anything is trained.
+Exit: 0 done and every verdict passed, 1 a verdict failed or the figures were not measured (a taken port
+too), 2 usage error or a refused target.
 """
 import json
 import os
@@ -38,10 +44,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-parent", type=Path, help="a patched sglang package parent (instead of --patched-files)")
     ap.add_argument("--release", help="the serving release whose reading guard checks (default: 0.5.9 with --cpu, "
                                       "else 0.5.17)")
-    ap.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget (default: %(default)s)")
+    ap.add_argument("--budget-s", type=float, default=570.0,
+                    help="wall-clock budget; 0: none (default: %(default)s)")
     ap.add_argument("--target-steps", type=int, help="target training steps (default: the scale's)")
     ap.add_argument("--target-budget-s", type=float, help="target training seconds at most (default: the scale's)")
-    ap.add_argument("--draft-budget-s", type=float, help="seconds per draft's training at most (default: the scale's)")
+    ap.add_argument("--draft-budget-s", type=float, help="seconds of the correct draft's training, where draft_max_steps "
+                                                        "is 0 (default: the scale's)")
     ap.add_argument("--accept-failed-gates", action="store_true",
                     help="go on when the target fails a gate (to try the pipeline's plumbing: the figures then do "
                          "not measure layer choice, and the exit code is 1)")
@@ -53,8 +61,30 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body() -> int:
+        from eaglepatch.acceptance.pipeline import Options, check_options, parse_sets
+
         if a.cpu and (a.site or a.patched_files):
             raise UsageError("--site and --patched-files are for the GPU run", "drop them with --cpu")
+        scale = "cpu" if a.cpu else "gpu"
+        overrides = parse_sets(scale, a.set)
+        for flag, key, v in (("--target-steps", "target_steps", a.target_steps),
+                             ("--target-budget-s", "target_budget_s", a.target_budget_s),
+                             ("--draft-budget-s", "draft_budget_s", a.draft_budget_s)):
+            if v is not None:
+                if not v >= 0 or v == float("inf"):
+                    raise UsageError(f"{flag} {v}: not a number >= 0", f"e.g. {flag} 100")
+                overrides[key] = v
+        if not a.cpu:
+            if a.site is None:
+                raise UsageError("the GPU run needs --site SITE (the unpacked bundle)", "sh .gpu-bundle/unpack.sh SITE")
+            if a.sglang_parent is None and a.patched_files is None:
+                raise UsageError("the GPU run needs the patched sglang", "pass --patched-files DIR or --sglang-parent DIR")
+        out = a.out or a.work / "result.json"
+        o = Options(work=a.work, scale=scale, out=out, target=a.target,
+                    release=a.release or ("0.5.9" if a.cpu else "0.5.17"), sglang_parent=a.sglang_parent,
+                    unpatched_parent=a.site, site=a.site, budget_s=a.budget_s, seed=a.seed, overrides=overrides,
+                    port=a.port, accept_failed_gates=a.accept_failed_gates)
+        check_options(o)  # before any work: nothing built, copied, trained or written yet
         if a.cpu and os.environ.get("EAGLEPATCH_ACCEPTANCE_ENV") != "1":
             from eaglepatch import cpuenv
 
@@ -68,53 +98,22 @@ def main(argv=None) -> int:
             import subprocess
 
             return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
-        from eaglepatch.acceptance.pipeline import Options, Run
+        from eaglepatch.acceptance.pipeline import Run
+        from eaglepatch.acceptance.verdicts import outcome
 
-        from eaglepatch.acceptance.pipeline import SCALES
+        if not a.cpu and o.sglang_parent is None:
+            from eaglepatch.gpucheck.patched_files import lay_patched_files
 
-        scale = SCALES["cpu" if a.cpu else "gpu"]
-        overrides = {}
-        for item in a.set:
-            key, eq, text = item.partition("=")
-            if not eq or key not in scale:
-                raise UsageError(f"--set {item}: not KEY=VALUE with a known key",
-                                 "use one of " + ", ".join(sorted(scale)))
-            try:
-                value = json.loads(text)
-            except ValueError:
-                value = text
-            if scale[key] is not None and not isinstance(value, type(scale[key])) \
-                    and not (isinstance(scale[key], float) and isinstance(value, int)):
-                raise UsageError(f"--set {item}: {key} takes a {type(scale[key]).__name__}",
-                                 f"e.g. --set {key}={json.dumps(scale[key])}")
-            overrides[key] = value
-        overrides.update({k: v for k, v in (("target_steps", a.target_steps), ("target_budget_s", a.target_budget_s),
-                                            ("draft_budget_s", a.draft_budget_s)) if v is not None})
-        parent = a.sglang_parent
-        unpatched = a.site
-        if not a.cpu:
-            if a.site is None:
-                raise UsageError("the GPU run needs --site SITE (the unpacked bundle)", "sh .gpu-bundle/unpack.sh SITE")
-            if parent is None:
-                if a.patched_files is None:
-                    raise UsageError("the GPU run needs the patched sglang", "pass --patched-files DIR or --sglang-parent DIR")
-                from eaglepatch.gpucheck.patched_files import lay_patched_files
-
-                parent = lay_patched_files(a.patched_files, a.site, a.work.absolute() / "patched").resolve()
-        out = a.out or a.work / "result.json"
+            o.sglang_parent = lay_patched_files(a.patched_files, a.site, a.work.absolute() / "patched").resolve()
         a.work.mkdir(parents=True, exist_ok=True)
-        o = Options(work=a.work, scale="cpu" if a.cpu else "gpu", out=out, target=a.target,
-                    release=a.release or ("0.5.9" if a.cpu else "0.5.17"), sglang_parent=parent,
-                    unpatched_parent=unpatched, site=a.site, budget_s=a.budget_s, seed=a.seed, overrides=overrides,
-                    port=a.port, accept_failed_gates=a.accept_failed_gates)
         res = Run(o).run()
-        v = res["verdicts"]
-        print(json.dumps({"verdicts": v, "phases": res["phases"], "out": str(out)}, indent=2))
-        ok = v.get("target_gates", {}).get("passed") and v.get("guard", {}).get("passed") \
-            and v.get("drafts", {}).get("same_steps") \
-            and v.get("serve", {}).get("ordering") \
-            and v.get("serve", {}).get("passed", True)
-        return 0 if ok else 1
+        code, line = outcome(res)
+        if line.startswith("not measured"):  # no figure to show: the one line says why
+            print(line, file=sys.stderr)
+            return code
+        print(json.dumps({"verdicts": res["verdicts"], "phases": res["phases"], "out": str(out)}, indent=2))
+        print(line, file=sys.stderr)
+        return code
 
     return run_main(body)
 

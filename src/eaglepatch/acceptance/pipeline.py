@@ -12,13 +12,22 @@ directory is reused, so a run cut by ``--budget-s`` resumes with the same ``--wo
 3. ``drafts``: SpecForge 0.2.0's LlamaForCausalLMEagle3 + OnlineEagle3Model + Eagle3TrainStrategy,
    once on the dataset and once with its aux inputs zeroed (the floor); held-out a1..ak and the
    predicted accept length; four draft directories (correct, off-by-one, floor, upstream ids).
+   With ``draft_max_steps`` the drafts train that many steps, whatever a step costs; a run whose
+   budget (``--budget-s``) cut them short is ``not measured`` and reports no accept length
+   (``verdicts.drafts_verdict``).
 4. ``guard``: ``tools/guard.py`` on every control's draft config and the dataset.
-5. ``serve``: GPU: each draft on a server with ``--speculative-algorithm EAGLE3`` (3 steps, topk 1,
+5. GPU ``serve``: each draft on a server with ``--speculative-algorithm EAGLE3`` (3 steps, topk 1,
    4 draft tokens, CUDA graphs), the accept length from each response's meta_info
-   (sum(C-1)/sum(V)), outputs compared with the no-speculation greedy ones. CPU (sglang 0.5.9 runs
-   no EAGLE-3 decoding on CPU: its tree and cache kernels are CUDA/Triton): each control's chain
+   (sum(C-1)/sum(V)), outputs compared with the no-speculation greedy ones
+   (``verdicts.served_verdict``). CPU ``replay`` (sglang 0.5.9 runs no EAGLE-3 decoding on CPU:
+   its tree and cache kernels are CUDA/Triton): no server loads a draft; each control's chain
    acceptance is replayed with SpecForge's TTT forward over the held-out dataset extracted with
-   the layers that control's reading serves (``train.DraftRun.chain_replay``).
+   the layers that control's reading serves (``train.DraftRun.chain_replay``), reported as
+   ``replayed`` (``verdicts.replayed_verdict``).
+
+Before any of it (``check_options``): the settings (``parse_sets``), ``--out``, the ports the run
+will listen on and a given target's architecture and tokenizer are checked, each refused in one
+line. Long steps print progress (``progress``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from pathlib import Path
 
 from ..errors import RefusedError, UsageError
 from . import language as lang_mod
+from . import progress
+from . import verdicts
 
 REPO = Path(__file__).resolve().parents[3]
 SRC = REPO / "src"
@@ -59,7 +70,9 @@ SERVE_RESERVE_S = 110
 # Scales. cpu: the toy trained on CPU (a few hundred tokens, a few training steps; the test runs
 # the copy toy target of tests/data with its own settings); gpu: the check model's DeepSeek-V3
 # (real MLA dims, MoE with a shared expert) on one H200. draft_max_steps: the correct draft's
-# steps at most (0: its budget alone decides; the floor always trains as many as it got).
+# steps (0: its seconds, draft_budget_s, decide instead; set, draft_budget_s does not apply and
+# only the run's --budget-s can cut them, which makes the figures not measured); the floor
+# always trains as many steps as the correct draft got.
 SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
@@ -70,6 +83,147 @@ SCALES = {
                 draft_epochs=200, draft_batch=64, draft_lr=5e-4, draft_budget_s=70, dtype="bfloat16",
                 target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0),
 }
+
+
+# The settings that may be null (a scale's default is None), and their type; the others take
+# their default's type.
+NONE_TYPES = {"alphabet": int, "target_embed_std": float}
+CHOICES = {"language": lang_mod.LANGUAGES, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16")}
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
+
+
+def parse_sets(scale: str, items: list) -> dict:
+    """``--set KEY=VALUE`` items -> overrides of ``SCALES[scale]``. VALUE is read as JSON (a bare
+    word as a string); it must have the setting's type: ``true``/``false`` only for a flag, never
+    for a number (``True`` is an int to Python: ``draft_max_steps=true`` trained 1 step);
+    numbers finite and not negative; ``null`` only where the default is. Anything else is a
+    one-line usage error naming the key, the type and an example."""
+    import math
+
+    defaults = SCALES[scale]
+    out = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or key not in defaults:
+            raise UsageError(f"--set {item}: not KEY=VALUE with a known key", "use one of " + ", ".join(sorted(defaults)))
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        d = defaults[key]
+        nullable = key in NONE_TYPES
+        want = NONE_TYPES.get(key) or type(d)
+        if isinstance(value, bool):
+            ok = want is bool
+        elif isinstance(value, int):
+            ok = want in (int, float)
+            value = float(value) if want is float else value
+        elif isinstance(value, float):
+            ok = want is float and math.isfinite(value)
+        elif value is None:
+            ok = nullable
+        else:
+            ok = want is str and isinstance(value, str)
+        if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            ok = False
+        if ok and key in CHOICES and value not in CHOICES[key]:
+            raise UsageError(f"--set {item}: {key} is one of " + ", ".join(CHOICES[key]),
+                             f"e.g. --set {key}={CHOICES[key][0]}")
+        if not ok:
+            example = d if d is not None else {"alphabet": 64, "target_embed_std": 0.02}[key]
+            what = _TYPE_WORDS[want] + (" >= 0" if want in (int, float) else "") + (" or null" if nullable else "")
+            raise UsageError(f"--set {item}: {key} takes {what}", f"e.g. --set {key}={json.dumps(example)}")
+        out[key] = value
+    return out
+
+
+def ports_used(scale: str, p: dict, port: int) -> list:
+    """The ports a run listens on: the data server at ``port``; on the GPU the four control
+    servers at port + 1..4; with ``warm`` the two warm-up servers at port + 20 and + 21."""
+    out = [port]
+    if scale == "gpu":
+        out += [port + 1 + i for i in range(len(CONTROLS))]
+    if p.get("warm"):
+        out += [port + 20, port + 21]
+    return out
+
+
+def check_target_dir(d: Path) -> dict:
+    """A given ``--target`` is a DeepSeek-V3 checkpoint (config.json's architectures) with at least
+    3 layers (the off-by-one control reads one layer deeper) and the chat tokenizer of
+    ``serve.tinychat`` (the languages' token ids are its words); its config, else a one-line usage
+    error. Pure JSON: checked before anything is trained or started."""
+    from ..serve import tinychat
+
+    d = Path(d)
+    fix = "pass a DeepSeek-V3 checkpoint saved by this tool (its target/ directory) or drop --target to train one"
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        why = "has no config.json" if isinstance(exc, FileNotFoundError) else f"has an unreadable config.json ({exc})"
+        raise UsageError(f"--target {d} {why}", fix) from None
+    arch = cfg.get("architectures") if isinstance(cfg, dict) else None
+    if arch != ["DeepseekV3ForCausalLM"]:
+        raise UsageError(f"--target {d} is {arch or 'of no architecture'} (config.json), not DeepseekV3ForCausalLM", fix)
+    layers, vocab_size = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    if not isinstance(layers, int) or layers < 3:
+        raise UsageError(f"--target {d} has {layers} layers; the run needs at least 3 (the off-by-one control reads "
+                         "one layer deeper than the draft's)", fix)
+    try:
+        vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        vocab = None
+    if not isinstance(vocab_size, int) or vocab_size < len(tinychat.SPECIALS) + len(tinychat.WORDS) \
+            or vocab != tinychat.vocab(vocab_size):
+        raise UsageError(f"--target {d} does not use the chat tokenizer of eaglepatch.serve.tinychat (tokenizer.json, "
+                         f"vocab_size {vocab_size})", fix)
+    return cfg
+
+
+def check_options(o: "Options") -> None:
+    """Everything a run can be refused for before it trains or starts anything, each in one line:
+    the budget, the settings together (draft_budget_s with draft_max_steps; a language that does
+    not fit the target), the release, ``--out`` (a regular file or a new path: a symbolic link,
+    FIFO or directory is refused; the report is written by rename), a given target's
+    architecture and tokenizer, the ports (in range: exit 2; taken: exit 1)."""
+    import math
+
+    from .. import guard
+    from ..outputs import check_output_file
+    from ..serve import refuse_taken_port
+
+    if not (isinstance(o.budget_s, (int, float)) and math.isfinite(o.budget_s) and o.budget_s >= 0):
+        raise UsageError(f"--budget-s {o.budget_s}: not a number of seconds >= 0",
+                         "pass e.g. --budget-s 570 (0: no budget)")
+    p = dict(SCALES[o.scale], **o.overrides)
+    if p["draft_max_steps"] and "draft_budget_s" in o.overrides:
+        raise UsageError("draft_budget_s does nothing with draft_max_steps %d: the drafts train by steps"
+                         % p["draft_max_steps"], "drop --draft-budget-s / --set draft_budget_s (--budget-s bounds "
+                         "the run), or set draft_max_steps=0 to train by seconds")
+    try:
+        guard.release_semantics(o.release)
+    except UsageError as exc:
+        raise UsageError(f"--release {o.release}: {exc.problem}",
+                         "pass --release a release with a series under patches/ (e.g. 0.5.9 or 0.5.17)") from None
+    if o.out is not None:
+        out = Path(o.out)
+        if out.parent.is_dir() or Path(out.parent) != Path(o.work):  # the default is made with the work dir
+            check_output_file(out, "--out")
+    cfg = check_target_dir(o.target) if o.target is not None else target_config(o.scale)
+    try:
+        lang_mod.Language(p["language"], cfg["vocab_size"], p["symbols"], p["answer_len"], o.seed,
+                          alphabet=p["alphabet"], lead=p["lead"])
+    except ValueError as exc:
+        raise UsageError(f"the language settings do not fit the target: {exc}",
+                         "change --set symbols/alphabet/answer_len/lead") from None
+    ports = ports_used(o.scale, p, o.port)
+    if not 1 <= o.port or max(ports) > 65535:
+        raise UsageError(f"--port {o.port}: the run listens on ports {min(ports)} to {max(ports)}",
+                         f"pass --port 1024 to {65535 - (max(ports) - o.port)}")
+    for port in ports:
+        refuse_taken_port("127.0.0.1", port, "a server of the run",
+                          "stop that process or pass another --port (the run uses --port to --port + 4, and "
+                          "--port + 20 and + 21 for the warm-up servers)")
 
 
 def target_config(scale: str) -> dict:
@@ -91,7 +245,7 @@ class Options:
     sglang_parent: Path | None = None  # patched sglang package parent
     unpatched_parent: Path | None = None  # the same release unpatched (GPU upstream-ids control)
     site: Path | None = None
-    budget_s: float = 570.0
+    budget_s: float = 570.0            # 0: no budget (phases always start; nothing is cut by time)
     seed: int = 0
     overrides: dict = field(default_factory=dict)
     port: int = 31000
@@ -111,6 +265,9 @@ class Run:
         self.say = o.say or (lambda m: print(m, file=sys.stderr, flush=True))
 
     def left(self) -> float:
+        """Seconds left of ``--budget-s`` (infinite without a budget)."""
+        if not self.o.budget_s:
+            return float("inf")
         return self.o.budget_s - (time.monotonic() - self.t0)
 
     def phase(self, name, fn) -> bool:
@@ -128,9 +285,13 @@ class Run:
         return True
 
     def save(self):
+        """The result JSON at ``--out``, whole or not at all (a temporary file in its directory,
+        then a rename); never through a symbolic link or into a FIFO (``outputs.write_atomic``)."""
+        from ..outputs import write_atomic
+
         self.res["wall_s"] = round(time.monotonic() - self.t0, 1)
         if self.o.out:
-            Path(self.o.out).write_text(json.dumps(self.res, indent=2) + "\n")
+            write_atomic(self.o.out, json.dumps(self.res, indent=2) + "\n", "--out")
 
     # ---- 1. target ----------------------------------------------------------------------------
     def language(self, cfg):
@@ -154,6 +315,9 @@ class Run:
             cfg = target_config(self.o.scale)
             model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
                                        self.p["target_embed_std"])
+            # what save_target checks after the training, checked before it (it took the whole
+            # training to learn that a transformers saves other names)
+            train.check_target_saves(model, cfg, self.work / "target-init")
             if self.p["warm"]:
                 self.start_warm(model, cfg)
             lg = self.language(cfg)
@@ -285,7 +449,7 @@ class Run:
         self.finish_warm("warm-data")
         with Server(self, "data", parent, None, dump) as srv:
             prompts = [self.lg.prompt_ids(s) for s in samples]
-            outs = srv.generate(prompts, self.p["answer_len"])
+            outs = self.generate_all(srv, prompts, self.p["answer_len"])
             conv = []
             for i, (s, o) in enumerate(zip(samples, outs)):
                 cont = [t for t in o["output_ids"]]
@@ -302,15 +466,53 @@ class Run:
             # the extractions run side by side (each request has its own rid, so its own dump file)
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(4) as pool:
+            needed = self.datasets_needed()
+            total = sum(ntr if name.startswith("train") else len(conv) - ntr for name, _ in needed)
+
+            def extracted() -> str:  # extract.py records each finished sample in OUT/progress.jsonl
+                n = 0
+                for name, _ in needed:
+                    try:
+                        with open(d / f"ds-{name}" / "progress.jsonl", "rb") as f:
+                            n += sum(1 for _ in f)
+                    except OSError:
+                        pass
+                return "%d/%d samples extracted (%d datasets)" % (n, total, len(needed))
+
+            with progress.ticking(self.say, "data", extracted), ThreadPoolExecutor(4) as pool:
                 jobs = [pool.submit(self.extract, srv, d / f"{name.split('@')[0]}.jsonl", d / f"ds-{name}", aux, dump)
-                        for name, aux in self.datasets_needed()]
+                        for name, aux in needed]
                 for j in jobs:
                     j.result()
         for f in dump.glob("*.safetensors"):  # the generate requests' own dumps
             f.unlink()
         self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct")}
         (d / "done.json").write_text(json.dumps(self.data))
+
+    GENERATE_CHUNK = 32
+
+    def generate_all(self, srv, prompts: list, n: int) -> list:
+        """``srv.generate`` of every prompt, in requests of ``GENERATE_CHUNK`` prompts, four in flight
+        (the server batches them as it batched one request of all), with a progress line (prompts
+        done of all) at least every ``progress.PROGRESS_S`` seconds: one request of all of them
+        left a CPU run silent for minutes."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        chunks = [prompts[i:i + self.GENERATE_CHUNK] for i in range(0, len(prompts), self.GENERATE_CHUNK)]
+        done = []
+
+        def one(chunk):
+            out = srv.generate(chunk, n)
+            if len(out) != len(chunk):
+                raise RefusedError("the data server answered %d of %d prompts" % (len(out), len(chunk)),
+                                   "read its log under %s" % (self.work / "logs"))
+            done.append(len(chunk))
+            return out
+
+        with progress.ticking(self.say, "data", lambda: "greedy continuations %d/%d prompts"
+                              % (sum(done), len(prompts))), ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(one, chunks))
+        return [o for out in outs for o in out]
 
     def readings(self) -> dict:
         """Control -> (draft ids, HF indices the server feeds the draft, unpatched?)."""
@@ -387,25 +589,10 @@ class Run:
             raise RefusedError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)),
                                "check tools/extract.py's manifest under %s (failed conversations) and rerun with a "
                                "fresh --work" % self.data["dir"])
-        self.runs = {}
-        self.res["drafts"] = {}
         self.res["guard"] = {}
         self.draft_dirs = {}
-        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p["draft_fc_norm"])
-        steps = None
-        for name, zero in (("correct", False), ("floor", True)):
-            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=self.o.seed)
-            # the floor gets exactly the correct draft's steps: same data order, same updates
-            hist = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"],
-                             max(self.left() - SERVE_RESERVE_S, 5) if steps
-                             else min(self.p["draft_budget_s"], max(self.left() / 3, 5)),
-                             self.o.seed, self.say, max_steps=steps or self.p["draft_max_steps"] or None)
-            steps = hist["steps"]
-            ev = run.evaluate(held)
-            self.res["drafts"][name] = {"training": hist, "heldout": ev}
-            self.say("[acceptance] draft %s: held-out step accuracies %s, predicted accept length %.3f"
-                     % (name, ev["step_accuracies"], ev["predicted_accept_length"]))
-            self.runs[name] = run
+        if not self.train_drafts(files, held)["measured"]:
+            return
         # each control exported and checked by guard. Its server starts only in serve: on the H200 a
         # floor trained while three servers started ran 231 steps in 135 s against the correct
         # draft's 768 in 34 s alone (docs/acceptance.md)
@@ -418,9 +605,51 @@ class Run:
             self.draft_dirs[c] = str(run.export(self.work / "drafts" / c, self.p["dtype"], zero_fc=c == "floor"))
             self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
             self.guard_one(c)
-        fl, co = self.res["drafts"]["floor"]["training"], self.res["drafts"]["correct"]["training"]
-        self.res["verdicts"]["drafts"] = {"same_steps": fl["steps"] == co["steps"],
-                                          "steps": {"correct": co["steps"], "floor": fl["steps"]}}
+
+    def train_drafts(self, files: list, held: list) -> dict:
+        """The correct draft, then the floor on exactly as many steps; each evaluated on ``held``
+        once both trained as configured. By steps (``draft_max_steps``): nothing but the run's
+        ``--budget-s`` limits them (a busy machine takes longer, it does not train less). By
+        seconds (``draft_max_steps`` 0): the correct draft gets ``draft_budget_s``. Either way a
+        draft the run's budget cut short makes the run ``not measured`` (the verdict says how
+        far it got; nothing later runs: a cut draft's accept length is the cut's, not the
+        layers'). Returns ``verdicts["drafts"]``."""
+        from . import train
+
+        self.runs = {}
+        self.res["drafts"] = {}
+        r = self.readings()
+        cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p["draft_fc_norm"])
+        want = self.p["draft_max_steps"] or None
+        hists = {}
+        v = None
+        for name, zero in (("correct", False), ("floor", True)):
+            if name == "floor":  # exactly the correct draft's steps: same data order, same updates
+                budget, max_steps = self.left() - SERVE_RESERVE_S, hists["correct"]["steps"]
+            elif want:
+                budget, max_steps = (self.left() - SERVE_RESERVE_S) / 2, want
+            else:
+                budget, max_steps = min(self.p["draft_budget_s"], self.left() / 3), None
+            budget = None if budget == float("inf") else max(budget, 5)
+            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=self.o.seed)
+            hists[name] = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"], budget,
+                                    self.o.seed, self.say, max_steps=max_steps)
+            self.res["drafts"][name] = {"training": hists[name]}
+            self.runs[name] = run
+            v = verdicts.drafts_verdict(hists["correct"], hists.get("floor"), want,
+                                        None if want else self.p["draft_budget_s"])
+            if not v["measured"]:
+                break
+        self.res["verdicts"]["drafts"] = v
+        if not v["measured"]:
+            self.say("[acceptance] " + v["verdict"])
+            return v
+        for name, run in self.runs.items():
+            ev = run.evaluate(held)
+            self.res["drafts"][name]["heldout"] = ev
+            self.say("[acceptance] draft %s: held-out step accuracies %s, predicted accept length %.3f"
+                     % (name, ev["step_accuracies"], ev["predicted_accept_length"]))
+        return v
 
     def start_server(self, c: str):
         r = self.readings()
@@ -452,75 +681,89 @@ class Run:
         self.res["verdicts"]["guard"] = {"passed": not bad and set(out) == set(self.draft_dirs), "wrong": bad,
                                          "failed": sorted(c for c, v in out.items() if v["rc"] == 1)}
 
-    # ---- 5. serve ----------------------------------------------------------------------------
-    def do_serve(self):
+    # ---- 5. serve (GPU) / replay (CPU) ---------------------------------------------------------
+    def _unservable(self, name: str) -> dict:
+        """The controls whose tree cannot capture their reading's layers: reported, not served."""
+        r = self.readings()
+        return {c: {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot capture "
+                                    f"HF indices {r[c][1]}", name: r[c][1]}
+                for c in self.draft_dirs if not self.servable(c)}
+
+    def do_replay(self):
+        """CPU: no server loads a draft (sglang 0.5.9 runs no EAGLE-3 decoding on CPU). Each
+        control's chain acceptance is replayed with SpecForge's TTT forward over the held-out data
+        extracted with the layers its reading serves; reported as ``replayed`` and judged on the
+        ordering only (``verdicts.replayed_verdict``)."""
+        from . import train
+
         r = self.readings()
         greedy = json.loads((Path(self.data["dir"]) / "greedy.json").read_text())[self.p["train_prompts"]:]
-        # a control whose tree cannot capture its reading's layers is reported, not served
-        served = {c: {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot capture "
-                                      f"HF indices {r[c][1]}", "served_hf": r[c][1]}
-                  for c in self.draft_dirs if not self.servable(c)}
-        if self.o.scale == "cpu":
-            from . import train
+        figures = self._unservable("fed_hf")
+        plen = {tuple(g["prompt_ids"] + g["continuation"] + [self.lg.eot]): len(g["prompt_ids"]) for g in greedy}
+        for c, (ids, hf, _) in r.items():
+            if c not in self.draft_dirs or c in figures:
+                continue
+            name = "heldout@" + c if hf != r["correct"][1] else "heldout@correct"
+            files = train.sample_files(Path(self.data["dir"]) / f"ds-{name}")
+            run = self.runs["floor" if c == "floor" else "correct"]
+            metas = run.chain_replay(files, plen, NUM_STEPS)
+            figures[c] = dict(lang_mod.served_accept_length(metas), how=verdicts.REPLAY_NOTE, fed_hf=hf)
+        self.res["replayed"] = figures
+        v = verdicts.replayed_verdict(figures, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
+        self.res["verdicts"]["replay"] = v
+        self.say("[acceptance] " + v["verdict"])
 
-            plen = {tuple(g["prompt_ids"] + g["continuation"] + [self.lg.eot]): len(g["prompt_ids"]) for g in greedy}
-            for c, (ids, hf, _) in r.items():
-                if c not in self.draft_dirs or c in served:
-                    continue
-                name = "heldout@" + c if hf != r["correct"][1] else "heldout@correct"
-                files = train.sample_files(Path(self.data["dir"]) / f"ds-{name}")
-                run = self.runs["floor" if c == "floor" else "correct"]
-                metas = run.chain_replay(files, plen, NUM_STEPS)
-                served[c] = dict(lang_mod.served_accept_length(metas), how="replay (SpecForge TTT forward)",
-                                 served_hf=hf)
-        else:
-            prompts = [g["prompt_ids"] for g in greedy]
-            want = [g["continuation"] for g in greedy]
-            todo = [c for c in CONTROLS if c in self.draft_dirs and c not in served]
-            self.finish_warm("warm-spec")
-            for c in todo:  # the servers start side by side; requests go to one at a time
-                self.start_server(c)
-            for c in todo:
-                s = self.servers[c]
-                try:
-                    s.wait_ready(timeout=max(min(400.0, self.left() - 30), 5))
-                    t = time.monotonic()
-                    outs = s.generate(prompts, self.p["answer_len"], timeout=max(self.left() - 10, 5))
-                    metas = [o["meta_info"] for o in outs]
-                    got = [list(o["output_ids"]) for o in outs]
-                    same = sum(g[:len(w)] == w for g, w in zip(got, want))
-                    first_diff = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
-                                  for g, w in zip(got, want)]
-                    served[c] = dict(lang_mod.served_accept_length(metas), how="served", served_hf=r[c][1],
-                                     lossless_requests=same, first_difference_at=[d for d in first_diff if d is not None],
-                                     start_s=s.start_s, generate_s=round(time.monotonic() - t, 1))
-                except Exception as exc:  # noqa: BLE001 - reported per control
-                    served[c] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300]), "log_tail": s.tail()}
-                finally:
-                    s.stop()
+    def do_serve(self):
+        """GPU: each draft on its own server, 4 started side by side; accept length from the
+        responses' meta_info, outputs compared with the no-speculation greedy ones; judged by
+        ``verdicts.served_verdict`` (thresholds, every request lossless, upstream ids = correct)."""
+        r = self.readings()
+        greedy = json.loads((Path(self.data["dir"]) / "greedy.json").read_text())[self.p["train_prompts"]:]
+        served = self._unservable("served_hf")
+        prompts = [g["prompt_ids"] for g in greedy]
+        want = [g["continuation"] for g in greedy]
+        todo = [c for c in CONTROLS if c in self.draft_dirs and c not in served]
+        self.finish_warm("warm-spec")
+        for c in todo:  # the servers start side by side; requests go to one at a time
+            self.start_server(c)
+        for c in todo:
+            s = self.servers[c]
+            try:
+                s.wait_ready(timeout=max(min(400.0, self.left() - 30), 5))
+                t = time.monotonic()
+                outs = s.generate(prompts, self.p["answer_len"], timeout=max(min(self.left() - 10, 1800.0), 5))
+                metas = [o["meta_info"] for o in outs]
+                got = [list(o["output_ids"]) for o in outs]
+                same = sum(g[:len(w)] == w for g, w in zip(got, want))
+                first_diff = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+                              for g, w in zip(got, want)]
+                served[c] = dict(lang_mod.served_accept_length(metas), how="served", served_hf=r[c][1],
+                                 lossless_requests=same, first_difference_at=[d for d in first_diff if d is not None],
+                                 start_s=s.start_s, generate_s=round(time.monotonic() - t, 1))
+            except Exception as exc:  # noqa: BLE001 - reported per control
+                served[c] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300]), "log_tail": s.tail()}
+            finally:
+                s.stop()
         self.res["served"] = served
-        pred = self.res["drafts"]["correct"]["heldout"]["predicted_accept_length"]
-        a = {c: v.get("accept_length") for c, v in served.items()}
-        # the same prediction for requests of answer_len tokens (the last verify cut at the end)
-        at = lang_mod.chain_accept_length_at(self.res["drafts"]["correct"]["heldout"]["step_accuracies"],
-                                             self.p["answer_len"] - 1)
-        v = {"predicted": pred, "predicted_at_answer_length": round(at, 4), "accept_length": a}
-        if all(a.get(c) is not None for c in ("correct", "off_by_one", "floor")):
-            v.update(correct_minus_off_by_one=round(a["correct"] - a["off_by_one"], 4),
-                     correct_minus_floor=round(a["correct"] - a["floor"], 4),
-                     served_minus_predicted=round(a["correct"] - pred, 4),
-                     served_minus_predicted_at_answer_length=round(a["correct"] - at, 4),
-                     ordering=a["correct"] > a["off_by_one"] and a["correct"] > a["floor"])
-            if self.o.scale == "gpu":
-                v["passed"] = (abs(a["correct"] - pred) <= 0.15 and v["correct_minus_off_by_one"] >= 0.5
-                               and v["correct_minus_floor"] >= 0.3)
+        v = verdicts.served_verdict(served, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
         self.res["verdicts"]["serve"] = v
+        self.say("[acceptance] " + v["verdict"])
 
     def run(self) -> dict:
+        """Every phase in turn (``check_options`` first: nothing is trained or started before it);
+        a phase the budget leaves no time for, and every one after it, is not started; after
+        drafts the budget cut (``not measured``) nothing else runs. The result is saved after each
+        phase and at the end."""
+        check_options(self.o)
         self.servers = {}
+        last = ("serve", self.do_serve) if self.o.scale == "gpu" else ("replay", self.do_replay)
         try:
             for name, fn in (("target", self.do_target), ("data", self.do_data), ("drafts", self.do_drafts),
-                             ("guard", self.do_guard), ("serve", self.do_serve)):
+                             ("guard", self.do_guard), last):
+                d = self.res["verdicts"].get("drafts")
+                if d is not None and not d["measured"]:
+                    self.res["phases"][name] = {"skipped": d["verdict"]}
+                    continue
                 if not self.phase(name, fn):
                     break
         finally:
@@ -560,7 +803,11 @@ class Server:
     def wait_ready(self, timeout: float = 400):
         """Until /health answers 200 (after the server's warm-up), at most ``timeout`` seconds from now."""
         end = time.monotonic() + timeout
+        tick = progress.Ticker()
         while time.monotonic() < end:
+            if tick.due():
+                self.run.say(f"[acceptance] server {self.name}: starting, waiting for /health "
+                             f"({tick.elapsed():.0f} s of at most {timeout:.0f} s)")
             if self.proc.poll() is not None:
                 last = " | ".join(self.tail()[-2:])[-300:] or "no output"
                 raise RefusedError(f"server {self.name} exited with {self.proc.returncode} before answering ({last})",

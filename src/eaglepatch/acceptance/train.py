@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import language as lang_mod
+from . import progress
 from ..gpucheck import models as gmodels
 
 # How the trainable target's weights are drawn before training (gpucheck.reference.make_weights):
@@ -85,6 +86,7 @@ def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float
     rng = random.Random(seed)
     model.train()
     t0, hist, step, stop = time.monotonic(), [], 0, "steps"
+    tick = progress.Ticker()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     while step < steps:
         if time.monotonic() - t0 >= budget_s:
@@ -108,11 +110,14 @@ def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float
             acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
             lv = loss.item()
             hist.append({"step": step, "loss": round(lv, 4), "acc": round(acc, 4)})
-            say("[acceptance] target step %d: loss %.3f, token accuracy %.3f (%.0f s)"
-                % (step, lv, acc, time.monotonic() - t0))
+            say("[acceptance] target step %d/%d: loss %.3f, token accuracy %.3f (%.0f s)"
+                % (step, steps, lv, acc, time.monotonic() - t0))
+            tick.mark()
             if len(hist) >= 2 and min(h["acc"] for h in hist[-2:]) >= done_acc:
                 stop = "accuracy"
                 break
+        elif tick.due():  # a slow machine: a line at least every progress.PROGRESS_S seconds
+            say("[acceptance] target step %d/%d: loss %.3f (%.0f s)" % (step, steps, loss.item(), time.monotonic() - t0))
     model.eval()
     return {"steps": step, "stopped_by": stop, "wall_s": round(time.monotonic() - t0, 1), "history": hist}
 
@@ -189,32 +194,53 @@ def _bf16_copy(model):
     return m
 
 
-def save_target(model, cfg: dict, dest: Path, dtype: str) -> Path:
-    """safetensors under DeepSeek-V3's hub names (``save_pretrained`` writes them back from
-    transformers 5's fused experts), checked against the names and shapes SGLang loads, in
-    ``dtype`` (router biases float32, as SGLang keeps them), with model.safetensors.index.json
-    (SpecForge's TargetHead and load_embedding read it), config.json and the chat tokenizer."""
+def _saved_state(model, where: Path) -> dict:
+    """What ``save_pretrained`` writes of ``model`` (a temporary directory under ``where``)."""
     import tempfile
 
-    from safetensors.torch import load_file, save_file
-    from ..gpucheck.reference import _tensor_shapes
-    from ..serve import tinychat
+    from safetensors.torch import load_file
 
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=where) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        files = sorted(Path(tmp).glob("*.safetensors"))
         sd = {}
-        for f in files:
+        for f in sorted(Path(tmp).glob("*.safetensors")):
             sd.update(load_file(str(f)))
+    return sd
+
+
+def _check_hub_names(sd: dict, cfg: dict) -> None:
+    from ..gpucheck.reference import _tensor_shapes
+
     want = _tensor_shapes(cfg)
     wrong = sorted(set(want) ^ set(sd)) + [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k])]
     if wrong:
         from ..errors import UsageError
 
-        raise UsageError("the trained target's saved tensors differ from DeepSeek-V3's hub names or shapes (%s)"
+        raise UsageError("the target's saved tensors differ from DeepSeek-V3's hub names or shapes (%s)"
                          % wrong[:3], "run in the CPU environment or the GPU bundle")
+
+
+def check_target_saves(model, cfg: dict, where: Path) -> None:
+    """Before any training: ``model`` (the untrained target) saves under the names and shapes SGLang
+    loads, so a transformers that writes other names is refused first, not after the training
+    (``save_target`` checks the same on the trained one)."""
+    where = Path(where)
+    where.mkdir(parents=True, exist_ok=True)
+    _check_hub_names(_saved_state(model, where), cfg)
+
+
+def save_target(model, cfg: dict, dest: Path, dtype: str) -> Path:
+    """safetensors under DeepSeek-V3's hub names (``save_pretrained`` writes them back from
+    transformers 5's fused experts), checked against the names and shapes SGLang loads, in
+    ``dtype`` (router biases float32, as SGLang keeps them), with model.safetensors.index.json
+    (SpecForge's TargetHead and load_embedding read it), config.json and the chat tokenizer."""
+    from safetensors.torch import save_file
+    from ..serve import tinychat
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    sd = _saved_state(model, dest.parent)
+    _check_hub_names(sd, cfg)
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     sd = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(dt)).contiguous() for k, v in sd.items()}
     save_file(sd, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -353,15 +379,22 @@ class DraftRun:
         return self.TrainBatch(sample_ids=[str(i) for i in range(len(items))], strategy="eagle3", tensors=t,
                                metadata={"target_repr": "hidden_state"})
 
-    def train(self, files: list, epochs: int, batch: int, lr: float, budget_s: float, seed: int, say=print,
+    def train(self, files: list, epochs: int, batch: int, lr: float, budget_s: float | None, seed: int, say=print,
               max_steps: int | None = None) -> dict:
         """AdamW over ``epochs`` passes, the learning rate warmed up linearly over the first 50 steps;
-        stops early at ``budget_s`` seconds or ``max_steps`` steps (the floor trains exactly as many
-        steps as the correct draft got, so a budget cut on a busy machine cannot hand one control
-        more training than the other)."""
+        stops early at ``max_steps`` steps or ``budget_s`` seconds (None: no time limit). The floor
+        trains exactly as many steps as the correct draft got, so a budget cut on a busy machine
+        cannot hand one control more training than the other; ``stopped_by`` says which limit
+        ended it ('max_steps', 'epochs' or 'budget': the pipeline reports a draft the budget cut
+        as not measured). A progress line (step/total, seconds) every 25 steps and at least every
+        ``progress.PROGRESS_S`` seconds."""
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         rng = random.Random(seed)
         t0, step, hist = time.monotonic(), 0, []
+        total = epochs * -(-len(files) // batch)
+        total = min(total, max_steps) if max_steps else total
+        tick = progress.Ticker()
+        what = "draft%s" % (" (aux zeroed)" if self.zero_aux else "")
         self.model.train()
         stop = None
         for ep in range(epochs):
@@ -377,18 +410,23 @@ class DraftRun:
                 if step % 25 == 0 or step == 1:
                     acc = [round(float(a), 3) for a in out.metrics["acces"]]
                     hist.append({"step": step, "epoch": ep, "loss": round(float(out.loss), 4), "acc": acc})
-                    say("[acceptance] draft%s step %d (epoch %d): loss %.3f, step accuracies %s"
-                        % (" (aux zeroed)" if self.zero_aux else "", step, ep, float(out.loss), acc))
+                    say("[acceptance] %s step %d/%d (epoch %d): loss %.3f, step accuracies %s (%.0f s)"
+                        % (what, step, total, ep, float(out.loss), acc, time.monotonic() - t0))
+                    tick.mark()
+                elif tick.due():  # a slow machine: a line at least every progress.PROGRESS_S seconds
+                    say("[acceptance] %s step %d/%d (epoch %d): loss %.3f (%.0f s)"
+                        % (what, step, total, ep, float(out.loss), time.monotonic() - t0))
                 if max_steps is not None and step >= max_steps:
                     stop = "max_steps"
-                elif time.monotonic() - t0 > budget_s:
+                elif budget_s is not None and time.monotonic() - t0 > budget_s:
                     stop = "budget"
                 if stop:
                     break
             if stop:
                 break
         self.model.eval()
-        return {"steps": step, "epochs_started": ep + 1, "stopped_by": stop or "epochs",
+        return {"steps": step, "epochs_started": ep + 1, "stopped_by": stop or "epochs", "max_steps": max_steps,
+                "budget_s": None if budget_s is None else round(budget_s, 1),
                 "wall_s": round(time.monotonic() - t0, 1), "history": hist}
 
     @torch.no_grad()
