@@ -1122,9 +1122,10 @@ def test_one_line_errors(assets, server, reference, tmp_path):
             assert n in lines[0], lines[0]
         return lines[0]
 
-    # server unreachable
-    one_line(extract(assets, server, tmp_path / "o1", url=f"http://127.0.0.1:{cpuserver.free_port()}"),
-             "cannot reach the SGLang server")
+    # server unreachable: the fix is the patched server with the dump on (tools/serve.py), for this model and dump dir
+    line = one_line(extract(assets, server, tmp_path / "o1", url=f"http://127.0.0.1:{cpuserver.free_port()}"),
+                    "cannot reach the SGLang server", f"tools/serve.py --model-path {assets.ckpt} --dump-dir")
+    assert "launch_server" not in line, line
     # an empty --server entry, a server named twice (the comma list and the repeated flag)
     one_line(extract(assets, server, tmp_path / "o12", url=f"{server.url},"), "--server names no server")
     one_line(extract(assets, server, tmp_path / "o13", url=[server.url, server.url + "/"]),
@@ -1174,9 +1175,12 @@ def test_one_line_errors(assets, server, reference, tmp_path):
     with HFDumpServer(reference, dumps, AUX) as hf:
         one_line(extract(assets, server, tmp_path / "o10", "--format", "speculators", dump_dir=dumps, url=hf.url),
                  "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
-                 "start the server with EAGLE3_DUMP_LAYERS including 3 (e.g. EAGLE3_DUMP_LAYERS=-1,1,2,3)")
-    one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
-             "--aux-layers asks for EAGLE-3 layers [5] but the server dumps [-1, 0, 1, 2, 3]")
+                 "restart the server dumping layer 3 too: python3 tools/serve.py --layers=-1,1,2,3",
+                 "EAGLE3_DUMP_LAYERS=-1,1,2,3")
+    # a layer the 4-layer model does not have: refused as typed, and no fix names it
+    line = one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
+                    "--aux-layers=-1,1,5 names layer 5", "4-layer model")
+    assert "including 5" not in line and "--layers=" not in line, line
     for i in range(1, 15):
         assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"
 

@@ -71,10 +71,10 @@ def dumps(tmp_path):
     return d
 
 
-def server(dumps, **kw):
+def server(dumps, layers=None, **kw):
     from dumpserver import DumpServer
 
-    return DumpServer(dumps, LAYERS, H, N_LAYERS, **kw)
+    return DumpServer(dumps, LAYERS if layers is None else layers, H, N_LAYERS, **kw)
 
 
 def run_cli(argv) -> SimpleNamespace:
@@ -160,6 +160,9 @@ def test_every_request_carries_its_rid_and_reads_its_own_file(model, dumps, tmp_
     rids = [r for r, _ in s.requests]
     assert len(rids) == N_CONV and len(set(rids)) == N_CONV, rids
     assert all(r.startswith("eaglepatch-") and len(r) == len("eaglepatch-") + 32 for r in rids), rids
+    # one new token, greedy, never n > 1 (SGLang's parallel sampling prefills a request of its own, with a
+    # rid it makes up, whose file no answer names)
+    assert s.sampling == [{"max_new_tokens": 1, "temperature": 0.0}] * len(rids), s.sampling
     assert 1 <= s.flushes <= len(rids)
     assert not list(dumps.iterdir()), "used dumps were not removed"
     recs = {r["id"]: r for r in records(tmp_path / "out")}
@@ -374,3 +377,157 @@ def test_no_lock_per_sample_and_identical_conversations_each_get_their_file(mode
         rids = [r for r, _ in s.requests]
         assert len(rids) == len(set(rids)) == len(recs)
     assert held[0] == held[1], f"the run holds {held[0]} locks after 3 samples, {held[1]} after {len(recs)}"
+
+
+# ---- issue 29: hints that name what the user runs, leftover dumps -----------------------------------
+
+def test_aux_layers_value_after_a_space_is_one_line():
+    """``--aux-layers -1,2``: argparse reads '-1,2' as an option and says only "expected one
+    argument"; the tool says in one line to join the value with '=' (no server, no file needed)."""
+    p = run_cli(["--server", "http://127.0.0.1:9", "--model", "m", "--data", "d", "--dump-dir", "x", "--out", "o",
+                 "--aux-layers", "-1,2"])
+    line = one_line(p, "--aux-layers -1,2", "write --aux-layers=-1,2")
+    assert "expected one argument" not in p.stderr, line
+    assert one_line(run_cli(["--aux", "-1,1,2"]), "--aux -1,1,2", "write --aux-layers=-1,1,2")
+
+
+@in_env
+def test_no_server_names_serve_py_before_the_tokenizer_loads(model, dumps, tmp_path):
+    """Nothing listens at --server: one line naming tools/serve.py with this run's model and dump
+    directory (not launch_server without the dump), given before torch or transformers is imported
+    (they take seconds: the user waited 18-29 s for this line)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    atexit_probe = ("import atexit, runpy, sys; atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join("
+                    "m for m in ('torch', 'transformers') if m in sys.modules) + chr(10))); sys.argv = sys.argv[1:]; "
+                    "runpy.run_path(sys.argv[0], run_name='__main__')")
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", atexit_probe, str(EXTRACT), "--server", f"http://127.0.0.1:{port}",
+                        "--model", str(model.dir), "--data", str(model.data), "--dump-dir", str(dumps),
+                        "--out", str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    line = one_line(p, f"cannot reach the SGLang server at http://127.0.0.1:{port}",
+                    f"tools/serve.py --model-path {model.dir} --dump-dir {dumps}")
+    assert "launch_server" not in line, line
+    assert "HEAVY=\n" in p.stderr, p.stderr  # neither torch nor transformers was imported
+    assert not (tmp_path / "out").exists()
+
+
+@in_env
+def test_layer_errors_name_the_flags_and_only_real_layers(model, dumps, tmp_path):
+    """A 4-layer model. --aux-layers=-1,1,5 names no layer under any reading: refused before any
+    request, naming the flag as typed. -1,1,4 is read (k -> k+1) as layer 4: refused at the first dump,
+    its fix naming only dumped layers (never 'dump layer 4'). A missing dumped layer and speculators'
+    missing last layer name tools/serve.py --layers= (the flag the user typed) with the list to use."""
+    with server(dumps) as s:
+        line = one_line(extract(model, s.url, dumps, tmp_path / "o1", "--aux-layers=-1,1,5"),
+                        "--aux-layers=-1,1,5 names layer 5", "4-layer model")
+        assert s.requests == [], "the ids were refused after a request"
+        line = one_line(extract(model, s.url, dumps, tmp_path / "o2", "--aux-layers=-1,1,4"),
+                        "--aux-layers=-1,1,4", "names [4], which a 4-layer model does not have",
+                        "with layers the server dumps: -1,0,1,2,3")
+        assert "--layers=" not in line and "including" not in line, line
+    with server(dumps, layers=[-1, 1, 2, 3]) as s:
+        one_line(extract(model, s.url, dumps, tmp_path / "o3", "--aux-layers=-1,0,1"),
+                 "--aux-layers=-1,0,1 asks for EAGLE-3 layers [0] but the server dumps [-1, 1, 2, 3]",
+                 "python3 tools/serve.py --layers=-1,0,1,2,3", "EAGLE3_DUMP_LAYERS=-1,0,1,2,3")
+    with server(dumps, layers=[-1, 0, 1, 2]) as s:
+        line = one_line(extract(model, s.url, dumps, tmp_path / "o4", "--format", "speculators"),
+                        "needs the last decoder layer's output before the final norm (EAGLE-3 id 3, HF index 4)",
+                        "python3 tools/serve.py --layers=-1,0,1,2,3", "EAGLE3_DUMP_LAYERS=-1,0,1,2,3")
+    for i in range(1, 5):
+        assert not (tmp_path / f"o{i}").exists()
+
+
+@in_env
+def test_a_server_with_the_dump_off_is_named_so(model, dumps, tmp_path):
+    """A patched server started without EAGLE3_DUMP_DIR has no flush route (404) and writes no file:
+    the line says the dump is off there and how to start it with tools/serve.py (it called such a
+    server one of an 'older series')."""
+    with server(dumps, flush_status=404) as s:
+        p = extract(model, s.url, dumps, tmp_path / "out")
+    line = one_line(p, f"{s.url}/eagle3_dump/flush answered HTTP 404", "the dump is off on that server",
+                    "EAGLE3_DUMP_DIR", f"tools/serve.py --model-path {model.dir} --dump-dir {dumps}")
+    assert "series" not in line.split("; ")[0], line
+    assert not (tmp_path / "out").exists() and not list(dumps.iterdir())
+
+
+def plant_foreign_dump(dumps: Path) -> Path:
+    """Another client's dump file in the shared directory (its own rid): never ours to remove."""
+    import torch
+    from dumpserver import sha
+    from safetensors.torch import save_file
+
+    rid = "eaglepatch-" + "f" * 32  # even a rid of our form: it is in no request file of ours
+    path = dumps / f"{sha(rid)}.safetensors"
+    save_file({"input_ids": torch.tensor([1, 2, 3])}, str(path), metadata={"format": "eagle3-dump/1", "rid": rid})
+    return path
+
+
+@in_env
+def test_a_run_removes_the_dumps_its_failed_samples_left(model, dumps, tmp_path):
+    """conv-003's file comes after its only attempt gave up (written by a later sample's flush): at the
+    end the run says it removes it, and does; another client's file in the directory stays."""
+    pk = prompt_keys(model)
+    foreign = plant_foreign_dump(dumps)
+    with server(dumps) as s:
+        s.plan = {pk["conv-003"]: ["late"]}
+        p = extract(model, s.url, dumps, tmp_path / "out", "--concurrency", "1", "--max-attempts", "1")
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"removed 1 dump file(s) from {dumps} that this run requested and did not use" in p.stderr, p.stderr[-3000:]
+    assert sorted(dumps.iterdir()) == [foreign]
+    man = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert man["failed_ids"] == ["conv-003"]
+    assert man["last_run"]["unused_dumps_removed"] == {"earlier_runs": 0, "this_run": 1}
+
+
+@in_env
+def test_a_rerun_removes_what_a_killed_run_left(model, dumps, tmp_path):
+    """A run killed (SIGKILL) while a request whose file is written waits for its answer leaves that
+    file; the next run on the same --out says so, removes it (and no other client's file) and
+    completes the dataset."""
+    import os
+    import signal
+    import subprocess
+
+    from dumpserver import sha
+
+    pk = prompt_keys(model)
+    foreign = plant_foreign_dump(dumps)
+    out = tmp_path / "out"
+    with server(dumps) as s:
+        s.plan = {pk["conv-002"]: ["hang"]}
+        proc = subprocess.Popen([sys.executable, str(EXTRACT), "--server", s.url, "--model", str(model.dir), "--data",
+                                 str(model.data), "--dump-dir", str(dumps), "--out", str(out), "--no-progress",
+                                 "--aux-layers=" + ",".join(map(str, AUX)), "--concurrency", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            left = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                rids = [r for r, k in s.requests if k == pk["conv-002"]]
+                if rids and (dumps / f"{sha(rids[0])}.safetensors").exists():
+                    left = dumps / f"{sha(rids[0])}.safetensors"
+                    break
+                time.sleep(0.05)
+            assert left is not None, proc.stderr.read() if proc.poll() is not None else "no file in 120 s"
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.stderr.close()
+            s.release.set()
+        assert left.exists() and foreign.exists()
+        p = extract(model, s.url, dumps, out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (f"removed 1 dump file(s) from {dumps} that earlier runs on {out} requested and never used"
+            in p.stderr), p.stderr[-3000:]
+    assert not left.exists() and sorted(dumps.iterdir()) == [foreign]
+    assert check_rows(out) == N_CONV
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["last_run"]["unused_dumps_removed"]["earlier_runs"] == 1
+    assert not (out / ".extract-requests.jsonl").exists()  # nothing left to look for

@@ -9,6 +9,8 @@ DeepSeek-V3/Kimi-K2.5); test_extract.py runs the guard on a real extracted datas
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,7 +121,9 @@ def test_capture_index_style_ids_fail_with_both_conventions(tmp_path):
     assert "MISMATCH" in out
     assert "EAGLE-3 ids [2, 30, 58]" in out and "HF hidden_states indices [3, 31, 59]" in out
     assert "EAGLE-3 ids (output of layer k, -1 = embedding) [-1, 1, 29]" in out and "indices [0, 2, 30]" in out
-    assert "set eagle_aux_hidden_state_layer_ids to [-1, 1, 29]" in out
+    # [-1, 1, 29] would read the dataset but SpecForge cannot train it: the draft's own ids, re-extracted
+    assert "set eagle_aux_hidden_state_layer_ids to [-1, 1, 29]" not in out
+    assert "keep the draft's ids [2, 30, 58] and re-extract into a new --out with --aux-layers=2,30,58" in out
 
 
 def test_order_of_ids_does_not_matter_but_duplicates_do(tmp_path):
@@ -316,6 +320,12 @@ def test_malformed_inputs_are_one_line_errors(tmp_path):
     s = tmp_path / "str.json"
     s.write_text(json.dumps({"eagle_config": "[1, 29, 57]"}))
     one_line(*run_guard("--draft-config", s, "--dataset", ds), "eagle_config is a str, not an object")
+    # a digit str.isdigit() takes and int() refuses: one line naming the field and the file (was an internal error)
+    sup = tmp_path / "superscript"
+    sup.mkdir()
+    (sup / "manifest.json").write_text(json.dumps({"eagle3_layer_ids": [1, 29, 57], "model": {"num_hidden_layers": "²"}}))
+    one_line(*run_guard("--draft-config", ok, "--dataset", sup), "num_hidden_layers='²' is not a positive integer",
+             str(sup / "manifest.json"))
     sixty = tmp_path / "sixty"
     sixty.mkdir()
     (sixty / "manifest.json").write_text(json.dumps({"eagle3_layer_ids": [1, 29, 57],
@@ -330,3 +340,127 @@ def test_malformed_inputs_are_one_line_errors(tmp_path):
     assert mem.is_file()
     one_line(*run_guard("--draft-config", mem, "--dataset", ds), "cannot read draft config /proc/self/mem")
     one_line(*run_guard("--draft-config", ok, "--dataset", mem), "/proc/self/mem")
+
+
+# ---- issue 29 item 16: fixes a trainer can take, the target's config refused, a closed stdout --------
+
+FIX_SET = re.compile(r"set (?:eagle_config\.)?eagle_aux_hidden_state_layer_ids to (\[[^\]]*\])")
+FIX_AUX = re.compile(r"--aux-layers=(-?[0-9]+(?:,-?[0-9]+)*)")
+
+
+def fix_line(out: str) -> str:
+    lines = [x for x in out.splitlines() if x.startswith("fix: ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_suggested_ids_are_trainable_by_specforge(tmp_path):
+    """The demo's 4-layer dataset [-1, 0, 1, 2]: the ids that read it on 0.5.9 are [-1, 0, 1, 2], which
+    SpecForge (eagle_config drafts) cannot train; the guard proposes three of its layers instead, and
+    the draft config it proposes passes against the dataset it proposes."""
+    ds = manifest(tmp_path, "ds", [-1, 0, 1, 2], n=4)
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "d", [-1, 1, 2]), "--dataset", ds, "--release", "0.5.9")
+    line = fix_line(out)
+    assert rc == 1 and "[-1, 0, 1, 2]" not in FIX_SET.findall(line), line
+    assert "SpecForge trains exactly three non-negative EAGLE-3 ids" in line, line
+    assert FIX_SET.findall(line) == ["[0, 1, 2]"] and FIX_AUX.findall(line) == ["0,1,2"], line
+    three = manifest(tmp_path, "three", [0, 1, 2], n=4)
+    assert run_guard("--draft-config", draft(tmp_path, "f", [0, 1, 2]), "--dataset", three, "--release", "0.5.9")[0] == 0
+
+
+def test_release_order_is_explained(tmp_path):
+    """sglang 0.5.17 reads [1, ...] k+1 and other lists as capture indices: the guard proposes
+    [2, 3, 1] for HF [1, 2, 3] and says why (capture indices; 1 not first)."""
+    ds = manifest(tmp_path, "ds", [0, 1, 2], n=4)  # HF [1, 2, 3]
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "d", [1, 2, 3]), "--dataset", ds, "--release", "0.5.17")
+    line = fix_line(out)
+    assert rc == 1 and FIX_SET.findall(line)[0] == "[2, 3, 1]", line
+    assert "capture indices, i.e. HF indices [1, 2, 3]" in line and "a list that starts with 1 is read k+1" in line
+    # on 0.5.9 the same layers are plain output-of-layer ids: nothing to explain
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [1, 2, 3]), "--dataset", ds, "--release", "0.5.9")
+    line = fix_line(out)
+    assert FIX_SET.findall(line) == ["[0, 1, 2]"] and "capture indices" not in line.split(", or ")[0], line
+
+
+def test_every_suggestion_is_trainable_and_passes():
+    """Over datasets, drafts and releases: every eagle_config fix proposes three non-negative ids (or
+    keeps the draft's), names layers the model has, and the config it proposes passes against the
+    dataset it proposes (the same one, or the --aux-layers re-extraction)."""
+    datasets = [[-1, 1, 29], [1, 29, 57], [0, 2, 30], [-1, 0, 1, 2], [0, 1, 2], [1, 2, 3], [-1, 1, 2], [2, 30, 60],
+                [5, 9, 13, 20], [-1, 59]]
+    drafts = [[2, 30, 58], [-1, 1, 29], [1, 29, 57], [0, 2, 30], [-1, 0, 1, 2], [1, 2, 3], [2, 3, 1], [-1, 1, 1],
+              [1, 29, 61], None]
+    seen = 0
+    for n in (4, 8, 61):
+        for release in ("0.5.9", "0.5.17", "0.5.23"):
+            for unpatched in (False, True):
+                sem = guard.release_semantics(release, unpatched=unpatched)
+                rule = sem.rule if sem.series else guard.conventions.SERIES_RULE.get(sem.rule, sem.rule)
+                for ids in datasets:
+                    if max(ids) >= n:
+                        continue
+                    data = guard.DatasetLayers("ds", ids, n, "dataset", "specforge")
+                    for d in drafts:
+                        dr = guard.Draft("d", d, True, guard.EAGLE_CONFIG if d is not None else guard.NO_IDS)
+                        v = guard.check(dr, data, sem)
+                        fixes = [x for x in v.lines if x.startswith("fix: ")]
+                        if v.ok or not fixes:
+                            continue
+                        line = fixes[0]
+                        sets = [json.loads(x) for x in FIX_SET.findall(line)]
+                        auxes = FIX_AUX.findall(line)
+                        for s in sets:
+                            assert len(s) == 3 and min(s) >= 0 and len(set(s)) == 3, (n, release, ids, d, line)
+                        if not sets and not auxes:
+                            continue
+                        seen += 1
+                        proposed = dr if not sets else guard.Draft("d", sets[0], True, guard.EAGLE_CONFIG)
+                        target = data
+                        if auxes:
+                            out = sorted(set(guard.conventions.layer_output_ids(rule, [int(k) for k in auxes[0].split(",")])))
+                            assert all(-1 <= k < n for k in out), (n, release, ids, d, line)
+                            if not sets:  # re-extract only: the next alternative in the line, if any
+                                target = guard.DatasetLayers("ds", out, n, "dataset", "specforge")
+                            elif line.index("--aux-layers") < line.index(" set eagle"):
+                                target = guard.DatasetLayers("ds", out, n, "dataset", "specforge")
+                        assert guard.check(proposed, target, sem).ok, (n, release, unpatched, ids, d, line)
+    assert seen > 100, seen
+
+
+def test_a_target_models_config_is_refused(tmp_path):
+    """The target's own config.json (no eagle_config, no draft architecture) is no draft config: one
+    line saying so and what a draft config holds, exit 2. A SpecForge template without eagle_config
+    (architecture LlamaForCausalLMEagle3: the servers' defaults) is still read."""
+    ds = manifest(tmp_path, "ds", [1, 29, 57])
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                                    "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 129280}))
+    rc, out, err = run_guard("--draft-config", target, "--dataset", ds)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert "looks like a target model's config (architectures ['DeepseekV3ForCausalLM'], 61 decoder layers)" in lines[0]
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids" in lines[0] and "LlamaForCausalLMEagle3" in lines[0]
+    from eaglepatch.smoke.tinyconfig import draft_config
+
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps(draft_config(None)))
+    rc, out, err = run_guard("--draft-config", template, "--dataset", ds)
+    assert rc == 0 and "no layer ids: every server captures its defaults" in out, out + err
+
+
+@pytest.mark.parametrize("extra,want", [([], 1), (["--json"], 1), (["--release", "0.5.17"], 0)])
+def test_a_closed_stdout_ends_quietly(tmp_path, extra, want):
+    """guard.py ... | head -1: the reader is gone before the verdict is printed. The exit code is the
+    check's (1 mismatch, 0 match), and nothing is said on stderr (was: exit 2, 'Broken pipe; check
+    that path')."""
+    ds = manifest(tmp_path, "ds", [-1, 1, 29])
+    d = draft(tmp_path, "d", [2, 30, 58] if want else [-1, 1, 29])
+    r, w = os.pipe()
+    os.close(r)  # no reader: every write fails with EPIPE
+    try:
+        p = subprocess.run([sys.executable, str(GUARD), "--draft-config", str(d), "--dataset", str(ds), *extra],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (want, ""), p.stderr

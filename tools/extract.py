@@ -2,14 +2,17 @@
 """Extract EAGLE-3 training hidden states from patched SGLang servers into a dataset.
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
-      --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers -1,1,29] [--max-len 2048]
+      --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers=-1,1,29] [--max-len 2048]
 
 --server is one patched SGLang server, SGLang's router in front of several, or several servers
 (repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
-while and its requests are sent to the others. Every server must run the patched sglang with
-EAGLE3_DUMP_DIR=DIR (one directory shared by all of them; DIR as this machine sees it is --dump-dir). --format speculators also needs the last decoder layer N-1 in
-EAGLE3_DUMP_LAYERS (its output before the final norm is speculators' last slot). Rerunning with the
-same --out resumes: done samples are skipped, edited conversations are extracted again.
+while and its requests are sent to the others. Every server must run the patched sglang with the
+dump on (python3 tools/serve.py --model-path MODEL --dump-dir DIR, which sets EAGLE3_DUMP_DIR=DIR; one
+directory shared by all of them; DIR as this machine sees it is --dump-dir). --format speculators
+also needs the last decoder layer N-1 in the server's --layers (EAGLE3_DUMP_LAYERS: its output before
+the final norm is speculators' last slot). Rerunning with the same --out resumes: done samples are
+skipped, edited conversations are extracted again; dump files of this dataset's requests that no
+sample used (failed or killed runs) are reported and removed.
 Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
 """
 import argparse
@@ -33,6 +36,15 @@ def _layer_ids(text: str) -> list:
 
 
 def main(argv=None) -> int:
+    from eaglepatch.extract import detached_dash_value
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    detached = detached_dash_value(argv)  # --aux-layers -1,2: argparse would say only "expected one argument"
+    if detached is not None:
+        def refuse():
+            raise detached
+
+        return run_main(refuse)
     ap = cli.parser("extract.py", __doc__)
     ap.add_argument("--server", required=True, action="append", metavar="URL",
                     help="SGLang server or router URL, e.g. http://127.0.0.1:30000; repeat it or give a comma "
@@ -54,10 +66,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-attempts", type=int, default=3, help="attempts per sample (bad or missing dumps)")
     ap.add_argument("--aux-layers", type=_layer_ids, metavar="IDS",
                     help="EAGLE-3 ids (-1 = embedding output, k = output of layer k) of the draft's aux layers, "
-                         "e.g. -1,1,29 (default: the dumped layers except the last layer N-1)")
+                         "read as the server reads draft ids, e.g. --aux-layers=-1,1,29 (with '=': a value that "
+                         "starts with '-') (default: the dumped layers except the last layer N-1)")
     ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
                     help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
-    ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use")
+    ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use (those of requests no sample used are "
+                         "listed, not removed)")
     ap.add_argument("--limit", type=int, help="extract only the first N conversations (samples done earlier stay)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -70,12 +70,13 @@ def main(argv=None) -> int:
                 doc["patched" if a.unpatched else "unpatched"] = {
                     "ok": w.ok, "rule": other.rule, "source": other.source, "servers": w.servers,
                     "served_hf_indices": w.served_hf, "lines": w.lines}
-            print(json.dumps(doc, indent=2))
+            text = json.dumps(doc, indent=2)
         else:
-            print(v.text())
+            text = v.text()
             if w is not None:
-                print(f"\nalso {other.source.split(' (')[0]} (this reading does not decide the exit code):")
-                print("\n".join("  " + ln for ln in w.lines[2:]))
+                text += (f"\n\nalso {other.source.split(' (')[0]} (this reading does not decide the exit code):\n"
+                         + "\n".join("  " + ln for ln in w.lines[2:]))
+        guard.write_out(text)  # a closed stdout (| head -1) ends it quietly: the exit code stands
         return 0 if v.ok else 1
 
     return run_main(body)

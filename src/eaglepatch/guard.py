@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,6 +280,36 @@ def _int_list(v, where: str) -> list:
     return v
 
 
+# what only a draft's config holds: an eagle_config (SGLang/SpecForge), speculators' own fields, ids at the
+# top level (vLLM), a draft vocabulary (SpecForge and ModelOpt templates), or a draft architecture
+DRAFT_FIELDS = ("eagle_config", "speculators_model_type", "speculators_config", "eagle_aux_hidden_state_layer_ids",
+                "draft_vocab_size")
+DRAFT_ARCHITECTURE = re.compile(r"eagle|speculator", re.I)
+
+
+def _refuse_target_config(cfg: dict, path: Path) -> None:
+    """A usage error for a config that holds nothing of a draft's (``DRAFT_FIELDS``, an Eagle or
+    speculator architecture): most likely the target model's own config.json, whose layers would
+    otherwise be read as "none configured"."""
+    if any(k in cfg for k in DRAFT_FIELDS):
+        return
+    archs = cfg.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if any(DRAFT_ARCHITECTURE.search(a) for a in archs):
+        return
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    n = text.get("num_hidden_layers", cfg.get("num_hidden_layers"))
+    what = ", ".join(([f"architectures {archs}"] if archs else [])
+                     + ([f"{n} decoder layers"] if isinstance(n, int) and not isinstance(n, bool) else []))
+    looks = f"it looks like a target model's config ({what})" if what else "it is no EAGLE-3 draft's config"
+    raise UsageError(f"draft config {path}: {looks}: it has no eagle_config, no speculators_model_type, no "
+                     f"eagle_aux_hidden_state_layer_ids and no draft architecture",
+                     "pass the EAGLE-3 draft's config.json: a draft's config names a draft architecture (e.g. "
+                     "LlamaForCausalLMEagle3) and the target's layers it reads, in "
+                     "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, SpecForge) or as "
+                     "eagle_aux_hidden_state_layer_ids beside speculators_model_type (speculators, vLLM)")
+
+
 def read_draft(path: Path | str) -> Draft:
     path = Path(path)
     if path.is_dir():
@@ -289,6 +322,7 @@ def read_draft(path: Path | str) -> Draft:
         raise UsageError(f"draft config {path} is a JSON {type(cfg).__name__}, not an object", fix)
     key = "eagle_aux_hidden_state_layer_ids"
     top = cfg.get(key)
+    _refuse_target_config(cfg, path)
     if "eagle_config" in cfg and "speculators_model_type" not in cfg:
         eagle = cfg["eagle_config"]
         if not isinstance(eagle, dict):
@@ -321,7 +355,10 @@ class DatasetLayers:
 
 
 def _positive_int(v, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, str)) or not str(v).isdigit() or int(v) < 1:
+    """``v`` (an int, or a string of ASCII digits) as a positive integer; a usage error naming ``where``
+    (the file and the field) otherwise. ``str.isdigit`` is not the test: it takes "²", which ``int``
+    refuses."""
+    if isinstance(v, bool) or not isinstance(v, (int, str)) or not re.fullmatch(r"[0-9]+", str(v)) or int(v) < 1:
         raise UsageError(f"{where}={v!r} is not a positive integer", "pass a dataset written by tools/extract.py")
     return int(v)
 
@@ -402,11 +439,144 @@ def _compare(served: list, data: DatasetLayers) -> str | None:
     return None
 
 
-def _dump_layers(sem: Semantics, hf: list) -> str:
-    """EAGLE3_DUMP_LAYERS that makes the series on this release dump ``hf`` (read as draft ids are)."""
-    rule = sem.rule if sem.series else conventions.SERIES_RULE.get(sem.rule, sem.rule)
-    ids = conventions.ids_for(rule, hf)
-    return ",".join(map(str, ids if ids is not None else _ids_of(hf)))
+# ---- fixes: each valid for the draft family's trainer and explained where a release's reading shapes it ----
+
+def _dump_rule(sem: Semantics) -> str:
+    """The rule the series on this release reads ``EAGLE3_DUMP_LAYERS`` (``tools/serve.py --layers``) and
+    ``tools/extract.py --aux-layers`` by: its own on a patched tree, else the series' for that upstream."""
+    return sem.rule if sem.series else conventions.SERIES_RULE.get(sem.rule, sem.rule)
+
+
+def _reader(sem: Semantics) -> str:
+    """Who reads the ids, for a sentence: 'sglang 0.5.17 with the series', 'the tree at --sglang'."""
+    if "set_eagle3_layers_to_capture" in sem.source:
+        return "the sglang tree at --sglang"
+    return sem.source.split(" (")[0]
+
+
+def _reading_note(rule: str, reader: str, ids: list, hf: list) -> str:
+    """Why ``ids``, which ``rule`` reads as the HF indices ``hf``, are not simply the output-of-layer ids
+    (HF index - 1, ascending); empty when they are."""
+    hf = sorted(set(hf))
+    if ids == _ids_of(hf):
+        return ""
+    note = f" ({reader} reads ids by the rule '{RULES[rule]}', so these are capture indices, i.e. HF indices {hf}"
+    if ids != sorted(ids):
+        note += ("; 1 is not first because a list that starts with 1 is read k+1, and the order changes nothing "
+                 "else: SGLang feeds the layers in ascending order")
+    return note + ")"
+
+
+def _specforge_trains(ids) -> bool:
+    """SpecForge 0.2.0 trains exactly three distinct non-negative EAGLE-3 ids."""
+    return ids is not None and len(ids) == 3 and len(set(ids)) == 3 and min(ids) >= 0
+
+
+def _servable(sem: Semantics, hf: list, n: int) -> bool:
+    """Whether this tree can capture every HF index of ``hf`` (index N needs the series; index 0
+    fails where DeepSeek's residual is None at layer 0)."""
+    top = n if sem.last_ok else n - 1
+    return bool(hf) and all(0 <= h <= top for h in hf) and not (0 in hf and sem.embed_ok is False)
+
+
+def _dump_ids(sem: Semantics, hf: list) -> tuple[str, str] | None:
+    """(ids, why) of the ``EAGLE3_DUMP_LAYERS`` (= ``tools/serve.py --layers``, ``tools/extract.py
+    --aux-layers``) that the series on this release reads as the HF indices ``hf``: the ids written
+    out, and why they are written so where its reading decides ('' where they are the plain
+    output-of-layer ids); None: no list names them there."""
+    ids = conventions.ids_for(_dump_rule(sem), hf)
+    if ids is None:
+        return None
+    arg = ",".join(map(str, ids))
+    if ids == _ids_of(sorted(set(hf))):
+        return arg, ""
+    return arg, f"the series on this release reads these as capture indices, i.e. HF indices {sorted(set(hf))}"
+
+
+def _dump_clause(sem: Semantics, hf: list) -> str | None:
+    """How to dump the HF indices ``hf``: 'python3 tools/serve.py --layers=IDS (EAGLE3_DUMP_LAYERS)'."""
+    got = _dump_ids(sem, hf)
+    if got is None:
+        return None
+    ids, note = got
+    return f"python3 tools/serve.py --layers={ids} (EAGLE3_DUMP_LAYERS={ids}{'; ' + note if note else ''})"
+
+
+def _reextract(sem: Semantics, hf: list) -> str | None:
+    """'re-extract ...': a dataset of the HF indices ``hf`` (what the draft is served), or None."""
+    got = _dump_ids(sem, hf)
+    if got is None:
+        return None
+    ids, note = got
+    return (f"re-extract into a new --out with --aux-layers={ids} from a server started with python3 tools/serve.py "
+            f"--layers={ids} (EAGLE3_DUMP_LAYERS={ids}{'; ' + note if note else ''})")
+
+
+def _specforge_layers(draft: Draft, data: DatasetLayers, sem: Semantics, served: list) -> tuple[list, str] | None:
+    """(HF indices, whose) of three layers a SpecForge draft can be trained on and served under ``sem``:
+    the draft's own layers when its ids qualify ('draft'), else three of the dataset's ('dataset'),
+    else SGLang's defaults or the last three layers before N-1 ('other'); None: the model has none."""
+    n = data.num_layers
+
+    def ok(hf):
+        return len(set(hf)) == 3 and _servable(sem, hf, n) and _specforge_trains(sem.ids_for(hf))
+
+    if (draft.layer_ids is not None and _specforge_trains(draft.layer_ids) and ok(served)
+            and sorted(sem.capture(draft.layer_ids)) == served):
+        return served, "draft"
+    mine = [h for h in data.hf if 1 <= h <= n - 1]
+    if len(mine) >= 3 and ok(mine[-3:]):
+        return mine[-3:], "dataset"
+    for cand in (sorted(set(_default_hf(n))), list(range(1, n))[-3:]):
+        if ok(cand):
+            return cand, "other"
+    return None
+
+
+def _sglang_fix(draft: Draft, data: DatasetLayers, sem: Semantics, served: list) -> str:
+    """The fix line of SGLang's reading: ids that the family's trainer can train (SpecForge: three
+    non-negative ids) and this release reads as the dataset's layers, or a dataset of layers that
+    such ids name; each list explained where the release's reading decides its values or order."""
+    n = data.num_layers
+    where = ("eagle_aux_hidden_state_layer_ids" if draft.family == EAGLE_CONFIG
+             else "eagle_config.eagle_aux_hidden_state_layer_ids")
+    specforge = draft.family in (EAGLE_CONFIG, NO_IDS)  # SpecForge trains (and writes) these configs
+    reader = _reader(sem)
+    draft_ok = (not specforge or draft.layer_ids is None or _specforge_trains(draft.layer_ids)) and (
+        len(served) == 3 or not specforge)
+    again = _reextract(sem, served) if draft_ok and _servable(sem, served, n) else None
+    if data.kind == "dump":
+        dump = _dump_clause(sem, served) if _servable(sem, served, n) else None
+        return (f"fix: dump the layers the draft is served ({dump})" if dump else
+                f"fix: name layers of the dump (HF indices {data.hf}) in the draft config")
+    ids = sem.ids_for(data.hf) if _servable(sem, data.hf, n) else None
+    if ids is not None and (not specforge or _specforge_trains(ids)):
+        return (f"fix: set {where} to {ids} in the draft config{_reading_note(sem.rule, reader, ids, data.hf)}"
+                + (f", or {again}" if again else ""))
+    if ids is None:
+        why = ("index 0, the embedding output, fails in this tree" if 0 in data.hf and sem.embed_ok is False
+               else f"index {n}, the last layer before the final norm, needs the series" if n in data.hf
+               and not sem.last_ok else "no list of ids is read as them")
+        return (f"fix: no draft config makes {reader} serve the dataset's HF indices {data.hf} ({why})"
+                + (f"; {again}" if again else "; serve with the series (python3 tools/apply.py)"))
+    # the ids that read the dataset's layers are ids SpecForge cannot train
+    head = (f"fix: SpecForge trains exactly three non-negative EAGLE-3 ids, and the ids {reader} reads as this "
+            f"dataset's {len(data.layer_ids)} layers are {ids}")
+    pick = _specforge_layers(draft, data, sem, served)
+    if pick is None:
+        return head + f"; a {n}-layer model has no three layers such ids name under this release"
+    hf, whose = pick
+    three = sem.ids_for(hf)
+    got = _dump_ids(sem, hf)  # HF indices >= 1: the series reads them as this release does
+    arg = got[0] if got else ",".join(map(str, three))
+    again = _reextract(sem, hf) or f"re-extract into a new --out with --aux-layers={arg}"
+    if whose == "draft":
+        return head + f": keep the draft's ids {draft.layer_ids} and {again}"
+    setting = f"set {where} to {three}{_reading_note(sem.rule, reader, three, hf)}"
+    if whose == "dataset":
+        return (head + f": re-extract three of its layers (HF indices {hf}) into a new --out with --aux-layers={arg} "
+                f"(the server dumps them already) and {setting}")
+    return head + f": {again}, and {setting}"
 
 
 def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list, str | None]:
@@ -440,18 +610,7 @@ def _sglang(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, li
     why = _compare(served, data)
     if why:
         problems.insert(0, why)
-    fix = None
-    if problems:
-        fix_ids = sem.ids_for(data.hf) if data.kind == "dataset" else None
-        where = "eagle_config.eagle_aux_hidden_state_layer_ids"
-        if fix_ids is not None:
-            fix = (f"fix: set {where.split('.')[-1] if draft.family == EAGLE_CONFIG else where} to {fix_ids} in "
-                   f"the draft config (under this release's convention), or re-extract with "
-                   f"EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
-        else:
-            fix = ("fix: no draft config can request these layers under this release; re-extract with "
-                   f"EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
-    return problems, desc, served, fix
+    return problems, desc, served, _sglang_fix(draft, data, sem, served) if problems else None
 
 
 def _vllm(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list, list, str | None]:
@@ -471,8 +630,10 @@ def _vllm(draft: Draft, data: DatasetLayers, sem: Semantics) -> tuple[list, list
         problems.insert(0, why)
     fix = None
     if problems:
+        # speculators trains distinct HF indices 0..N: the dataset's always are
+        again = _reextract(sem, served) if served and not bad and len(set(hf)) == len(hf) else None
         fix = (f"fix: set eagle_aux_hidden_state_layer_ids to {data.hf} (HF indices, as speculators and "
-               f"vLLM read them), or re-extract with EAGLE3_DUMP_LAYERS={_dump_layers(sem, served)}")
+               f"vLLM read them)" + (f", or {again}" if again else ""))
     return problems, desc, served, fix
 
 
@@ -519,3 +680,21 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
     lines += _training_warnings(draft, data)
     lines += [s["fix"] for s in servers.values() if s["fix"]]
     return Verdict(ok, lines, servers)
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+def write_out(text: str) -> None:
+    """``text`` and a newline on stdout, flushed. A reader that has closed the pipe (``guard.py ... |
+    head -1``) ends the output quietly: stdout goes to /dev/null from then on, so neither this write
+    nor the flush at exit reports anything, and the verdict's exit code stands."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+            pass

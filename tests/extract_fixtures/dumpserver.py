@@ -16,11 +16,13 @@
 ``layer.<k>`` rows are a function of the prompt's own ids (``expected_rows``), so a test can see
 whose rows a sample holds. ``meta`` overrides metadata fields (another model, dtype, series...);
 ``plan`` maps a prompt key to actions, one per request with that prompt: ``"503"`` (refused before
-the prefill), ``"lose"`` (answered, never written), ``"rid"`` / ``"prompt"`` / ``"embeds"`` (written
-with another rid, another prompt key, ``input_source=input_embeds``), or a dict (written with those
-metadata fields). ``requests`` lists (rid,
-prompt key) of every ``/generate``, ``flushes`` counts flush calls; ``health`` is the status of
-``GET /health`` (503: SGLang during its warm-up, whose requests are not dumped).
+the prefill), ``"lose"`` (answered, never written), ``"late"`` (written by the flush after the next
+one: a file that comes after its client gave up), ``"hang"`` (written at once, answered only when
+``release`` is set), ``"rid"`` / ``"prompt"`` / ``"embeds"`` (written with another rid, another prompt
+key, ``input_source=input_embeds``), or a dict (written with those metadata fields). ``requests``
+lists (rid, prompt key) of every ``/generate``, ``sampling`` its ``sampling_params``, ``flushes``
+counts flush calls; ``health`` is the status of ``GET /health`` (503: SGLang during its warm-up,
+whose requests are not dumped).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ class DumpServer(LoopbackServer):
         self.health = 200  # /health's status (SGLang: 503 while its warm-up runs)
         self.plan: dict[str, list] = {}
         self.requests: list = []
+        self.sampling: list = []
         self.flushes = 0
         self.queue: list = []
+        self.later: list = []  # "late" jobs: queued by the next flush, written by the one after
+        self.release = threading.Event()  # answers the "hang" requests
         self.lock = threading.Lock()
         server = self
 
@@ -102,11 +107,18 @@ class DumpServer(LoopbackServer):
                 pk = prompt_key(ids)
                 with server.lock:
                     server.requests.append((rid, pk))
+                    server.sampling.append(body.get("sampling_params"))
                     todo = server.plan.get(pk)
                     action = todo.pop(0) if todo else None
                 if action == "503":
                     return self._reply(503, {"error": "injected"})
-                if action != "lose":
+                if action == "late":
+                    with server.lock:
+                        server.later.append((rid, ids, None))
+                elif action == "hang":
+                    server._write(rid, ids, None)
+                    server.release.wait(300)
+                elif action != "lose":
                     job = (rid, ids, action)
                     if server.write == "now":
                         server._write(*job)
@@ -119,7 +131,7 @@ class DumpServer(LoopbackServer):
 
     def flush(self) -> dict:
         with self.lock:
-            jobs, self.queue = self.queue, []
+            jobs, self.queue, self.later = self.queue, self.later, []
         for job in jobs:
             self._write(*job)
         return {"written": len(jobs), "failed": 0, "dropped": 0, "skipped": 0}

@@ -39,6 +39,23 @@ def install_fix(fmt: str, missing) -> str:
     return extra
 
 
+def detached_dash_value(argv, flag: str = "--aux-layers"):
+    """A ``UsageError`` when ``flag`` (or an abbreviation argparse would take) is followed by a
+    separate value that starts with '-' and is not a plain number (``--aux-layers -1,2``): argparse
+    reads such a value as an option and says only "expected one argument". None otherwise."""
+    import re
+
+    from ..errors import UsageError
+
+    for i, arg in enumerate(argv[:-1]):
+        if len(arg) >= 3 and flag.startswith(arg):
+            value = argv[i + 1]
+            if re.match(r"-[0-9]", value) and not re.fullmatch(r"-[0-9]+|-[0-9]*\.[0-9]+", value):
+                return UsageError(f"{arg} {value}: a value that starts with '-' must be joined to its flag with '='",
+                                  f"write {flag}={value}")
+    return None
+
+
 def __getattr__(name):
     if name in __all__:
         from . import run

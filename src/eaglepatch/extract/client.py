@@ -27,8 +27,8 @@ Flush (``flush``): ``POST /eagle3_dump/flush`` returns once every request the se
 before it is on disk. Behind SGLang's router, which has no such route (it answers 404), every
 replica the router lists (``GET /workers``) is flushed. Flushes of one server are coalesced: a
 caller whose answer came before a flush of that server started, and that flush succeeded, is
-covered by it and sends none. A server (or replica) answering 404 runs a series without the flush:
-``NoFlush``.
+covered by it and sends none. A server (or replica) answering 404 has no flush: ``NoFlush`` (its dump
+is off, or it runs a series before the flush; ``run`` tells which from the dump directory).
 """
 
 from __future__ import annotations
@@ -52,8 +52,15 @@ class RequestError(Exception):
 
 
 class NoFlush(Exception):
-    """A server (or a replica behind the router) without ``POST /eagle3_dump/flush``; the message
-    names its URL."""
+    """A server (or a replica behind the router) without ``POST /eagle3_dump/flush``: a patched
+    server whose dump is off (it adds the route only with ``EAGLE3_DUMP_DIR`` set), an unpatched
+    one, or one of a series before the flush. ``url``: that server or replica; ``router``: the
+    router it is behind, or None."""
+
+    def __init__(self, url: str, router: str | None = None):
+        behind = f" (a replica behind the router {router})" if router else ""
+        super().__init__(f"{url}{FLUSH}{behind} answered HTTP 404")
+        self.url, self.router = url, router
 
 
 FLUSH = "/eagle3_dump/flush"
@@ -97,13 +104,14 @@ class SGLangClient:
         """Server ``i``'s answer to ``GET /get_model_info`` (raises what requests raises)."""
         return self._session(i).get(self.urls[i] + "/get_model_info", timeout=timeout)
 
-    def check_reachable(self) -> None:
+    def check_reachable(self, start: str = "python3 tools/serve.py --model-path MODEL --dump-dir DIR") -> None:
         """Every server answers ``/get_model_info`` with JSON and is past its warm-up (``/health`` not
-        503), in order; a usage error names the first that is not."""
+        503), in order; a usage error names the first that is not, and how to ``start`` one (the
+        patched server with the dump on)."""
         for i, url in enumerate(self.urls):
-            fix = "start it (python -m sglang.launch_server ...) or fix --server"
+            fix = f"start it with {start} (the patched SGLang with the dump on) or fix --server"
             if len(self.urls) > 1:
-                fix = "start it or leave it out of --server"
+                fix = f"start it ({start}) or leave it out of --server"
             try:
                 r = self._get_model_info(i, min(self.timeout, 30))
             except (requests.RequestException, ValueError) as exc:  # ValueError: a URL urllib3 cannot parse
@@ -235,8 +243,7 @@ class SGLangClient:
                 return [f"{url}{FLUSH}: {why}"] if why else []
             replicas = self._replicas(i)
             if replicas is None:
-                raise NoFlush(f"{url}{FLUSH} answered HTTP 404: the server runs a patch series without the dump "
-                              f"flush (before 0.5.9-4, 0.5.17-3, 0.5.23-4)")
+                raise NoFlush(url)
             self._router[i] = True
             self.log(f"{url} is SGLang's router ({len(replicas)} replicas): its replicas are flushed directly")
         else:
@@ -247,8 +254,7 @@ class SGLangClient:
         for r in replicas:
             status, why = self._flush_one(r, r)
             if status == 404:
-                raise NoFlush(f"{r}{FLUSH} (a replica behind the router {url}) answered HTTP 404: it runs a patch "
-                              f"series without the dump flush (before 0.5.9-4, 0.5.17-3, 0.5.23-4)")
+                raise NoFlush(r, router=url)
             if why:
                 problems.append(f"{r}{FLUSH} (behind {url}): {why}")
         return problems

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +180,64 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
         else:
             layers[name] = t
     return Dump(path, meta, layer_ids, {f"layer.{k}": layers[f"layer.{k}"] for k in layer_ids}, final, ids)
+
+
+RID_PATTERN = re.compile(RID_PREFIX + "[0-9a-f]{32}")
+
+
+@dataclass
+class Sweep:
+    """What ``sweep_unused`` found: files removed, files left (``--keep-dumps``, or not removable),
+    and the requests to look for again (no file yet: it may still be written)."""
+    removed: list
+    left: list
+    pending: list
+
+
+def sweep_unused(entries, used, keep_files: bool, now: float, keep_s: float) -> Sweep:
+    """The dump files of this client's own requests (``entries``: {"rid", "dir", "t"} as
+    ``record.note_request`` wrote them) that no sample used (``used``: rids of done samples): removed,
+    or only listed with ``keep_files``. Only a file named sha256(rid) whose metadata names that same
+    rid is touched: a rid of another form, or a file of another request at that name, is never
+    another client's file to remove. A request whose file is not there is looked for again until
+    ``keep_s`` seconds after it was sent (a server may write it late)."""
+    out = Sweep([], [], [])
+    seen = set()
+    for e in entries:
+        rid, where = e.get("rid"), e.get("dir")
+        if not (isinstance(rid, str) and RID_PATTERN.fullmatch(rid) and isinstance(where, str)) or rid in used \
+                or rid in seen:
+            continue
+        seen.add(rid)
+        path = dump_path(where, rid_key(rid))
+        try:
+            regular = stat.S_ISREG(os.lstat(path).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            t = e.get("t")
+            if isinstance(t, (int, float)) and now - t < keep_s:
+                out.pending.append(e)
+            continue
+        try:
+            mine = read_metadata(path).get("rid") == rid
+        except Exception:  # not a safetensors file this client can read: not touched
+            mine = False
+        if not mine:
+            continue
+        if keep_files:
+            out.left.append(path)
+            out.pending.append(e)
+            continue
+        try:
+            os.unlink(path)
+            out.removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            out.left.append(path)
+            out.pending.append(e)
+    return out
 
 
 def remove_quietly(path: Path) -> None:

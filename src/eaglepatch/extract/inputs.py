@@ -139,10 +139,34 @@ def check_options(o: Options) -> None:
         raise UsageError(f"--out {out} exists and is not a directory", "pass a new or existing dataset directory")
 
 
-def read_inputs(o: Options) -> Inputs:
+def check_aux_range(o: Options, num_layers: int) -> None:
+    """``--aux-layers`` ids that name no layer of the model under any reading: an id is an
+    output-of-layer id (-1..N-1) or, where the server reads ids as capture indices, an index 0..N;
+    anything above N is no layer (refused before any request; the reading is checked at the first
+    dump, ``writers.resolve_layout``)."""
+    if o.aux_layers is None:
+        return
+    bad = sorted({k for k in o.aux_layers if k > num_layers})
+    if bad:
+        typed = ",".join(map(str, o.aux_layers))
+        raise UsageError(f"--aux-layers={typed} names layer {', '.join(map(str, bad))}, which the {num_layers}-layer "
+                         f"model {o.model} does not have (ids are -1 for the embedding output and 0..{num_layers - 1} "
+                         f"for the output of layer k; at most {num_layers} where the server reads ids as capture "
+                         f"indices)", "pass --aux-layers= with layers of that model")
+
+
+def read_inputs(o: Options, check_server=None) -> Inputs:
+    """Stage 1. ``check_server`` (no argument) runs once the conversations to extract are known, when
+    there are any, before the tokenizer loads: an unreachable server is named without waiting for
+    transformers to import."""
     cfg = model_config(o.model)
+    check_aux_range(o, cfg["num_hidden_layers"])
     all_convs = load_conversations(o.data)
     convs = all_convs[: o.limit] if o.limit is not None else all_convs
+    done = rec_mod.load_done(Path(o.out), all_convs)
+    pending = [c for c in convs if c.id not in done]
+    if pending and check_server is not None:  # a finished dataset reruns without a server
+        check_server()
     tok = ChatTokenizer(o.tokenizer or o.model, trust_remote_code=o.trust_remote_code, mask_method=o.mask)
     if len(tok) > cfg["vocab_size"]:
         raise UsageError(f"the tokenizer in {tok.path} has {len(tok)} tokens but the model's vocab_size is "
@@ -161,6 +185,4 @@ def read_inputs(o: Options) -> Inputs:
             raise UsageError(f"{o.out} holds aux layers (output-of-layer ids) {lay.get('aux')}, --aux-layers "
                              f"{','.join(map(str, o.aux_layers))} asks {asked} ({conventions.RULES[rule]})",
                              "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
-    done = rec_mod.load_done(Path(o.out), all_convs)
-    pending = [c for c in convs if c.id not in done]
     return Inputs(cfg, all_convs, convs, tok, done, pending, settings)

@@ -8,6 +8,9 @@
   token), appended after its file is in place. A sample is done when its latest line carries the
   fingerprint of the conversation as the input has it now and its file has the recorded size;
   a conversation edited between runs is extracted again (into the same file, named by its id).
+- ``.extract-requests.jsonl``: the rid of every request sent (appended before it is sent); the dump
+  files of requests no sample used are removed at the start and the end of every run, and only the
+  requests whose file may still come stay listed (``dumps.sweep_unused``).
 - ``manifest.json``: rewritten atomically at the end of every run, listing the done samples of every
   conversation in the input file (``--limit`` limits what a run extracts, not what the dataset
   holds); sample files no done record names are deleted first (``remove_orphans``).
@@ -19,6 +22,7 @@ import errno
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 from .. import conventions
@@ -35,6 +39,11 @@ COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
 # (``dump_meta``) with the first sample, compared with every dump of every run (``run.Extractor.validate``)
 PROVENANCE = ("model_path", "architecture", "dtype", "hidden_size", "num_hidden_layers", "eagle3_layer_ids",
               "hf_hidden_state_indices", "final", "series_version", "sglang_version")
+
+
+# the rids of the requests the dataset's runs sent (one line each, before the request): their dump files
+# are this client's own, removed when no sample used them (``dumps.sweep_unused``; ``run.Extractor``)
+REQUESTS_FILE = ".extract-requests.jsonl"
 
 
 class Fatal(UsageError):
@@ -135,6 +144,52 @@ def append_progress(out: Path, rec: dict) -> None:
     except OSError as exc:
         raise Fatal(f"cannot record progress in {out} ({exc.strerror or exc})",
                     "free space or fix permissions on --out and rerun (done samples are kept)") from None
+
+
+def note_request(out: Path, rid: str, dump_dir: Path) -> None:
+    """Record that this client sends a request ``rid`` whose dump file lands in ``dump_dir`` (before it
+    is sent: a run killed after it still knows the file is its own)."""
+    line = (json.dumps({"rid": rid, "dir": str(dump_dir), "t": round(time.time(), 3)}) + "\n").encode()
+    try:
+        fd = os.open(Path(out) / REQUESTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write on an O_APPEND fd: whole, or torn (ignored on read)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise Fatal(f"cannot record a request in {out} ({exc.strerror or exc})",
+                    "free space or fix permissions on --out and rerun (done samples are kept)") from None
+
+
+def read_requests(out: Path) -> list:
+    """The requests ``note_request`` recorded (torn or foreign lines skipped)."""
+    try:
+        text = (Path(out) / REQUESTS_FILE).read_text(errors="replace")
+    except OSError:
+        return []
+    entries = []
+    for raw in text.splitlines():
+        try:
+            e = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(e, dict):
+            entries.append(e)
+    return entries
+
+
+def write_requests(out: Path, entries: list) -> None:
+    """Keep only ``entries`` in the requests file (none: no file)."""
+    path = Path(out) / REQUESTS_FILE
+    if not entries:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the old file stays: a later run looks at its requests again
 
 
 def remove_orphans(out: Path, fmt: str, done: dict) -> int:

@@ -27,6 +27,12 @@ with every later dump, in this run and in every resumed one: a dump of another m
 layer set or series stops the run (exit 2) before its sample is written, naming the field, both
 values and the server.
 
+Every request's rid is recorded in OUT (``record.REQUESTS_FILE``) before it is sent. At the start
+and at the end of every run (also one stopped by an error or Ctrl-C), the dump files of recorded
+requests that no sample used (failed samples, a killed run's requests in flight) are reported and
+removed (kept with ``--keep-dumps``): only files named by this dataset's own rids and holding them,
+never another client's (``sweep_unused``).
+
 At the end (``finish``) the dataset is made to hold exactly the samples of the conversations in
 ``--data`` as it is now: sample files of conversations removed from it (or edited since and not
 extracted again) are deleted, then the speculators table and the manifest are written from the
@@ -53,11 +59,28 @@ from .client import NoFlush, RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
 from .record import PROVENANCE, Fatal
 from .tokenize import MaskError
-from .writers import Layout, publish_speculators, resolve_layout, sample_rel, stale_temporaries, write_sample
+from .writers import (Layout, publish_speculators, resolve_layout, restart_with, sample_rel, stale_temporaries,
+                      write_sample)
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
 _LISTS = ("eagle3_layer_ids", "hf_hidden_state_indices")
+UNUSED_KEEP_S = 24 * 3600  # a request without its file is looked for this long (a server may write it late)
+
+
+def _serve_tool() -> str:
+    """tools/serve.py as a path that works from the current directory (else as the README names it)."""
+    p = Path(__file__).resolve().parents[3] / "tools" / "serve.py"
+    if not p.is_file():
+        return "tools/serve.py"
+    try:
+        rel = os.path.relpath(p)
+    except ValueError:
+        return str(p)
+    return rel if not rel.startswith("..") else str(p)
+
+
+_SERVE = _serve_tool()
 
 
 @dataclass
@@ -88,17 +111,24 @@ class Extractor:
         self.dump_ids: list | None = None
         self.provenance: dict | None = None  # field -> value every dump must have (PROVENANCE)
         self.bad_dumps = 0
+        self.unused: set = set()  # rids of this run's requests whose dump no sample has used yet
+        self.earlier_removed = 0  # unused dump files of earlier runs removed at the start
+        self.reading: str | None = None  # the dataset's layer-id reading (its first dump's), once known
+
+    def serve_hint(self) -> str:
+        """How to start the patched server with the dump on for this run (its flag form)."""
+        return f"python3 {_SERVE} --model-path {self.o.model} --dump-dir {self.o.dump_dir}"
 
     def run(self) -> int:
         import fcntl
 
         o = self.o
         check_options(o)
-        inp = read_inputs(o)
         client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log,
                               flush_timeout=o.dump_timeout)
-        if inp.pending:  # a finished dataset reruns without a server
-            client.check_reachable()
+        # the server is asked before the tokenizer loads (transformers takes seconds to import); a finished
+        # dataset reruns without a server
+        inp = read_inputs(o, check_server=lambda: client.check_reachable(self.serve_hint()))
         out = Path(o.out)
         created = not out.exists()
         top = out  # the outermost directory this run creates
@@ -119,6 +149,8 @@ class Extractor:
             return self._run_locked(inp, client)
         finally:
             os.close(fd)
+            if not inp.settings.saved:  # nothing recorded: no state of this run stays (its requests swept)
+                (out / rec_mod.REQUESTS_FILE).unlink(missing_ok=True)
             if created and not inp.settings.saved:  # nothing recorded: leave no directory behind
                 _remove_empty_tree(top)
 
@@ -129,16 +161,53 @@ class Extractor:
         recorded = inp.settings.data.get("dump_meta") or {}
         if recorded:  # a resumed dataset: every dump of this run is compared with its first
             self.provenance = {k: _norm(k, recorded[k]) for k in PROVENANCE if k in recorded}
+            self.reading = recorded.get("layer_id_reading")
+        self.earlier_removed = self.sweep_unused(inp, earlier=True)
         t0 = time.monotonic()
         outcomes: list[Outcome] = []
         if inp.pending:
             self.log(f"extracting {len(inp.pending)} of {len(inp.convs)} conversations "
                      f"({len(inp.convs) - len(inp.pending)} already done) from {client.describe()} into {o.out} "
                      f"(--format {o.format})")
-            outcomes = self._run_pending(inp, client, t0)
+            try:
+                outcomes = self._run_pending(inp, client, t0)
+            except BaseException:  # a stopped run reports and removes its unused dumps too
+                try:
+                    self.sweep_unused(inp, earlier=False)
+                except Exception:  # the stop's own error is the one to report
+                    pass
+                raise
         else:
             self.log(f"nothing to do: all {len(inp.convs)} conversations are already in {o.out}")
         return self.finish(inp, outcomes, time.monotonic() - t0, client)
+
+    def sweep_unused(self, inp: Inputs, earlier: bool) -> int:
+        """Report, and remove (not with ``--keep-dumps``), the dump files of this dataset's own requests
+        that no sample used: at the start (``earlier``: what killed or failed runs left) and at the end
+        of the run (what this run's failed samples left). Only requests recorded in
+        ``REQUESTS_FILE`` are looked at, so no other client's file is touched. Returns how many were
+        removed."""
+        o = self.o
+        out = Path(o.out)
+        entries = rec_mod.read_requests(out)
+        if not entries:
+            return 0
+        used = {r["rid"] for r in inp.done.values() if isinstance(r.get("rid"), str)}
+        sw = dumps_mod.sweep_unused(entries, used, o.keep_dumps, time.time(), UNUSED_KEEP_S)
+        rec_mod.write_requests(out, sw.pending)
+        where = ", ".join(sorted({str(p.parent) for p in sw.removed + sw.left}))
+        who = (f"earlier runs on {out} requested and never used (failed or interrupted samples)" if earlier else
+               "this run requested and did not use (failed samples, or files written after it gave up on them)")
+        if sw.removed:
+            self.log(f"removed {len(sw.removed)} dump file(s) from {where} that {who}")
+        if sw.left:
+            why = "--keep-dumps" if o.keep_dumps else "they could not be removed"
+            self.log(f"{len(sw.left)} dump file(s) in {where} that {who} are left there ({why})")
+        late = [e for e in sw.pending if e["rid"] in self.unused] if not earlier else []
+        if late and inp.settings.saved:  # (a run that recorded nothing keeps no state: ``run``)
+            self.log(f"{len(late)} request(s) of this run's failed samples have no dump file yet; the next run on "
+                     f"{out} removes any that appears")
+        return len(sw.removed)
 
     def _run_pending(self, inp: Inputs, client: SGLangClient, t0: float) -> list:
         from tqdm import tqdm
@@ -203,6 +272,9 @@ class Extractor:
         out.rid = dumps_mod.new_rid()
         out.key = dumps_mod.rid_key(out.rid)
         path = dumps_mod.dump_path(o.dump_dir, out.key)
+        with self.lock:
+            self.unused.add(out.rid)
+        rec_mod.note_request(Path(o.out), out.rid, Path(o.dump_dir))  # before it is sent: the file is ours
         last = ""
         for attempt in range(1, o.max_attempts + 1):
             out.attempts = attempt
@@ -225,6 +297,8 @@ class Extractor:
             self.write(conv, dump, mask, out)
             if not o.keep_dumps:
                 dumps_mod.remove_quietly(path)
+            with self.lock:
+                self.unused.discard(out.rid)
             return out
         out.reason = last
         return out
@@ -274,8 +348,7 @@ class Extractor:
             try:
                 problems = client.flush(i, answered)
             except NoFlush as exc:
-                raise Fatal(str(exc), "patch that server with this checkout's series (python3 tools/apply.py, or "
-                                      "tools/serve.py --sglang) and restart it; upgrade the series on every replica") from None
+                raise Fatal(*self.no_flush(exc, ids, path)) from None
         if path.exists():
             return "", False, url
         said = (answer.get("meta_info") or {}).get("id") if isinstance(answer, dict) else None
@@ -287,6 +360,25 @@ class Extractor:
         if probe is not None:
             raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), what))
         return f"no dump file {path.name} for {what} after the flush", True, url
+
+    def no_flush(self, exc: NoFlush, ids, path: Path) -> tuple[str, str]:
+        """(problem, fix) for a server (or replica) without ``POST /eagle3_dump/flush``. A patched
+        server adds the route only when its dump is on, so a server that wrote no file for the request
+        runs with the dump off; one that wrote it (by the rid, or by the prompt as series before issue
+        19 named files) runs a series before the flush."""
+        prompt = dumps_mod.dump_path(self.o.dump_dir, dumps_mod.prompt_key(ids))
+        for _ in range(10):  # a series before the flush writes on a thread of its own: a moment later
+            if path.exists() or prompt.exists():
+                return (f"{exc}: it writes dump files but runs a patch series without the dump flush (before "
+                        f"0.5.9-4, 0.5.17-3, 0.5.23-4)",
+                        "upgrade the series on every server (python3 tools/apply.py, or python3 tools/serve.py "
+                        f"--sglang ROOT) and restart it: {self.serve_hint()}")
+            time.sleep(0.1)
+        return (f"{exc}: the dump is off on that server (it was started without EAGLE3_DUMP_DIR; a patched server "
+                f"adds the flush only with its dump on) and it wrote no dump file for the request",
+                f"restart it with the dump on: {self.serve_hint()} (it sets EAGLE3_DUMP_DIR); an unpatched server, "
+                f"or one of a series before 0.5.9-4, 0.5.17-3, 0.5.23-4, has no flush either: upgrade it with this "
+                f"checkout's series")
 
     def validate(self, path: Path, ids, rid: str, cfg: dict, url: str):
         """Stage 4. The dump, checked against the request (rid, prompt, ids), the model, the dataset's
@@ -318,10 +410,15 @@ class Extractor:
         for k, want in self.provenance.items():
             have = _norm(k, dump.meta.get(k))
             if have != want:
+                fix = ("serve the dataset's model with its dtype, layers and patch series on every server to resume, "
+                       "or pass a new --out")
+                if k in _LISTS and isinstance(want, list):
+                    rule = self.reading or conventions.dump_rule(dump.meta)
+                    layers = [h - 1 for h in want] if k == "hf_hidden_state_indices" else want
+                    fix = (f"restart every server with the dataset's layers ({restart_with(rule, layers)}) to resume, "
+                           f"or pass a new --out")
                 raise Fatal(f"the dump {dump.path.name} from {url} has {k}={have!r} but the dataset {self.o.out} was "
-                            f"extracted from dumps with {k}={want!r}",
-                            "serve the dataset's model with its dtype, EAGLE3_DUMP_LAYERS and patch series on every "
-                            "server to resume, or pass a new --out")
+                            f"extracted from dumps with {k}={want!r}", fix)
 
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
@@ -329,14 +426,18 @@ class Extractor:
         want = self.layout.aux if self.layout else (
             conventions.layer_output_ids(rule, self.o.aux_layers) if self.o.aux_layers is not None else None)
         lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
-                             list(want) if want is not None else None)  # LayoutError: a usage error, exit 2
+                             list(want) if want is not None else None, rule=rule,
+                             asked=self.o.aux_layers if self.layout is None else None)  # LayoutError: exit 2
         if self.layout is not None and lay != self.layout:
+            layers = (self.provenance or {}).get("eagle3_layer_ids")
+            how = f" ({restart_with(rule, layers)})" if isinstance(layers, list) else ""
             raise Fatal(f"the server's dump gives layout {lay.to_json()} but {self.o.out} holds {self.layout.to_json()}",
-                        "restart the server with the dataset's EAGLE3_DUMP_LAYERS, or pass a new --out")
+                        f"restart the server with the dataset's layers{how}, or pass a new --out")
         self.layout, self.dump_ids = lay, list(dump.layer_ids)
         self.dump_meta = {k: dump.meta.get(k) for k in (*PROVENANCE, "tp_size")}
         self.dump_meta.update({k: _norm(k, dump.meta.get(k)) for k in _LISTS})
         self.dump_meta["layer_id_reading"] = rule
+        self.reading = self.reading or rule
 
     def write(self, conv, dump, mask, out: Outcome) -> None:
         """Stage 5."""
@@ -387,8 +488,10 @@ class Extractor:
         failed = [x for x in outcomes if x.status == "failed"]
         skipped = [x for x in outcomes if x.status == "skipped"]
         retried = client.retried
+        unused = self.sweep_unused(inp, earlier=False)
         last_run = {"wall_s": round(wall, 3), "extracted": len(ok), "failed": len(failed), "skipped": len(skipped),
                     "bad_dumps_rejected": self.bad_dumps, "request_retries": retried, "stale_samples_removed": removed,
+                    "unused_dumps_removed": {"earlier_runs": self.earlier_removed, "this_run": unused},
                     "servers": [{"url": u, "answered": n, "put_aside": a, "flushes": f}
                                 for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)]}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)

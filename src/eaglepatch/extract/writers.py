@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import conventions
 from ..errors import UsageError
 
 FORMATS = ("specforge", "speculators")
@@ -72,29 +73,63 @@ class Layout:
         return cls(d["format"], tuple(d["aux"]), d["last"], d["num_layers"])
 
 
-def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, aux=None) -> Layout:
-    """The layout for ``fmt`` from the layers the server dumps; ``aux`` (EAGLE-3 ids) defaults to
-    every dumped layer except the last decoder layer N-1."""
+def layers_arg(rule: str, out_ids) -> str:
+    """The ``tools/serve.py --layers`` (= ``EAGLE3_DUMP_LAYERS``) value that a server reading ids by
+    ``rule`` reads as the output-of-layer ids ``out_ids``: those ids where it reads them so, else the
+    list ``conventions.ids_for`` writes (capture indices on 0.5.14+)."""
+    out_ids = sorted(set(out_ids))
+    if conventions.layer_output_ids(rule, out_ids) == out_ids:
+        ids = out_ids
+    else:
+        ids = conventions.ids_for(rule, [k + 1 for k in out_ids]) or out_ids
+    return ",".join(map(str, ids))
+
+
+def restart_with(rule: str, out_ids) -> str:
+    """How to restart the server dumping the output-of-layer ids ``out_ids``, in the flag the user
+    typed (``tools/serve.py --layers=``) and the variable it sets."""
+    arg = layers_arg(rule, out_ids)
+    return f"python3 tools/serve.py --layers={arg} ... (EAGLE3_DUMP_LAYERS={arg} when you start sglang yourself)"
+
+
+def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, aux=None,
+                   rule: str = conventions.PLUS_ONE, asked=None) -> Layout:
+    """The layout for ``fmt`` from the layers the server dumps; ``aux`` (output-of-layer ids)
+    defaults to every dumped layer except the last decoder layer N-1. ``asked``: the ``--aux-layers``
+    ids as typed (read by ``rule``, the server's reading), named in the errors; ``rule`` also writes
+    the ``tools/serve.py --layers`` a fix proposes. A fix never names a layer the model lacks."""
     last = num_layers - 1
     dumped = sorted(dump_ids)
+    if asked is not None:
+        typed = ",".join(map(str, asked))
+        flag = f"--aux-layers={typed}" + (f" (read as this server reads ids, {conventions.RULES[rule]}: "
+                                          f"output-of-layer ids {sorted(set(aux))})" if aux is not None
+                                          and sorted(set(aux)) != sorted(set(asked)) else "")
+    else:
+        flag = "the aux layers"
     chosen = sorted(set(aux)) if aux is not None else [k for k in dumped if k != last]
+    outside = [k for k in chosen if not -1 <= k <= last]
+    if outside:
+        raise LayoutError(f"{flag} names {outside}, which a {num_layers}-layer model does not have (-1 = embedding "
+                          f"output, 0..{last} = output of layer k)",
+                          f"pass --aux-layers= with layers the server dumps: {layers_arg(rule, dumped)}")
     missing = [k for k in chosen if k not in dumped]
     if missing:
-        raise LayoutError(f"--aux-layers asks for EAGLE-3 layers {missing} but the server dumps {dumped}",
-                          f"start the server with EAGLE3_DUMP_LAYERS including {','.join(map(str, missing))}, "
-                          f"or pass --aux-layers from {dumped}")
+        raise LayoutError(f"{flag} asks for EAGLE-3 layers {missing} but the server dumps {dumped}",
+                          f"pass --aux-layers= with layers it dumps ({layers_arg(rule, dumped)}), or restart it "
+                          f"dumping them too: {restart_with(rule, dumped + missing)}")
     if not chosen:
         raise LayoutError(f"no aux layer left: the server dumps only {dumped} (layer {last} is the verifier's "
-                          f"last layer)", "start the server with EAGLE3_DUMP_LAYERS naming the draft's layers too")
+                          f"last layer)", f"restart the server dumping the draft's layers too: python3 tools/serve.py "
+                                          f"--layers=<the draft's ids>,{last} ... (EAGLE3_DUMP_LAYERS)")
     if fmt == "speculators" and last not in dumped:
-        want = ",".join(map(str, chosen + [last]))
         raise LayoutError(f"--format speculators needs the last decoder layer's output before the final norm "
                           f"(EAGLE-3 id {last}, HF index {num_layers}) but the server dumps layers {dumped}",
-                          f"start the server with EAGLE3_DUMP_LAYERS including {last} "
-                          f"(e.g. EAGLE3_DUMP_LAYERS={want})")
+                          f"restart the server dumping layer {last} too: {restart_with(rule, dumped + [last])}")
     if fmt == "specforge" and not has_final:
         raise LayoutError("--format specforge needs the final (post-norm) state but the server dumps none",
-                          "start the server with EAGLE3_DUMP_FINAL=1")
+                          "restart the server with python3 tools/serve.py --final 1 ... (EAGLE3_DUMP_FINAL=1 when you "
+                          "start sglang yourself)")
     return Layout(fmt, tuple(chosen), last if fmt == "speculators" else None, num_layers)
 
 
