@@ -314,3 +314,9 @@ def test_the_writer_tells_what_became_of_each_request_s_file(tmp_path):
         server.close()
         w.close()
     assert control.dump_states(["user"], path)["user"].startswith("unknown: the dump writer did not answer")
+
+
+@pytest.mark.parametrize("params, n", [(None, 1), ({}, 1), ({"n": 1}, 1), ({"n": 3}, 3), ([{"n": 1}, {"n": 2}], 2),
+                                       ({"n": True}, 1), ({"n": "2"}, 1)])
+def test_parallel_samples_of_a_request(params, n):
+    assert control.parallel_samples(params) == n

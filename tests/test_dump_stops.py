@@ -112,7 +112,9 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
     """launch_server (0.5.9) with the dump on a slow disk and a TMPDIR of 90 characters (a UNIX
     socket path there would be too long): six requests answered, then SIGTERM to the whole group.
     The scheduler drains its queue before it ends; every file is there, and no control socket file
-    is left in TMPDIR. On the way, flush calls with a bad timeout answer 400 with one line."""
+    is left in TMPDIR. On the way, flush calls with a bad timeout answer 400 with one line, and
+    so does a request for n > 1 samples (its shared-prefix prefill would leave a file no answer
+    names)."""
     import requests
 
     sys.path.insert(0, str(SMOKE_DIR))
@@ -136,6 +138,9 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
                 r = requests.post(url + "/eagle3_dump/flush", json={"timeout": bad}, timeout=30)
                 assert r.status_code == 400 and "timeout" in r.json()["error"], (bad, r.status_code, r.text)
                 assert "\n" not in r.json()["error"]
+            r = requests.post(url + "/generate", timeout=60, json={
+                "input_ids": [3, 5, 7, 11], "sampling_params": {"max_new_tokens": 1, "n": 2}})
+            assert r.status_code == 400 and "n=2 samples" in r.text, (r.status_code, r.text)
             rids = []
             for k in range(N):
                 r = requests.post(url + "/generate", timeout=300, json={

@@ -307,6 +307,13 @@ def dump_states(rids, path: Optional[str] = None) -> dict:
         return {r: f"unknown: the dump writer did not answer ({exc})" for r in rids}
 
 
+def parallel_samples(sampling_params) -> int:
+    """The largest ``n`` of a request's sampling parameters (a dict, or a batch's list of them)."""
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    counts = [p.get("n", 1) if isinstance(p, dict) else 1 for p in items]
+    return max([int(c) if isinstance(c, int) and not isinstance(c, bool) else 1 for c in counts] or [1])
+
+
 def _answer_hooks(tokenizer_manager_cls) -> None:
     """Every finished answer (``/generate`` and ``Engine.generate``) says where its request's
     states are and what became of them: ``meta_info["eagle3_dump"] = {"file": "<key>.safetensors",
@@ -317,6 +324,12 @@ def _answer_hooks(tokenizer_manager_cls) -> None:
     from .identity import request_key
 
     async def generate_request(self, obj, request=None):
+        samples = parallel_samples(getattr(obj, "sampling_params", None))
+        if samples > 1:
+            raise ValueError(
+                f"EAGLE3_DUMP_DIR is on and this request asks for n={samples} samples: SGLang first prefills "
+                f"the prompt under a request id no answer names (its dump file would be an orphan), then "
+                f"each sample again; send the prompt once per sample instead (n=1)")
         async for out in inner(self, obj, request):
             done = [o for o in _outputs(out) if _finished(o)]
             if done and os.environ.get(ENV_CONTROL):
