@@ -1,22 +1,28 @@
-"""The launching process talks to the dump writer: flush, and no dump during SGLang's warm-up.
+"""The launching process talks to the dump writer: flush, state, and no dump during SGLang's warm-up.
 
 The writer runs in the scheduler process of TP rank 0; the launching process (``launch_server``
 or ``sglang.Engine``) is its ancestor on the same node. ``check_launch`` (in the launching process,
-before any worker starts) picks a Unix socket path and exports it as ``EAGLE3_DUMP_CONTROL``; the
-workers inherit it and the writer listens there (``ControlServer``). One JSON line per call:
+before any worker starts) picks a control address, abstract on Linux (``@eagle3-dump-...``: no
+file, no path-length limit), and exports it as ``EAGLE3_DUMP_CONTROL``, with a launch id as
+``EAGLE3_DUMP_LAUNCH_ID``; the workers inherit both and the writer listens there
+(``ControlServer``, answering only its own user or root). One JSON line per call:
 
 - ``{"op": "flush", "timeout": s}``: answered once every forward submitted before the call is
   written (each file fsynced) or counted as failed: ``{"flushed": true, "written": n, ...}``;
+- ``{"op": "status", "rids": [...]}``: what became of each request's file (``DumpWriter.state``);
 - ``{"op": "pause"}`` / ``{"op": "resume"}``: while paused, prefills are not dumped (counted as
   ``warmup``). The HTTP server pauses the dump from its start until SGLang's own warm-up request
   has been answered, so the directory holds only the users' requests.
 
-``install_launcher_hooks`` adds, in the launching process: ``Engine.flush_eagle3_dump(timeout)``
-and a flush in ``Engine.shutdown`` (which SIGKILLs the scheduler), a flush before the tokenizer
-manager kills the process tree (a server's SIGTERM: requests drained, then SIGKILL), and, when
-the HTTP server is in use, ``POST /eagle3_dump/flush``, the warm-up pause, and a flush when
-uvicorn stops. What
-this relies on in upstream code is listed in ``UPSTREAM``; a release where any of it is missing
+``install_launcher_hooks`` adds, in the launching process: ``Engine.flush_eagle3_dump(timeout)``;
+a flush in ``Engine.shutdown`` (which SIGKILLs the scheduler) and at the process's exit (a script
+that never calls shutdown: upstream's exit handler, registered before, runs after it); a flush
+before the tokenizer manager kills the process tree (a server's SIGTERM: requests drained, then
+SIGKILL); on every finished answer ``meta_info["eagle3_dump"]`` (its file and its state), and a
+refusal of ``n > 1``; and, when the HTTP server is in use, ``POST /eagle3_dump/flush`` (each on a
+thread of its own), the warm-up pause, and a flush when uvicorn stops. A SIGTERM that reaches the
+writing process itself is its own to drain (``DumpWriter.install_sigterm_drain``). What this
+relies on in upstream code is listed in ``UPSTREAM``; a release where any of it is missing
 refuses the dump at launch.
 """
 
