@@ -883,7 +883,7 @@ def test_releases_that_copy_the_forward_batch_find_requests_by_id(monkeypatch):
 # ---- launch refusals the release's facts decide -------------------------------------------------
 
 def _args(**kw):
-    base = dict(disable_radix_cache=True, tp_size=1)
+    base = dict(disable_radix_cache=True, tp_size=1, dp_size=1)  # the fields every release has
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -922,7 +922,8 @@ def test_prefill_cp_refusal_names_cp_not_what_the_release_derives_from_it():
         settings.check_server_args(_args(enable_dp_attention=True, dp_size=2, tp_size=2))
     with pytest.raises(settings.DumpConfigError, match=r"DP attention .*4 attention ranks"):
         settings.check_server_args(_args(attn_dp_size=4, tp_size=4))
-    settings.check_server_args(_args(enable_dp_attention=False, dp_size=2))  # plain DP replicas: not refused
+    with pytest.raises(settings.DumpConfigError, match="--dp-size 2 runs 2 data-parallel replicas"):
+        settings.check_server_args(_args(enable_dp_attention=False, dp_size=2))  # plain DP replicas: one writer each
 
 
 _NODE_CHILD = r"""

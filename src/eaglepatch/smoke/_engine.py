@@ -241,8 +241,8 @@ def stop_flush(log_text: str, written: int):
     writer's own drain at its exit; None when neither."""
     if "eagle3 dump flushed before the server stopped" in log_text:
         return "flushed by the launcher"
-    if ("the writer had stopped before the server stopped" in log_text
-            and "EAGLE3_DUMP_DIR: %d written" % written in log_text):
+    if "the writer had stopped before the server stopped" in log_text and (
+            "EAGLE3_DUMP_DIR: %d written" % written in log_text or ": %d written, 0 failed" % written in log_text):
         return "written by the scheduler as it exited"
     return None
 

@@ -67,6 +67,10 @@ class FlushError(RuntimeError):
     """The writer did not answer (not started, gone, or slower than the timeout)."""
 
 
+class WriterGone(FlushError):
+    """Nothing listens at the control address: the writer has exited (or never started)."""
+
+
 def flush_timeout(value) -> float:
     """A flush call's ``timeout`` (None: the default) as seconds; ValueError naming the fix."""
     if value is None:
@@ -205,6 +209,8 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, *
             s.connect(_address(path))
             s.sendall((json.dumps(dict(fields, op=op, timeout=wait)) + "\n").encode())
             line = _read_line(s)
+    except (ConnectionRefusedError, FileNotFoundError) as exc:
+        raise WriterGone(f"the dump writer did not answer at {path} ({exc})") from None
     except (OSError, socket.timeout) as exc:
         raise FlushError(f"the dump writer did not answer at {path} ({exc})") from None
     if not line:
@@ -232,6 +238,10 @@ def _flush_quietly(why: str, path: Optional[str] = None) -> None:
     try:
         reply = call("flush", None, path)
         logger.info("eagle3 dump flushed before %s: %s", why, reply)
+    except WriterGone:  # a SIGTERM reached the scheduler too: it drained its own queue and left
+        logger.warning("eagle3 dump: the writer had stopped before %s (a writer that exits writes its "
+                       "queue first, within EAGLE3_DUMP_DRAIN_S, and names what it could not in "
+                       "eagle3-dump-unwritten.*.json; one that is killed does not)", why)
     except FlushError as exc:  # Ctrl-C reaches the scheduler too: it may have drained and left
         logger.error("eagle3 dump: flush before %s failed: %s (a writer that exits writes its queue "
                      "first, within EAGLE3_DUMP_DRAIN_S; one that is killed does not)", why, exc)
