@@ -14,8 +14,9 @@ tests/test_dump_stops.py (every run without test paths does), also the environme
 series' release and its tiny smoke checkpoints. Before them, the Debian packages the tests need
 (eaglepatch.sysdeps: libfuse3 and fusermount3 for the slow and hung dump disks) are installed with
 apt-get when missing (as root; otherwise the command to run is printed and the run stops). Tests never build one themselves: inside pytest a missing environment is an
-error (EAGLEPATCH_NO_ENV_BUILD). The environments leave about 12 GB in ~/.cache; with them in place
-a whole run took 25 min on a 2-core machine (2026-12-02, once, the machine otherwise busy).
+error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-core machine
+(2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
+with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
 pytest runs as `<env python> -m pytest tests ARGS` with PYTHONPATH=src; test paths among the
 arguments replace `tests`.
