@@ -189,6 +189,7 @@ class DumpWriter:
         self._states_lock = threading.Lock()
         self._current: Optional[_Job] = None  # the job the writer thread works on
         self._stopping = False  # set when a drain gives up: no further job is written
+        self._sigterm = None  # (our SIGTERM handler, the one before it) once installed
         self._control = None
         # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
@@ -660,7 +661,7 @@ class DumpWriter:
             if self.unwritten:
                 self.write_ledger([], "")
             self.staging.close()
-        sigterm = getattr(self, "_sigterm", None)
+        sigterm = self._sigterm
         if sigterm is not None and signal.getsignal(signal.SIGTERM) is sigterm[0] \
                 and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm[1] if sigterm[1] is not None else signal.SIG_DFL)
