@@ -67,6 +67,7 @@ from .settings import (
 )
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
+from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ STATES_KEPT = 65536  # requests whose file's state a response can still be told
 # again: a retraction, a client's retry); anything else replaces it. The launch id is part of it:
 # a restart (another checkpoint, other layers, another adapter) never keeps an earlier launch's file.
 IDENTITY_FIELDS = ("launch_id", "model_path", "rid", "prompt_key", "input_source", "lora_id", "mm_hashes",
-                   "eagle3_layer_ids", "final", "dtype", "architecture")
+                   "eagle3_layer_ids", "final", "dtype", "architecture", "storage_dtype", "left_out")
 HEADER_MAX = 100 << 20  # a safetensors header larger than this is not one of ours
 
 
@@ -163,14 +164,17 @@ class _Partial:
 class DumpWriter:
     def __init__(self, directory: str, indices: List[int], final: bool,
                  max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True,
-                 chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0):
+                 chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0,
+                 layout: Optional[Layout] = None):
+        """``layout``: how states are stored (``storage``); None: as computed, every state."""
         self.directory = directory
         self.indices = list(indices)  # capture indices (= HF indices), ascending
         self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
         # (file tensor name, capture index) per layer, in file order
         self._layers = [(f"layer.{k}", i) for k, i in zip(self.layer_ids, self.indices)]
         self.final = final
-        self.metadata = metadata
+        self.layout = layout if layout is not None else Layout(Storage(), indices, False, 0, "", None, vocab_size)
+        self.metadata = dict(metadata, **self.layout.metadata())
         self.enabled = enabled
         self.chunked = chunked  # prefills may be split: track requests across forwards
         self.placeholder_id = placeholder_id  # multimodal wrappers: what a pad value stands for
@@ -251,19 +255,30 @@ class DumpWriter:
             # here in stream order before it is told to wait. The states are owned already
             # (captures are clones, the final state is a new norm output).
             ids = ids.clone()
+        lay = self.layout
         sources = {"input_ids": ids}
+        embedding = any(self._keeps(EMBEDDING, sp.req) for sp in spans)  # some request stores its rows
         for name, index in self._layers:
-            sources[name] = captured[index]
-        if self.final:
+            if name != EMBEDDING or embedding:
+                sources[name] = captured[index]
+        if self.final and not lay.final_left_out:  # a final a reader rebuilds is never copied
             sources["final"] = final
         # Host tensors of this forward are fresh (captures are owned copies, the final state is
-        # a new norm output) and nothing writes them later: they are written without a copy.
-        # Device tensors (and the ids, which the scheduler reuses) go through host buffers.
+        # a new norm output) and nothing writes them later: they are written without a copy
+        # (quantised here when stored as fp8). Device tensors (and the ids, which the scheduler
+        # reuses) go through host buffers, quantised on the side stream before their copy.
+        if lay.fp8 and not any(t.is_cuda for t in sources.values()):
+            sources = {e: t for n, src in sources.items() for e, t in lay.encode(n, src).items()}
         everything = sources
         copied = [n for n, t in everything.items() if t.is_cuda or n == "input_ids"]
         held = sum(_nbytes(t) for n, t in everything.items() if n not in copied)
+        # what each copied source becomes in host buffers: (name, dtype, shape), in buffer order
+        specs = {n: lay.encoded_specs(n, everything[n]) if everything[n].is_cuda else [(n, everything[n].dtype,
+                 tuple(everything[n].shape))] for n in copied}
+        slots = [spec for n in copied for spec in specs[n]]
         try:
-            buffers = self.staging.reserve([_nbytes(everything[n]) for n in copied], held, self.max_wait_s)
+            buffers = self.staging.reserve([_numel(shape) * dt.itemsize for _, dt, shape in slots], held,
+                                           self.max_wait_s)
         except StagingTimeout as exc:  # the writer is stuck (a hung dump disk): fail loudly, keep serving
             for span in spans:
                 self._not_written(span.req, f"not dumped: the forward waited {exc}")
@@ -277,14 +292,18 @@ class DumpWriter:
         stream = self._side_stream() if any(everything[n].is_cuda for n in copied) else None
         oversized = buffers and not self.staging.in_arena(buffers[0])  # pageable: the copy is synchronous
         started = time.perf_counter()
+        free = iter(buffers)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for name, buf in zip(copied, buffers):
+            for name in copied:
                 src = everything[name]
-                view = buf[: _nbytes(src)].view(src.dtype).view(src.shape)
-                view.copy_(src, non_blocking=True)
+                encoded = lay.encode(name, src) if src.is_cuda else {name: src}  # on the side stream
+                for (enc, _, _), buf in zip(specs[name], free):
+                    t = encoded[enc]
+                    view = buf[: _nbytes(t)].view(t.dtype).view(t.shape)
+                    view.copy_(t, non_blocking=True)
+                    host[enc] = view
                 if src.is_cuda:  # the allocator must not reuse it before the copy is done
                     src.record_stream(stream)
-                host[name] = view
         if oversized:
             self.staging.waited(time.perf_counter() - started, "a prefill larger than the arena is copied")
         event = None
@@ -326,6 +345,15 @@ class DumpWriter:
                 spans.append(_Span(start, min(length, req.prompt_len - prefix), prefix, req))
             start += length
         return spans
+
+    def _keeps(self, name: str, req: RequestInfo) -> bool:
+        """Whether ``req``'s file may hold rows of the tensor ``name``: the embedding's only where
+        some of its rows cannot be rebuilt from the vocabulary (a multimodal wrapper's requests,
+        ``input_embeds`` requests), when the layout leaves the others out. The same for every
+        forward of a request, so its chunks always carry the same tensors."""
+        if not self.layout.embedding_partial or name not in (EMBEDDING, SCALE_PREFIX + EMBEDDING):
+            return True
+        return self.placeholder_id is not None or req.input_embeds
 
     def _set_state(self, req: RequestInfo, state: str) -> None:
         with self._states_lock:
@@ -376,7 +404,8 @@ class DumpWriter:
         for p in self._partials.values():
             p.seen = False
         for span in job.spans:
-            rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()}
+            rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()
+                    if self._keeps(n, span.req)}
             try:
                 self._take(span, rows)
             except Exception as exc:  # this request's problem: the others of the forward are written
@@ -498,7 +527,8 @@ class DumpWriter:
         from safetensors.torch import save_file
 
         length = req.prompt_len
-        ids = rows["input_ids"][:length].to(torch.int64)
+        raw_ids = rows["input_ids"][:length].to(torch.int64)
+        ids = raw_ids
         if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
             ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
         pkey = prompt_key(ids.tolist())
@@ -510,6 +540,7 @@ class DumpWriter:
         for name, host in rows.items():
             if name != "input_ids":
                 out[name] = host[:length]
+        self.layout.cut_embedding(out, raw_ids, all_rows=req.input_embeds)
         path = self._path(req)
         tmp = os.path.join(self.directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
@@ -738,6 +769,12 @@ def start_dump(runner, target, settings: DumpSettings):
         "launch_id": os.environ.get(ENV_LAUNCH) or uuid.uuid4().hex,
         "replica_rank": "0",  # --dp-size > 1 is refused (settings.check_server_args): one replica
     }
+    vocab_size = text_config(hf_config).vocab_size
+    try:
+        layout = Layout(settings.storage, indices, settings.final, num_layers, dtype,
+                        getattr(config, "rms_norm_eps", None), vocab_size)
+    except ValueError as exc:
+        raise DumpConfigError(f"{ENV_DIR}: {exc}; unset EAGLE3_DUMP_REBUILDABLE (store)") from None
     writer = DumpWriter(
         settings.directory,
         indices,
@@ -747,7 +784,8 @@ def start_dump(runner, target, settings: DumpSettings):
         enabled=get_tensor_model_parallel_rank() == 0,
         chunked=_chunked(runner.server_args),
         placeholder_id=placeholder,
-        vocab_size=text_config(hf_config).vocab_size,
+        vocab_size=vocab_size,
+        layout=layout,
     )
     writer.max_wait_s = settings.max_wait_s
     if writer.enabled:
@@ -758,8 +796,10 @@ def start_dump(runner, target, settings: DumpSettings):
         writer.install_sigterm_drain(settings.drain_s)
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
-        "pending cap %d MiB, chunked prefill %s)", ENV_DIR, settings.directory, ENV_LAYERS,
-        settings.layer_ids if settings.layer_ids is not None else "default", indices,
-        settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
+        "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s)", ENV_DIR,
+        settings.directory, ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
+        indices, settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
+        settings.storage.dtype, settings.storage.rebuildable,
+        (": left out " + ", ".join(layout.left_out)) if layout.left_out else "",
     )
     return writer

@@ -9,6 +9,7 @@ import uuid
 from typing import List, Optional, Sequence
 
 from .release import SERIES_RELEASE, SERIES_VERSION, UPSTREAM_EAGLE_ID_MAPPING
+from .storage import DTYPES, REBUILDABLE, Storage
 
 __all__ = ["SERIES_RELEASE", "SERIES_VERSION"]  # re-exported for the package
 
@@ -19,8 +20,10 @@ ENV_MAX_PENDING_MB = "EAGLE3_DUMP_MAX_PENDING_MB"
 ENV_LAUNCH = "EAGLE3_DUMP_LAUNCH_ID"  # one id per launch: set by the launch check, inherited by the workers
 ENV_DRAIN_S = "EAGLE3_DUMP_DRAIN_S"
 ENV_MAX_WAIT_S = "EAGLE3_DUMP_MAX_WAIT_S"
+ENV_DTYPE = "EAGLE3_DUMP_DTYPE"  # bf16 (default) | fp8: how states are stored (storage.py)
+ENV_REBUILDABLE = "EAGLE3_DUMP_REBUILDABLE"  # store (default) | omit: states a trainer rebuilds
 DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
-             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S")
+             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE")
 # SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
 # waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
 DEFAULT_DRAIN_S = 20.0
@@ -126,6 +129,15 @@ def _positive(env, name: str, default: float, unit: str) -> float:
     return value
 
 
+def _choice(env, name: str, choices: Sequence[str]) -> str:
+    """One of ``choices`` from ``env[name]`` (the first when unset)."""
+    raw = env.get(name, "").strip()
+    value = raw.lower() or choices[0]
+    if value not in choices:
+        raise DumpConfigError(f"{name}={raw!r} is not one of {', '.join(choices)}; use e.g. {name}={choices[-1]}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpSettings:
     directory: str
@@ -134,6 +146,7 @@ class DumpSettings:
     max_pending_bytes: int
     drain_s: float = DEFAULT_DRAIN_S  # SIGTERM: the longest the writing process writes before it exits
     max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
+    storage: Storage = Storage()  # EAGLE3_DUMP_DTYPE, EAGLE3_DUMP_REBUILDABLE
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
@@ -159,7 +172,8 @@ class DumpSettings:
         cap_mb = _positive(env, ENV_MAX_PENDING_MB, DEFAULT_MAX_PENDING_MB, "MiB")
         return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)),
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
-                   max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"))
+                   max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
+                   storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)))
 
     def capture_indices(self, num_layers: int) -> List[int]:
         """The capture indices the dump writes, ascending: the ids read as a draft's are on this
