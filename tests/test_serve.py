@@ -94,6 +94,10 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--final", "2"],
          "--final '2' is not 1 or 0; pass --final 1 or --final 0"),
         (["--cpu-demo", tmp_path / "demo", "--drain-s=-inf"], "--drain-s '-inf' is not a positive"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--dump-dtype", "fp16"],
+         "--dump-dtype 'fp16' is not bf16 or fp8; pass --dump-dtype bf16 or fp8"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--rebuildable", "drop"],
+         "--rebuildable 'drop' is not store or omit"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "[::1"], "--host '[::1' is not an address"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "1:2:3"], "--host '1:2:3' is not an IPv6"),
     ]
@@ -110,6 +114,8 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         ({"EAGLE3_DUMP_MAX_PENDING_MB": "nan"}, "EAGLE3_DUMP_MAX_PENDING_MB='nan' (from the environment)"),
         ({"EAGLE3_DUMP_MAX_WAIT_S": "0"}, "EAGLE3_DUMP_MAX_WAIT_S='0' (from the environment)"),
         ({"EAGLE3_DUMP_FINAL": "maybe"}, "EAGLE3_DUMP_FINAL='maybe' (from the environment) is not 1 or 0"),
+        ({"EAGLE3_DUMP_DTYPE": "int8"}, "EAGLE3_DUMP_DTYPE='int8' (from the environment) is not bf16 or fp8; set it "
+                                        "to bf16 or fp8, unset it, or pass --dump-dtype"),
     ]
     for env, needle in env_cases:
         for where in (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout],
@@ -300,15 +306,18 @@ def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp
         "EAGLE3_DUMP_DRAIN_S": "20", "EAGLE3_DUMP_MAX_WAIT_S": "60"}
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=8192 (from the environment), EAGLE3_DUMP_FINAL=0 "
             "(from the environment), EAGLE3_DUMP_DRAIN_S=20 (default), EAGLE3_DUMP_MAX_WAIT_S=60 (from the "
-            "environment)") in r.stderr.splitlines(), r.stderr
+            "environment), EAGLE3_DUMP_DTYPE=bf16 (default), EAGLE3_DUMP_REBUILDABLE=store (default)"
+            ) in r.stderr.splitlines(), r.stderr
     r = run_tool("serve", *base, "--max-pending-mb", "1024", "--final", "1", "--drain-s", "45", "--max-wait-s", "7.5",
-                 env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
+                 "--dump-dtype", "FP8", "--rebuildable", "omit", env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
     assert r.returncode == 0, r.stderr
     env = split_shell(r.stdout.strip())[0]
     assert (env["EAGLE3_DUMP_MAX_PENDING_MB"], env["EAGLE3_DUMP_FINAL"], env["EAGLE3_DUMP_DRAIN_S"],
-            env["EAGLE3_DUMP_MAX_WAIT_S"]) == ("1024", "1", "45", "7.5")
+            env["EAGLE3_DUMP_MAX_WAIT_S"], env["EAGLE3_DUMP_DTYPE"], env["EAGLE3_DUMP_REBUILDABLE"]
+            ) == ("1024", "1", "45", "7.5", "fp8", "omit")
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=1024 (--max-pending-mb), EAGLE3_DUMP_FINAL=1 "
-            "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s)"
+            "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s), "
+            "EAGLE3_DUMP_DTYPE=fp8 (--dump-dtype), EAGLE3_DUMP_REBUILDABLE=omit (--rebuildable)"
             ) in r.stderr.splitlines(), r.stderr
 
 

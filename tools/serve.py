@@ -20,7 +20,7 @@ DIR/conversations.jsonl, the dumps in DIR/dumps, a draft config per trainer in D
 the extract, load and guard commands to run next (printed once the server answers; also in
 DIR/serve.json).
 
-Dump flags (--max-pending-mb, --final, --drain-s, --max-wait-s) set the dump's other variables; without
+Dump flags (--max-pending-mb, --final, --drain-s, --max-wait-s, --dump-dtype, --rebuildable) set the dump's other variables; without
 one, the variable from your environment is kept (one line says which value is used and from where),
 else the dump's default applies.
 
@@ -88,6 +88,14 @@ def main(argv=None) -> int:
                     help="EAGLE3_DUMP_MAX_WAIT_S: how long a forward waits for room in the host arena before its "
                          "rows are failed, in seconds (default: $EAGLE3_DUMP_MAX_WAIT_S, else "
                          f"{dump['EAGLE3_DUMP_MAX_WAIT_S'].default})")
+    ap.add_argument("--dump-dtype", metavar="bf16|fp8",
+                    help="EAGLE3_DUMP_DTYPE: fp8 stores each state as float8_e4m3fn with a float32 scale per token "
+                         "and state, quantised on the GPU before the copy (half the bytes; tools/extract.py "
+                         "dequantises) (default: $EAGLE3_DUMP_DTYPE, else bf16)")
+    ap.add_argument("--rebuildable", metavar="store|omit",
+                    help="EAGLE3_DUMP_REBUILDABLE: omit leaves out what tools/extract.py rebuilds from the model's "
+                         "weights: embedding rows of vocabulary tokens, and the final state when layer N-1 is "
+                         "dumped (default: $EAGLE3_DUMP_REBUILDABLE, else store)")
     ap.add_argument("--host", default=DEFAULT_HOST,
                     help="address to listen on, IPv4 or IPv6 (e.g. ::1) (default: %(default)s)")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
@@ -103,7 +111,8 @@ def main(argv=None) -> int:
         layers = serve.parse_layers(a.layers) if a.layers is not None else None
         host = serve.check_host(a.host)
         settings, setting_notes = serve.dump_settings({"--max-pending-mb": a.max_pending_mb, "--final": a.final,
-                                                       "--drain-s": a.drain_s, "--max-wait-s": a.max_wait_s})
+                                                       "--drain-s": a.drain_s, "--max-wait-s": a.max_wait_s,
+                                                       "--dump-dtype": a.dump_dtype, "--rebuildable": a.rebuildable})
         if a.cpu_demo is not None:
             if a.python:
                 raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",

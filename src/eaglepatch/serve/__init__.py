@@ -71,6 +71,8 @@ DUMP_SETTINGS = (
     DumpSetting("--final", "EAGLE3_DUMP_FINAL", "1", "1/0"),
     DumpSetting("--drain-s", "EAGLE3_DUMP_DRAIN_S", f"{DEFAULT_DRAIN_S:g}", "seconds"),
     DumpSetting("--max-wait-s", "EAGLE3_DUMP_MAX_WAIT_S", "120", "seconds"),
+    DumpSetting("--dump-dtype", "EAGLE3_DUMP_DTYPE", "bf16", "bf16|fp8"),
+    DumpSetting("--rebuildable", "EAGLE3_DUMP_REBUILDABLE", "store", "store|omit"),
 )
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -116,8 +118,12 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
     """``raw`` (stripped) as the variable's value, or a UsageError naming where it came from."""
     value = str(raw).strip()
     boolean = st.unit == "1/0"
+    choices = st.unit.split("|") if "|" in st.unit else None
     if boolean:
         ok = value.lower() in _TRUE + _FALSE
+    elif choices:
+        value = value.lower()
+        ok = value in choices
     else:
         try:
             number = float(value)
@@ -126,12 +132,14 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
         ok = math.isfinite(number) and number > 0
     if ok:
         return value
-    what = "1 or 0" if boolean else f"a positive finite number of {st.unit}"
+    what = "1 or 0" if boolean else " or ".join(choices) if choices else f"a positive finite number of {st.unit}"
+    example = "1 or 0" if boolean else what if choices else "e.g. " + st.default
     if from_flag:
         raise UsageError(f"{st.flag} {raw!r} is not {what}",
-                         f"pass {st.flag} 1 or {st.flag} 0" if boolean else f"pass e.g. {st.flag} {st.default}")
+                         f"pass e.g. {st.flag} {st.default}" if not (boolean or choices) else
+                         f"pass {st.flag} 1 or {st.flag} 0" if boolean else f"pass {st.flag} {example}")
     raise UsageError(f"{st.var}={raw!r} (from the environment) is not {what}",
-                     f"set it to {'1 or 0' if boolean else 'e.g. ' + st.default}, unset it, or pass {st.flag}")
+                     f"set it to {example}, unset it, or pass {st.flag}")
 
 
 def dump_settings(flags: dict, environ=None) -> tuple[dict, list]:
