@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on)")
     ap.add_argument("--g-modes", default="off,on,http",
                     help="check g's engines, comma-separated: off (overlap scheduler off), on (overlap on), "
-                         "http (overlap on, launch_server over HTTP); default off,on,http")
+                         "http (overlap on, launch_server over HTTP), fp8 (overlap on, the compact dump: fp8, "
+                         "rebuildable states left out); default off,on,http")
     ap.add_argument("--out", type=Path, default=Path("gpucheck-results.json"), help="results JSON")
     ap.add_argument("--logs", type=Path, help="also write the engine logs as one .tar.gz")
     ap.add_argument("--work", type=Path, default=Path("/tmp/eaglepatch-gpucheck"), help="scratch directory")
@@ -73,9 +74,10 @@ def main(argv=None) -> int:
         bad = sorted(set(a.checks) - set(CHECKS))
         if bad or not a.checks:
             raise UsageError("--checks %r has unknown letters %s" % (a.checks, bad), "use letters of %s" % CHECKS)
-        bad_modes = sorted(set(a.g_modes.split(",")) - {"off", "on", "http"})
+        bad_modes = sorted(set(a.g_modes.split(",")) - {"off", "on", "http", "fp8"})
         if bad_modes or not a.g_modes:
-            raise UsageError("--g-modes %r has unknown modes %s" % (a.g_modes, bad_modes), "use off, on and/or http")
+            raise UsageError("--g-modes %r has unknown modes %s" % (a.g_modes, bad_modes),
+                             "use off, on, http and/or fp8")
         if a.new_tokens < 2:
             raise UsageError("--new-tokens %d is too small" % a.new_tokens, "use at least 2 (verify needs decoding)")
         opts = Options(out=a.out, work=a.work, site=a.site, package_parent=a.package_parent, series=a.series,

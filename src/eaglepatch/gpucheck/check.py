@@ -539,12 +539,16 @@ def check_f(state, ck, sglang_pp, prompts, refs):
 
 G_CHUNK = 256  # --chunked-prefill-size of check g: most prompts of both batches span several chunks
 G_NEW_TOKENS = 8
+# the compact dump's settings (check e's fp8 engine, check g's fp8 mode)
+E_FP8 = {"EAGLE3_DUMP_DTYPE": "fp8", "EAGLE3_DUMP_REBUILDABLE": "omit"}
 
 
-def g_name(overlap: bool, http: bool = False) -> str:
-    return ("g. dump-only %s, overlap scheduler %s, chunked prefill %d, %d new tokens, one prompt sent "
+def g_name(overlap: bool, http: bool = False, fp8: bool = False) -> str:
+    return ("g. dump-only %s%s, overlap scheduler %s, chunked prefill %d, %d new tokens, one prompt sent "
             "twice: one file per request == reference, %s"
-            % ("launch_server over HTTP" if http else "sglang.Engine", "on" if overlap else "off", G_CHUNK,
+            % ("launch_server over HTTP" if http else "sglang.Engine",
+               " with the compact dump (fp8, rebuildable states left out and rebuilt from the checkpoint)"
+               if fp8 else "", "on" if overlap else "off", G_CHUNK,
                G_NEW_TOKENS, "the flush endpoint after the first batch, none lost at a SIGTERM right after the "
                "second" if http else "all on disk at the flush, kept through the shutdown"))
 
@@ -565,12 +569,13 @@ def check_g(state, ck, sglang_pp, prompts, refs):
     dump = {"EAGLE3_DUMP_LAYERS": ",".join(str(k) for k in ids), "EAGLE3_DUMP_FINAL": "1"}
     all_prompts = [p for b in batches.values() for p in b]
     all_refs = [r for b in brefs.values() for r in b]
-    known = {"off": (False, False), "on": (True, False), "http": (True, True)}
+    known = {"off": (False, False, False), "on": (True, False, False), "http": (True, True, False),
+             "fp8": (True, False, True)}
     modes = [known[m] for m in opts.g_modes.split(",")]
-    if opts.cpu:
-        modes = [m for m in modes if m == (False, False)]  # CPU: no overlap scheduler, no HTTP run
-    for overlap, http in modes:
-        name = "G-overlap-" + ("on" if overlap else "off") + ("-http" if http else "")
+    if opts.cpu:  # CPU: no overlap scheduler, no HTTP run
+        modes = [(False, False, fp8) for overlap, http, fp8 in modes if not http]
+    for overlap, http, fp8 in modes:
+        name = "G-overlap-" + ("on" if overlap else "off") + ("-http" if http else "") + ("-fp8" if fp8 else "")
         dump_dir = Path(opts.work) / "dump" / name
         shutil.rmtree(dump_dir, ignore_errors=True)
         dump_dir.mkdir(parents=True)
@@ -578,13 +583,14 @@ def check_g(state, ck, sglang_pp, prompts, refs):
                       disable_overlap_schedule=not overlap)
         spec = {"engine": engine, "runs": _runs(batches, G_NEW_TOKENS), "flush": {"dir": str(dump_dir), "timeout_s": 120},
                 "http": http}
-        res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, dump=dict(dump, EAGLE3_DUMP_DIR=dump_dir),
-                                                       cpu=opts.cpu))
+        settings = dict(dump, EAGLE3_DUMP_DIR=dump_dir, **(E_FP8 if fp8 else {}))
+        res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, dump=settings, cpu=opts.cpu))
         if not res.get("ok"):
-            _failed_stage(state, [g_name(overlap, http)], res)
+            _failed_stage(state, [g_name(overlap, http, fp8)], res)
             continue
         meta = dict(_dump_meta(1, "float32" if opts.cpu else "bfloat16"), model_path=str(ck))
-        v = R.check_dump(g_name(overlap, http), dump_dir, all_prompts, all_refs, ids, meta, _all_rids(batches)).as_dict()
+        v = R.check_dump(g_name(overlap, http, fp8), dump_dir, all_prompts, all_refs, ids, meta,
+                         _all_rids(batches)).as_dict()
         f = res.get("flush") or {}
         n = len(all_prompts)
         counts = f.get("counts") or {}
@@ -602,8 +608,9 @@ def check_g(state, ck, sglang_pp, prompts, refs):
 
 
 def check_e(state, sglang_pp):
-    """Prefill with the dump on vs off (patched), decode with graphs on a dump-only patched server vs
-    unpatched."""
+    """Prefill with the dump on vs off (patched), bf16 and compact (fp8, rebuildable states left
+    out) dumps in the same run, with the bytes per token each wrote; decode with graphs on a
+    dump-only patched server vs unpatched."""
     from .reference import write_config_only
 
     opts = state.opts
@@ -616,27 +623,34 @@ def check_e(state, sglang_pp):
              "decode": {"requests": 32, "prompt": 128, "new_tokens": 128, "reps": 3}}
     engine = dict(BASE_ENGINE, model_path=str(mdir), load_format="dummy", mem_fraction_static=0.8,
                   max_running_requests=32, cuda_graph_bs_decode=[32], context_length=2048)
-    dump_dir = Path(opts.work) / "dump" / "e"
-    shutil.rmtree(dump_dir, ignore_errors=True)
-    dump_dir.mkdir(parents=True)
-    ids = models.EAGLE_IDS
-    dump = {"EAGLE3_DUMP_DIR": dump_dir, "EAGLE3_DUMP_LAYERS": ",".join(map(str, ids)), "EAGLE3_DUMP_FINAL": "1"}
+    # bf16: the draft's [-1, 1, 2] + final (4 states, as every earlier run); compact: the same plus
+    # the last layer N-1 (speculators' last slot), of which the embedding and final are rebuilt
+    ids = {"e-patched-dump": models.EAGLE_IDS, "e-patched-dump-fp8": models.dump_ids(opts.e_layers)}
+    dumps = {}
+    for name, extra in (("e-patched-dump", {}), ("e-patched-dump-fp8", E_FP8)):
+        d = Path(opts.work) / "dump" / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        dumps[name] = dict(extra, EAGLE3_DUMP_DIR=d, EAGLE3_DUMP_LAYERS=",".join(map(str, ids[name])),
+                           EAGLE3_DUMP_FINAL="1")
     out = {}
     for name, pp, dmp in (("e-patched", sglang_pp, None), ("e-unpatched", unpatched, None),
-                          ("e-patched-dump", sglang_pp, dump)):
+                          ("e-patched-dump", sglang_pp, dumps["e-patched-dump"]),
+                          ("e-patched-dump-fp8", sglang_pp, dumps["e-patched-dump-fp8"])):
         b = dict(bench)
         if name == "e-unpatched":  # decode of upstream
             b.pop("prefill")
-        if name == "e-patched":  # prefill without the dump
+        if name in ("e-patched", "e-patched-dump-fp8"):  # prefill without the dump / with the compact one
             b.pop("decode")
-        if name == "e-patched-dump":  # prefill with the dump; decode of a dump-only server
-            b["dump_dir"] = str(dump_dir)
+        if dmp is not None:  # prefill with the dump; decode of a dump-only server
+            b["dump_dir"] = str(dmp["EAGLE3_DUMP_DIR"])
         res = run_worker(state, name, {"engine": engine, "bench": b}, worker_env(pp, opts.site, dump=dmp))
         out[name] = res
     state.results["throughput"] = {
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
                                       "num_attention_heads", "vocab_size")},
         "prefill": bench["prefill"], "decode": bench["decode"], "dump_ids": ids,
+        "dump_settings": {k: {n: str(x) for n, x in v.items() if n != "EAGLE3_DUMP_DIR"} for k, v in dumps.items()},
         "engines": {k: v.get("bench") for k, v in out.items()}}
 
     def reps(name, part):
@@ -647,6 +661,8 @@ def check_e(state, sglang_pp):
 
     for nm, num_name, den_name, goal, what in (
             ("e. prefill tokens/s, dump on / off (hidden 7168)", "e-patched-dump", "e-patched", 0.95, "prefill"),
+            ("e. prefill tokens/s, compact dump (fp8, rebuildable states left out) on / off (hidden 7168)",
+             "e-patched-dump-fp8", "e-patched", 0.95, "prefill"),
             ("e. decode tokens/s with CUDA graphs, dump-only patched server / unpatched (hidden 7168)",
              "e-patched-dump", "e-unpatched", 0.99, "decode")):
         num, den = reps(num_name, what), reps(den_name, what)
@@ -666,9 +682,12 @@ def check_e(state, sglang_pp):
                   "median %.3f; goal: worst >= %.2f" % (["%.0f" % x for x in num], ["%.0f" % x for x in den],
                                                         ["%.3f" % r for r in per_rep], worst, median, goal))
         if what == "prefill":
-            p = out["e-patched-dump"]["bench"]["prefill"]
-            facts.update(sustained_on=p.get("sustained"), drain_s=p.get("drain_s"), files=p.get("files"))
-            detail += "; the flush after the last request took %.2f s" % p.get("drain_s", -1)
+            p = out[num_name]["bench"]["prefill"]
+            facts.update(sustained_on=p.get("sustained"), drain_s=p.get("drain_s"), files=p.get("files"),
+                         bytes_per_token=p.get("bytes_per_token"), dump_ids=ids[num_name],
+                         dump_settings={k: v for k, v in dumps[num_name].items() if k != "EAGLE3_DUMP_DIR"})
+            detail += "; the flush after the last request took %.2f s; %.0f bytes per token" % (
+                p.get("drain_s", -1), p.get("bytes_per_token") or -1)
         _add(state, {"name": nm, "passed": worst >= goal, "figure": "worst %.3f, median %.3f" % (worst, median),
                      "detail": detail, "comparisons": [], "facts": facts})
 

@@ -81,8 +81,11 @@ def bench(engine, spec: dict) -> dict:
                "tokens": p["reps"] * p["requests"] * p["tokens"]}
         if spec.get("dump_dir"):
             res["drain_s"] = flush_dump(engine)["s"]
-            res["files"] = len(list(Path(spec["dump_dir"]).glob("*.safetensors")))
-            for f in Path(spec["dump_dir"]).glob("*.safetensors"):
+            files = list(Path(spec["dump_dir"]).glob("*.safetensors"))
+            res["files"] = len(files)
+            res["bytes"] = sum(f.stat().st_size for f in files)  # every file holds p["tokens"] prompt rows
+            res["bytes_per_token"] = res["bytes"] / max(len(files) * p["tokens"], 1)
+            for f in files:
                 f.unlink()
         out["prefill"] = res
         say("prefill: %s tokens/s" % ", ".join("%.0f" % r for r in rates))
