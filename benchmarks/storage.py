@@ -88,8 +88,8 @@ def measure(dump_dir: Path, model: Path) -> dict:
         ids = t["input_ids"]
         tokens += ids.numel()
         file_bytes += path.stat().st_size
-        dtype = t["layer." + json.loads(meta["eagle3_layer_ids"])[0].__str__()].dtype
         layers = [k for k in t if k.startswith("layer.")]
+        dtype = t[layers[0]].dtype  # the model dtype the dump stored
         n_layers = int(meta["num_hidden_layers"])
         last = f"layer.{n_layers - 1}"
         for name in layers + (["final"] if "final" in t else []):
