@@ -553,6 +553,17 @@ def g_name(overlap: bool, http: bool = False, fp8: bool = False) -> str:
                "second" if http else "all on disk at the flush, kept through the shutdown"))
 
 
+def _stored_names(dump_dir: Path) -> list:
+    """The tensor names of each dump file in ``dump_dir``."""
+    from safetensors import safe_open
+
+    out = []
+    for path in sorted(Path(dump_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            out.append(set(f.keys()))
+    return out
+
+
 def check_g(state, ck, sglang_pp, prompts, refs):
     """Production settings for the dump (issue 19): no draft, chunked prefill, several new tokens
     (the prefill batch becomes a decode batch), the overlap scheduler off and on; the flush, then
@@ -589,8 +600,17 @@ def check_g(state, ck, sglang_pp, prompts, refs):
             _failed_stage(state, [g_name(overlap, http, fp8)], res)
             continue
         meta = dict(_dump_meta(1, "float32" if opts.cpu else "bfloat16"), model_path=str(ck))
+        if fp8:
+            meta.update(format="eagle3-dump/2", storage_dtype="float8_e4m3fn", scale_layout="per_token_per_state")
         v = R.check_dump(g_name(overlap, http, fp8), dump_dir, all_prompts, all_refs, ids, meta,
                          _all_rids(batches)).as_dict()
+        if fp8:  # the states compared were rebuilt: no file holds the embedding or the final state
+            stored = _stored_names(dump_dir)
+            v["facts"].update(stored_tensors=sorted(set().union(*stored)) if stored else [])
+            if not stored or any({"layer.-1", "final"} & names for names in stored):
+                v["passed"] = False
+                v["detail"] = "a compact file stores the embedding or the final state (or none was written) | " \
+                    + v["detail"]
         f = res.get("flush") or {}
         n = len(all_prompts)
         counts = f.get("counts") or {}
