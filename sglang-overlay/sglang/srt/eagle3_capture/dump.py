@@ -203,6 +203,7 @@ class DumpWriter:
         self._stream = None
         self._thread = None
         if enabled:
+            self.layout.warm_up()
             self._thread = threading.Thread(
                 target=self._run, name="eagle3-dump-writer", daemon=True
             )

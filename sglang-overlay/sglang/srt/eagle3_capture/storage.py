@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# the scale is amax times this float32 constant: a product rounds the same on every device (CUDA
+# turns a division by a scalar into a product by its reciprocal, the CPU does not)
+INV_FP8_MAX = 1.0 / FP8_MAX
 SCALE_MIN = 1e-12  # the scale of an all-zero row (its values quantise to 0 whatever the scale)
 CHUNK_ROWS = 4096  # rows quantised per step: bounds the float32 temporary (4096 x 7168 x 4 B = 117 MiB)
 FORMAT_COMPACT = "eagle3-dump/2"  # a file with fp8 states or a state left out
@@ -37,14 +40,15 @@ SCALE_PREFIX = "scale."
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): ``x`` [T, H] as float8_e4m3fn with one float32 scale per row ([T, 1]), on
-    ``x``'s device and the current stream. scale = max(amax(|row|) / 448, 1e-12); the division is
-    float32 and clamped to +-448, so a row's largest value maps to 448 exactly."""
+    ``x``'s device and the current stream. scale = max(amax(|row|) * float32(1/448), 1e-12);
+    q = clamp(x / scale, -448, 448) in float32, cast to e4m3fn (round to nearest even): the same
+    bits on every device."""
     rows = x.shape[0]
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     for start in range(0, rows, CHUNK_ROWS):
         part = x[start: start + CHUNK_ROWS].float()
-        s = (part.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_MIN)
+        s = (part.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp(min=SCALE_MIN)
         q[start: start + CHUNK_ROWS] = (part / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         scale[start: start + CHUNK_ROWS] = s
     return q, scale
@@ -105,6 +109,18 @@ class Layout:
                 "scale_layout": "per_token_per_state" if self.fp8 else "none",
                 "left_out": json.dumps(self.left_out, sort_keys=True),
                 "vocab_size": str(self.vocab_size)}
+
+    def warm_up(self) -> None:
+        """Run the quantisation once on this process's GPU (the writer's start): its kernels load
+        lazily on first use, which would otherwise cost the first prefill that dumps ~100 ms in
+        the forward thread."""
+        if not (self.fp8 and torch.cuda.is_available()):
+            return
+        dtype = getattr(torch, self.model_dtype, None) if self.model_dtype else None
+        sample = torch.ones((2, 4096), dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16,
+                            device=torch.device("cuda", torch.cuda.current_device()))
+        quantize_rows(sample)
+        torch.cuda.synchronize()
 
     def encoded_specs(self, name: str, t: torch.Tensor) -> List[Tuple[str, torch.dtype, tuple]]:
         """(name, dtype, shape) of each tensor ``encode`` makes of ``name``, in its order."""
