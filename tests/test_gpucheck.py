@@ -423,3 +423,22 @@ def test_orchestrator_and_worker_on_cpu(cpu_capture, tmp_path):
 
     with tarfile.open(logs) as t:
         assert "stages/D/log.txt" in t.getnames()
+
+
+def test_the_compact_dump_through_a_real_engine_equals_the_reference(cpu_capture, tmp_path):
+    """Check g's fp8 mode on CPU: a real patched sglang 0.5.9 Engine with EAGLE3_DUMP_DTYPE=fp8 and
+    EAGLE3_DUMP_REBUILDABLE=omit, chunked prefill (the 311-token prompt in two chunks): every file
+    stores neither the embedding nor the final state, and what the reader gives back (dequantised,
+    the embedding and the final rebuilt from the checkpoint's weights) equals the float32
+    reference within the check's tolerance. (A rebuild from wrong weights or shifted ids fails:
+    tests/test_storage.py.)"""
+    out = tmp_path / "r.json"
+    r = run_tool("gpucheck", "--cpu", "--checks", "g", "--g-modes", "fp8", "--package-parent", cpu_capture / "tree",
+                 "--dump-ids=-1,1,2,3", "--work", tmp_path / "w", "--out", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    (g,) = res["results"]
+    assert g["passed"] and "compact dump" in g["name"], g
+    assert g["facts"]["files"] == g["facts"]["requests"] == 8
+    assert g["facts"]["stored_tensors"] == ["input_ids", "layer.1", "layer.2", "layer.3", "scale.layer.1",
+                                            "scale.layer.2", "scale.layer.3"], g["facts"]

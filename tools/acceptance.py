@@ -17,6 +17,12 @@ long ones print progress at least every 30 s. --budget-s stops starting phases w
 (0: no budget); the same --work resumes (target and data are reused). Drafts the budget cut short are not
 measured: the run reports no accept length and ends with `not measured: drafts trained N of M steps
 (budget)`. Settings, --out, the ports and a given --target are checked before anything is trained.
+Compact dump (issue 30): --set dump_dtype=fp8 --set rebuildable=omit runs the data server with
+EAGLE3_DUMP_DTYPE=fp8 and EAGLE3_DUMP_REBUILDABLE=omit; its data, drafts and server logs go to
+WORK/data-fp8-omit, drafts-fp8-omit and logs-fp8-omit beside the default ones, its conversations are
+WORK/data's when both are of the same prompts, so one --work compares the two on one target. --set controls=correct --set draft_seeds=3 trains (and serves) only the correct
+draft, once per draft seed (seeds draft_seed, +1, ...; draft_seed defaults to --seed).
+benchmarks/fp8_accept.py compares two such results (docs/acceptance.md, "Compact dump").
 Exit: 0 done and every verdict passed, 1 a verdict failed or the figures were not measured (a taken port
 too), 2 usage error or a refused target.
 """

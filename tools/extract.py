@@ -49,7 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--server", required=True, action="append", metavar="URL",
                     help="SGLang server or router URL, e.g. http://127.0.0.1:30000; repeat it or give a comma "
                          "list for several servers (requests are spread over them)")
-    ap.add_argument("--model", required=True, type=Path, help="the served model's directory (config.json, tokenizer)")
+    ap.add_argument("--model", required=True, type=Path,
+                    help="the served model's directory (config.json, tokenizer; also its safetensors weights when "
+                         "the server leaves rebuildable states out, EAGLE3_DUMP_REBUILDABLE=omit)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
     ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR (one shared directory) as seen from here")

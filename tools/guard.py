@@ -11,8 +11,12 @@ without either (vLLM reads them, SGLang ignores them); none (every server's defa
 Face hidden_states indices each server would feed the draft are compared with the dataset's
 manifest (or a dump file). With --release R both readings are printed: R with the series (it
 decides the exit code) and R unpatched (--unpatched makes that one decide). Warns where
-SpecForge or speculators cannot train the ids.
-Exit: 0 match, 1 mismatch (both lists printed in both conventions), 2 usage error.
+SpecForge or speculators cannot train the ids. Refuses, in one line, a dataset whose files the
+draft's trainer cannot read (its manifest's format and storage): a compact dataset (unless
+--compact-reader: the trainer reads it through eaglepatch.compact.CompactDataset), fp8 states for
+SpecForge (eagle_config and id-less drafts), fp8 states for speculators without
+--hidden-states-backend fp8 (speculators' own flag, default file, as there).
+Exit: 0 match, 1 mismatch (both lists printed in both conventions) or a dataset refused, 2 usage error.
 """
 import json
 import sys
@@ -36,6 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--unpatched", action="store_true",
                     help="with --release: the release WITHOUT the series decides the exit code (default: with it; "
                          "both readings are printed)")
+    ap.add_argument("--hidden-states-backend", choices=["file", "fp8"], default="file",
+                    help="speculators drafts: the --hidden-states-backend speculators trains with (default: file, "
+                         "speculators' own default; an fp8 dataset needs fp8)")
+    ap.add_argument("--compact-reader", action="store_true",
+                    help="the trainer reads a compact dataset through eaglepatch.compact.CompactDataset")
     ap.add_argument("--json", action="store_true", help="print the verdict as JSON")
     a = ap.parse_args(argv)
 
@@ -60,6 +69,7 @@ def main(argv=None) -> int:
             unpatched = guard.release_semantics(release, unpatched=True)
             sem, other = (unpatched, patched) if a.unpatched else (patched, unpatched)
         draft = guard.read_draft(a.draft_config)
+        guard.check_storage(draft, data, a.hidden_states_backend, a.compact_reader)  # RefusedError: exit 1
         v = guard.check(draft, data, sem)
         w = guard.check(draft, data, other) if other is not None else None
         if a.json:

@@ -27,7 +27,8 @@ Draft configs come in families, each with its own convention (``read_draft``):
 
 ``check`` compares, per server, the HF indices it would feed the draft with those the dataset's
 manifest (its aux layers) or a dump file (every dumped layer) records, and warns where the
-family's trainer cannot train the ids.
+family's trainer cannot train the ids. ``check_storage`` refuses a dataset whose files that trainer's
+reader cannot read (a compact dataset, fp8 states: the manifest's ``storage``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from . import conventions
 from .conventions import IDENTITY, PLUS_ONE, PLUS_ONE_IF_FIRST_IS_ONE, PLUS_ONE_IF_FIRST_IS_ONE_OR_MINUS_ONE, RULES
-from .errors import UsageError
+from .errors import RefusedError, UsageError
 
 __all__ = ["IDENTITY", "PLUS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE_OR_MINUS_ONE", "RULES"]
 
@@ -347,6 +348,7 @@ class DatasetLayers:
     kind: str = "dataset"  # dataset | dump
     dataset_format: str | None = None
     release: str | None = None  # the sglang release that dumped it, where recorded
+    storage: dict = field(default_factory=dict)  # the manifest's "storage": how the sample files hold the states
 
     @property
     def hf(self) -> list:
@@ -399,7 +401,49 @@ def read_dataset(path: Path | str) -> DatasetLayers:
     n = _positive_int(n, f"{path}: num_hidden_layers")
     fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
     release = m.get("sglang_release") if isinstance(m.get("sglang_release"), str) else None
-    return DatasetLayers(str(path), ids, n, "dataset", fmt, release)
+    storage = m.get("storage") if isinstance(m.get("storage"), dict) else {}
+    return DatasetLayers(str(path), ids, n, "dataset", fmt, release, storage)
+
+
+# ---- storage: can the trainer's reader take the dataset's files? -------------------------------
+
+FP8 = "float8_e4m3fn"
+
+
+def check_storage(draft: Draft, data: DatasetLayers, backend: str = "file", compact_reader: bool = False) -> None:
+    """RefusedError (one line: the problem, then the fix) for a dataset whose files the reader that
+    trains this draft family cannot take, from the manifest's ``dataset_format`` and ``storage``
+    (``writers.manifest_storage``). The reader: SpecForge's OfflineEagle3Dataset for eagle_config
+    and id-less drafts (bf16 ``.ckpt`` files only), speculators' ArrowDataset through its
+    ``--hidden-states-backend`` ``backend`` for the others, or, with ``compact_reader``,
+    ``eaglepatch.compact.CompactDataset``. Refused: a ``compact`` dataset (or any with states left
+    out) unless ``compact_reader``; fp8 states for SpecForge; fp8 states for speculators' ``file``
+    backend (it would train on the raw fp8 codes, unscaled). A dump file is checked for its layers only."""
+    if data.kind != "dataset" or compact_reader:
+        return
+    fmt, dtype = data.dataset_format, data.storage.get("dtype")
+    left_out = sorted(data.storage.get("left_out") or {})
+    specforge = draft.family in (EAGLE_CONFIG, NO_IDS)  # SpecForge trains (and writes) these; speculators the others
+    trainer = "specforge" if specforge else "speculators"
+    reader = ("SpecForge's OfflineEagle3Dataset, which reads bf16 .ckpt files only" if specforge
+              else f"speculators' ArrowDataset (--hidden-states-backend {backend})")
+    again = f"re-extract into a new --out with --format {trainer}"
+    if fmt == "compact" or left_out:
+        raise RefusedError(f"{data.path} is a {fmt or 'compact'} dataset (states as the dump stores them: "
+                           f"{dtype or 'model dtype'}, {', '.join(left_out) or 'nothing'} left out, rebuilt from the "
+                           f"model directory), which {reader} cannot read",
+                           f"{again}, or train through eaglepatch.compact.CompactDataset(OUT, MODEL_DIR, "
+                           f"yields={trainer!r}) and pass --compact-reader")
+    if dtype != FP8:
+        return
+    if specforge:
+        raise RefusedError(f"{data.path} holds {FP8} hidden states with per-row scales, which {reader} cannot read",
+                           f"{again} (bf16, dequantised and rebuilt from the same dumps)")
+    if backend != "fp8":
+        raise RefusedError(f"{data.path} holds {FP8} hidden states with per-row scales (hidden_states_scales), which "
+                           f"{reader} would train on as raw fp8 codes without their scales",
+                           "train with speculators' --hidden-states-backend fp8 (hs-connectors' FP8Transfer "
+                           "dequantises them) and pass --hidden-states-backend fp8 here")
 
 
 # ---- the check ------------------------------------------------------------------------------

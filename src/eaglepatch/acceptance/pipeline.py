@@ -8,10 +8,18 @@ directory is reused, so a run cut by ``--budget-s`` resumes with the same ``--wo
    a gate is refused (exit 2, the reason on one line).
 2. ``data``: the patched server with the dump on (every layer), greedy continuations of the
    train and held-out prompts through its ``/generate``, then ``tools/extract.py --format
-   specforge`` on them, as a user runs it.
+   specforge`` on them, as a user runs it. The dump's storage is a setting (issue 30:
+   ``dump_dtype=bf16|fp8``, ``rebuildable=store|omit``, the server's ``EAGLE3_DUMP_DTYPE`` and
+   ``EAGLE3_DUMP_REBUILDABLE``); data of another storage than bf16/store goes to
+   ``data-<dtype>-<rebuildable>`` beside ``data`` and takes ``data``'s conversations when they are
+   of the same prompts. The result's ``storage`` holds each dataset's dump bytes (state tensors
+   apart from ids and headers) and dataset bytes, and, beside a reference ``data``, the row error
+   per state of what the reader yields against it (``storage_check``).
 3. ``drafts``: SpecForge 0.2.0's LlamaForCausalLMEagle3 + OnlineEagle3Model + Eagle3TrainStrategy,
    once on the dataset and once with its aux inputs zeroed (the floor); held-out a1..ak and the
    predicted accept length; four draft directories (correct, off-by-one, floor, upstream ids).
+   With ``controls=correct`` only the correct draft, once per draft seed (``draft_seeds``),
+   each served (replayed) on its own: what a comparison of two datasets needs.
    With ``draft_max_steps`` the drafts train that many steps, whatever a step costs; a run whose
    budget (``--budget-s``) cut them short is ``not measured`` and reports no accept length
    (``verdicts.drafts_verdict``).
@@ -67,6 +75,19 @@ def gate_failures(gates: dict) -> list:
 # four servers started side by side, 49-73 s each, then 128 requests to each)
 SERVE_RESERVE_S = 110
 
+# Settings of both scales (issue 30). dump_dtype / rebuildable: the data server's
+# EAGLE3_DUMP_DTYPE / EAGLE3_DUMP_REBUILDABLE (bf16: states stored as computed, float32 on the CPU
+# toy; fp8: float8_e4m3fn with a scale per token and state; omit: the vocabulary rows' embedding
+# output and the post-norm final are left out and rebuilt by the reader). Data made with other
+# than bf16/store lives in its own directory (data-<dtype>-<rebuildable>), so one --work holds
+# both and the target is trained once. controls: all (the four controls) or correct (only the
+# correct draft: what a comparison of data needs); draft_seeds: with controls=correct, that many
+# correct drafts, seeds draft_seed (null: --seed), +1, ...; each trained, evaluated, guarded and
+# served (replayed on CPU) on its own.
+_STORAGE_DEFAULTS = dict(dump_dtype="bf16", rebuildable="store", controls="all", draft_seeds=1, draft_seed=None)
+MAX_DRAFT_SEEDS = 8
+REFERENCE_STORAGE = ("bf16", "store")
+
 # Scales. cpu: the toy trained on CPU (a few hundred tokens, a few training steps; the test runs
 # the copy toy target of tests/data with its own settings); gpu: the check model's DeepSeek-V3
 # (real MLA dims, MoE with a shared expert) on one H200. draft_max_steps: the correct draft's
@@ -77,18 +98,19 @@ SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
                 target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
-                draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0),
+                draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0, **_STORAGE_DEFAULTS),
     "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=8000, target_batch=128,
                 target_lr=1e-3, target_budget_s=150, train_prompts=1024, heldout_prompts=128, gate_prompts=64,
                 draft_epochs=200, draft_batch=64, draft_lr=5e-4, draft_budget_s=70, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0),
+                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0, **_STORAGE_DEFAULTS),
 }
 
 
 # The settings that may be null (a scale's default is None), and their type; the others take
 # their default's type.
-NONE_TYPES = {"alphabet": int, "target_embed_std": float}
-CHOICES = {"language": lang_mod.LANGUAGES, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16")}
+NONE_TYPES = {"alphabet": int, "target_embed_std": float, "draft_seed": int}
+CHOICES = {"language": lang_mod.LANGUAGES, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16"),
+           "dump_dtype": ("bf16", "fp8"), "rebuildable": ("store", "omit"), "controls": ("all", "correct")}
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
 
 
@@ -130,19 +152,26 @@ def parse_sets(scale: str, items: list) -> dict:
             raise UsageError(f"--set {item}: {key} is one of " + ", ".join(CHOICES[key]),
                              f"e.g. --set {key}={CHOICES[key][0]}")
         if not ok:
-            example = d if d is not None else {"alphabet": 64, "target_embed_std": 0.02}[key]
+            example = d if d is not None else {"alphabet": 64, "target_embed_std": 0.02, "draft_seed": 1}[key]
             what = _TYPE_WORDS[want] + (" >= 0" if want in (int, float) else "") + (" or null" if nullable else "")
             raise UsageError(f"--set {item}: {key} takes {what}", f"e.g. --set {key}={json.dumps(example)}")
         out[key] = value
     return out
 
 
+def served_drafts(p: dict) -> int:
+    """How many drafts a run serves side by side: the four controls, or (controls=correct) one
+    correct draft per draft seed."""
+    return len(CONTROLS) if p.get("controls", "all") == "all" else p.get("draft_seeds", 1)
+
+
 def ports_used(scale: str, p: dict, port: int) -> list:
-    """The ports a run listens on: the data server at ``port``; on the GPU the four control
-    servers at port + 1..4; with ``warm`` the two warm-up servers at port + 20 and + 21."""
+    """The ports a run listens on: the data server at ``port``; on the GPU the draft servers at
+    port + 1..4 (the four controls; with controls=correct one per draft seed); with ``warm`` the
+    two warm-up servers at port + 20 and + 21."""
     out = [port]
     if scale == "gpu":
-        out += [port + 1 + i for i in range(len(CONTROLS))]
+        out += [port + 1 + i for i in range(served_drafts(p))]
     if p.get("warm"):
         out += [port + 20, port + 21]
     return out
@@ -182,8 +211,8 @@ def check_target_dir(d: Path) -> dict:
 
 def check_options(o: "Options") -> None:
     """Everything a run can be refused for before it trains or starts anything, each in one line:
-    the budget, the settings together (draft_budget_s with draft_max_steps; a language that does
-    not fit the target), the release, ``--out`` (a regular file or a new path: a symbolic link,
+    the budget, the settings together (draft_budget_s with draft_max_steps; draft_seeds outside
+    1..8 or above 1 without controls=correct; a language that does not fit the target), the release, ``--out`` (a regular file or a new path: a symbolic link,
     FIFO or directory is refused; the report is written by rename), a given target's
     architecture and tokenizer, the ports (in range: exit 2; taken: exit 1)."""
     import math
@@ -200,6 +229,11 @@ def check_options(o: "Options") -> None:
         raise UsageError("draft_budget_s does nothing with draft_max_steps %d: the drafts train by steps"
                          % p["draft_max_steps"], "drop --draft-budget-s / --set draft_budget_s (--budget-s bounds "
                          "the run), or set draft_max_steps=0 to train by seconds")
+    if not 1 <= p["draft_seeds"] <= MAX_DRAFT_SEEDS:
+        raise UsageError(f"draft_seeds {p['draft_seeds']}: 1 to {MAX_DRAFT_SEEDS} drafts", "e.g. --set draft_seeds=3")
+    if p["draft_seeds"] > 1 and p["controls"] != "correct":
+        raise UsageError(f"draft_seeds {p['draft_seeds']} needs controls=correct (only the correct draft is trained "
+                         "per seed)", "add --set controls=correct")
     try:
         guard.release_semantics(o.release)
     except UsageError as exc:
@@ -260,6 +294,11 @@ class Run:
         self.p = dict(SCALES[o.scale], **o.overrides)
         self.work = Path(o.work).absolute()
         self.work.mkdir(parents=True, exist_ok=True)
+        # data of another storage than the reference's, its drafts and its server logs go to their
+        # own directories (data-fp8-omit, drafts-fp8-omit, logs-fp8-omit): one --work holds both
+        key = (self.p["dump_dtype"], self.p["rebuildable"])
+        self.suffix = "" if key == REFERENCE_STORAGE else "-%s-%s" % key
+        self.logs = self.work / ("logs" + self.suffix)
         self.res = {"scale": o.scale, "release": o.release, "work": str(self.work), "settings": self.p, "phases": {},
                     "verdicts": {}}
         self.say = o.say or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -330,6 +369,10 @@ class Run:
         self.lg = self.language(cfg)
         gates = self.res["target"].get("gates") or train.measure(model, self.lg, self.p["gate_prompts"], self.o.seed)
         self.res["target"]["gates"] = gates
+        if not self.res["target"].get("sha256"):  # two runs that compare their data served the same weights
+            from .storage_check import target_sha256
+
+            self.res["target"]["sha256"] = target_sha256(d)
         if not self.o.target:
             (d / "acceptance-target.json").write_text(json.dumps(self.res["target"], indent=2))
         self.target = d
@@ -410,6 +453,9 @@ class Run:
             n = self.cfg["num_hidden_layers"]
             env["EAGLE3_DUMP_DIR"] = str(dump)
             env["EAGLE3_DUMP_LAYERS"] = ",".join(str(k) for k in range(-1, n))
+            if (self.p["dump_dtype"], self.p["rebuildable"]) != REFERENCE_STORAGE:  # set only then: a default
+                env["EAGLE3_DUMP_DTYPE"] = self.p["dump_dtype"]                    # run is what it was
+                env["EAGLE3_DUMP_REBUILDABLE"] = self.p["rebuildable"]
         return env
 
     def server_argv(self, port: int, draft: Path | None, parent: Path, model: Path | None = None) -> list:
@@ -435,29 +481,70 @@ class Run:
                      "--speculative-num-draft-tokens", str(NUM_STEPS + 1)]
         return [sys.executable, "-m", "sglang.launch_server", *argv]
 
+    def data_name(self) -> str:
+        """The data directory under the work dir: ``data`` for states stored as computed (bf16/store,
+        the reference), ``data-<dump_dtype>-<rebuildable>`` otherwise."""
+        return "data" + self.suffix
+
+    def reused_greedy(self, prompts: list) -> list | None:
+        """The reference data's conversations (``data/greedy.json``), when this run's data is another
+        storage's and the reference was made from the same prompts: the two datasets then hold the
+        same conversations (and no second greedy generation is needed). None otherwise."""
+        ref = self.work / "data" / "greedy.json"
+        if self.data_name() == "data" or not ref.is_file():
+            return None
+        try:
+            conv = json.loads(ref.read_text())
+        except (OSError, ValueError):
+            return None
+        return conv if [c.get("prompt_ids") for c in conv] == prompts else None
+
+    def check_storage_supported(self, parent: Path) -> None:
+        """A storage setting the patched tree does not know would be ignored by its server, and the
+        run would compare bf16 with bf16: refused before the server starts."""
+        if (self.p["dump_dtype"], self.p["rebuildable"]) == REFERENCE_STORAGE:
+            return
+        settings = Path(parent) / "sglang" / "srt" / "eagle3_capture" / "settings.py"
+        try:
+            known = "EAGLE3_DUMP_DTYPE" in settings.read_text() and "EAGLE3_DUMP_REBUILDABLE" in settings.read_text()
+        except OSError:
+            known = False
+        if not known:
+            raise UsageError(f"dump_dtype={self.p['dump_dtype']} rebuildable={self.p['rebuildable']}: the patched sglang "
+                             f"at {parent} has no EAGLE3_DUMP_DTYPE / EAGLE3_DUMP_REBUILDABLE ({settings})",
+                             "use a series with compact storage (issue 30), or drop the settings")
+
     def do_data(self):
-        d = self.work / "data"
+        d = self.work / self.data_name()
         if (d / "done.json").is_file():
             self.data = json.loads((d / "done.json").read_text())
+            self.res["storage"] = self.data.get("storage")
             return
         d.mkdir(parents=True, exist_ok=True)
         rng = random.Random(self.o.seed + 1)
         samples = [self.lg.sample(rng) for _ in range(self.p["train_prompts"] + self.p["heldout_prompts"])]
         parent = self.patched_parent()
+        self.check_storage_supported(parent)
         dump = d / "dumps"
         dump.mkdir(exist_ok=True)
         self.finish_warm("warm-data")
         with Server(self, "data", parent, None, dump) as srv:
             prompts = [self.lg.prompt_ids(s) for s in samples]
-            outs = self.generate_all(srv, prompts, self.p["answer_len"])
-            conv = []
-            for i, (s, o) in enumerate(zip(samples, outs)):
-                cont = [t for t in o["output_ids"]]
-                if self.lg.eot in cont:
-                    cont = cont[:cont.index(self.lg.eot)]
-                conv.append({"id": "s%04d" % i, "prompt_ids": self.lg.prompt_ids(s), "continuation": cont,
-                             "messages": [{"role": "user", "content": self.lg.words(s.user)},
-                                          {"role": "assistant", "content": self.lg.words(list(s.prefix) + cont)}]})
+            conv = self.reused_greedy(prompts)
+            if conv is not None:
+                self.say("[acceptance] data: the conversations of %s (same prompts), extracted through this "
+                         "run's server" % (self.work / "data" / "greedy.json"))
+                self.res["greedy_from"] = str(self.work / "data" / "greedy.json")
+            else:
+                outs = self.generate_all(srv, prompts, self.p["answer_len"])
+                conv = []
+                for i, (s, o) in enumerate(zip(samples, outs)):
+                    cont = [t for t in o["output_ids"]]
+                    if self.lg.eot in cont:
+                        cont = cont[:cont.index(self.lg.eot)]
+                    conv.append({"id": "s%04d" % i, "prompt_ids": self.lg.prompt_ids(s), "continuation": cont,
+                                 "messages": [{"role": "user", "content": self.lg.words(s.user)},
+                                              {"role": "assistant", "content": self.lg.words(list(s.prefix) + cont)}]})
             ntr = self.p["train_prompts"]
             for name, part in (("train", conv[:ntr]), ("heldout", conv[ntr:])):
                 (d / f"{name}.jsonl").write_text("".join(json.dumps({"id": c["id"], "messages": c["messages"]}) + "\n"
@@ -484,10 +571,66 @@ class Run:
                         for name, aux in needed]
                 for j in jobs:
                     j.result()
-        for f in dump.glob("*.safetensors"):  # the generate requests' own dumps
+        storage = self.measure_storage(d, dump, needed)
+        for f in dump.glob("*.safetensors"):  # the generate requests' own dumps, and the extractions'
             f.unlink()
-        self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct")}
+        self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct"),
+                     "storage": storage}
+        self.res["storage"] = storage
         (d / "done.json").write_text(json.dumps(self.data))
+
+    def measure_storage(self, d: Path, dump: Path, needed: list) -> dict:
+        """The data's bytes (issue 30), in the result's ``storage``: each dataset's dump files (its
+        extraction's requests; ``storage_check.census``) and the dataset directories; the held-out
+        conversations' dump files kept (``kept-dumps``) and, for data of another storage than the
+        reference's, the row error of every state they yield against the reference data's kept
+        dumps of the same conversations (same work dir, same target: ``data/kept-dumps``). Refuses
+        dumps that are not stored as the settings ask (a server that ignored them)."""
+        from . import storage_check as sc
+
+        datasets = {name: d / f"ds-{name}" for name, _ in needed}
+        census, files = sc.census(dump, datasets)
+        want_dtype = {"bf16": None, "fp8": "float8_e4m3fn"}[self.p["dump_dtype"]]
+        tr = census.get("train@correct") or {}
+        if tr.get("files"):
+            if want_dtype and tr["storage_dtype"] != [want_dtype]:
+                raise RefusedError(f"the data server stored {tr['storage_dtype']}, not {want_dtype} as "
+                                   f"dump_dtype={self.p['dump_dtype']} asks", "use a series with compact storage "
+                                   "(issue 30); the server log is under %s" % (self.logs))
+            omitted = self.p["rebuildable"] == "omit"
+            left = [sorted(json.loads(x or "{}")) for x in tr["left_out"]]
+            if omitted and left != [["final", "layer.-1"]] or not omitted and any(left):
+                raise RefusedError(f"the data server left out {left}, rebuildable={self.p['rebuildable']} asks for "
+                                   f"{['final', 'layer.-1'] if omitted else 'nothing'}",
+                                   "use a series with compact storage (issue 30)")
+        kept = d / sc.KEPT
+        n_kept = sc.keep(files.get("heldout@correct", {}), kept)
+        out = {"dump_dtype": self.p["dump_dtype"], "rebuildable": self.p["rebuildable"], "dump": census,
+               "datasets": {name: sc.dataset_bytes(p) for name, p in datasets.items()}, "kept_dumps": n_kept,
+               "greedy_sha256": sc.file_sha256(d / "greedy.json")}
+        ref = self.work / "data"
+        if d != ref and (ref / sc.KEPT).is_dir():
+            try:
+                out["row_error_vs_reference"] = dict(sc.row_errors(kept, ref / sc.KEPT, self.target),
+                                                     reference=str(ref / sc.KEPT))
+            except Exception as exc:  # noqa: BLE001 - a figure of its own: the data are good without it
+                out["row_error_vs_reference"] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300])}
+            try:
+                ref_storage = json.loads((ref / "done.json").read_text()).get("storage") or {}
+            except (OSError, ValueError):
+                ref_storage = {}
+            rt = (ref_storage.get("dump") or {}).get("train@correct") or {}
+            if rt.get("state_bytes") and tr.get("state_bytes") is not None:
+                out["vs_reference"] = {"state_bytes_ratio": round(tr["state_bytes"] / rt["state_bytes"], 4),
+                                       "state_bytes_vs_bf16_store": round(tr["state_bytes"] / (2 * rt["state_values"]), 4),
+                                       "file_bytes_ratio": round(tr["file_bytes"] / rt["file_bytes"], 4),
+                                       "reference_storage_dtype": rt.get("storage_dtype"),
+                                       "same_conversations": ref_storage.get("greedy_sha256") == out["greedy_sha256"]}
+        dt, dv = tr.get("storage_dtype"), out.get("vs_reference", {})
+        self.say("[acceptance] data: %s, train set dump %d files, %d state bytes (%s), %d file bytes%s"
+                 % (self.data_name(), tr.get("files", 0), tr.get("state_bytes", 0), dt, tr.get("file_bytes", 0),
+                    "; %.3f of the reference's state bytes" % dv["state_bytes_ratio"] if dv else ""))
+        return out
 
     GENERATE_CHUNK = 32
 
@@ -505,7 +648,7 @@ class Run:
             out = srv.generate(chunk, n)
             if len(out) != len(chunk):
                 raise RefusedError("the data server answered %d of %d prompts" % (len(out), len(chunk)),
-                                   "read its log under %s" % (self.work / "logs"))
+                                   "read its log under %s" % (self.logs))
             done.append(len(chunk))
             return out
 
@@ -548,7 +691,7 @@ class Run:
     def datasets_needed(self):
         r = self.readings()
         out = [("train@correct", r["correct"][1]), ("heldout@correct", r["correct"][1])]
-        if self.o.scale == "cpu":  # the replay needs what each reading serves
+        if self.o.scale == "cpu" and self.p["controls"] == "all":  # the replay needs what each reading serves
             for c, (_, hf, _) in r.items():
                 if hf and hf != r["correct"][1] and all(0 <= h <= self.cfg["num_hidden_layers"] for h in hf):
                     out.append(("heldout@" + c, hf))
@@ -556,9 +699,11 @@ class Run:
 
     def extract(self, srv, data: Path, out: Path, hf: list, dump: Path):
         aux = ",".join(str(h - 1) for h in hf)
+        # --keep-dumps: the data phase measures the dump files and keeps the held-out ones, then
+        # removes them all (measure_storage)
         cmd = [sys.executable, str(TOOLS / "extract.py"), "--server", srv.url, "--model", str(self.target),
                "--data", str(data), "--dump-dir", str(dump), "--out", str(out), "--format", "specforge",
-               f"--aux-layers={aux}", "--no-progress", "--concurrency", "4" if self.o.scale == "cpu" else "16"]
+               f"--aux-layers={aux}", "--no-progress", "--keep-dumps", "--concurrency", "4" if self.o.scale == "cpu" else "16"]
         t = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, env=self.tool_env())
         self.res.setdefault("extract", {})[out.name] = {"rc": r.returncode, "wall_s": round(time.monotonic() - t, 1),
@@ -567,7 +712,7 @@ class Run:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             raise RefusedError("tools/extract.py failed on %s (exit %d: %s)" % (data.name, r.returncode, last),
                                "run that command (in the result's extract.%s.cmd) by hand to see why; the server "
-                               "log is under %s" % (out.name, self.work / "logs"))
+                               "log is under %s" % (out.name, self.logs))
 
     def patched_parent(self) -> Path:
         if self.o.sglang_parent:
@@ -579,6 +724,22 @@ class Run:
         raise UsageError("the GPU run needs the patched sglang", "pass --sglang-parent DIR or --patched-files DIR with --site")
 
     # ---- 3. drafts ---------------------------------------------------------------------------
+    def draft_plan(self) -> list:
+        """(name, seed, zero_aux) of each draft the run trains, in order: the correct draft and the
+        floor (controls=all), or one correct draft per draft seed (controls=correct: ``correct``,
+        then ``correct@seed<s>``). Seeds start at ``draft_seed`` (null: ``--seed``)."""
+        s0 = self.o.seed if self.p["draft_seed"] is None else self.p["draft_seed"]
+        if self.p["controls"] == "all":
+            return [("correct", s0, False), ("floor", s0, True)]
+        return [("correct" if i == 0 else "correct@seed%d" % (s0 + i), s0 + i, False) for i in range(self.p["draft_seeds"])]
+
+    def served_order(self) -> list:
+        """The drafts the run serves (replays on CPU), in order; the i-th one's server listens on
+        ``--port`` + 1 + i."""
+        if self.p["controls"] == "all":
+            return list(CONTROLS)
+        return [name for name, _, _ in self.draft_plan()]
+
     def do_drafts(self):
         from . import train
 
@@ -596,24 +757,25 @@ class Run:
         # each control exported and checked by guard. Its server starts only in serve: on the H200 a
         # floor trained while three servers started ran 231 steps in 135 s against the correct
         # draft's 768 in 34 s alone (docs/acceptance.md)
-        for c in CONTROLS:
-            ids, hf, _ = r[c]
+        for c in self.served_order():
+            ids, hf, _ = r[c.split("@")[0]]
             if ids is None:
                 continue
-            run = self.runs["floor" if c == "floor" else "correct"]
+            run = self.runs.get(c, self.runs["correct"])
             run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"], self.p["draft_fc_norm"])
-            self.draft_dirs[c] = str(run.export(self.work / "drafts" / c, self.p["dtype"], zero_fc=c == "floor"))
+            dest = self.work / ("drafts" + self.suffix) / c
+            self.draft_dirs[c] = str(run.export(dest, self.p["dtype"], zero_fc=c == "floor"))
             self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
             self.guard_one(c)
 
     def train_drafts(self, files: list, held: list) -> dict:
-        """The correct draft, then the floor on exactly as many steps; each evaluated on ``held``
-        once both trained as configured. By steps (``draft_max_steps``): nothing but the run's
-        ``--budget-s`` limits them (a busy machine takes longer, it does not train less). By
-        seconds (``draft_max_steps`` 0): the correct draft gets ``draft_budget_s``. Either way a
-        draft the run's budget cut short makes the run ``not measured`` (the verdict says how
-        far it got; nothing later runs: a cut draft's accept length is the cut's, not the
-        layers'). Returns ``verdicts["drafts"]``."""
+        """The correct draft, then the floor on exactly as many steps (controls=all), or one correct
+        draft per draft seed (controls=correct); each evaluated on ``held`` once all trained as
+        configured. By steps (``draft_max_steps``): nothing but the run's ``--budget-s`` limits
+        them (a busy machine takes longer, it does not train less). By seconds (``draft_max_steps``
+        0): the correct draft gets ``draft_budget_s``. Either way a draft the run's budget cut
+        short makes the run ``not measured`` (the verdict says how far it got; nothing later runs:
+        a cut draft's accept length is the cut's, not the layers'). Returns ``verdicts["drafts"]``."""
         from . import train
 
         self.runs = {}
@@ -621,23 +783,27 @@ class Run:
         r = self.readings()
         cfg = train.draft_config(self.cfg, r["correct"][0], self.p["dtype"], self.p["draft_fc_norm"])
         want = self.p["draft_max_steps"] or None
+        plan = self.draft_plan()
         hists = {}
         v = None
-        for name, zero in (("correct", False), ("floor", True)):
+        for k, (name, seed, zero) in enumerate(plan):
             if name == "floor":  # exactly the correct draft's steps: same data order, same updates
                 budget, max_steps = self.left() - SERVE_RESERVE_S, hists["correct"]["steps"]
             elif want:
-                budget, max_steps = (self.left() - SERVE_RESERVE_S) / 2, want
+                budget, max_steps = (self.left() - SERVE_RESERVE_S) / (len(plan) - k), want
             else:
-                budget, max_steps = min(self.p["draft_budget_s"], self.left() / 3), None
+                budget, max_steps = min(self.p["draft_budget_s"], self.left() / (len(plan) - k + 1)), None
             budget = None if budget == float("inf") else max(budget, 5)
-            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=self.o.seed)
+            run = train.DraftRun(self.target, cfg, NUM_STEPS, self.p["device"], zero_aux=zero, seed=seed)
             hists[name] = run.train(files, self.p["draft_epochs"], self.p["draft_batch"], self.p["draft_lr"], budget,
-                                    self.o.seed, self.say, max_steps=max_steps)
-            self.res["drafts"][name] = {"training": hists[name]}
+                                    seed, self.say, max_steps=max_steps)
+            self.res["drafts"][name] = {"seed": seed, "training": hists[name]}
             self.runs[name] = run
-            v = verdicts.drafts_verdict(hists["correct"], hists.get("floor"), want,
-                                        None if want else self.p["draft_budget_s"])
+            if self.p["controls"] == "all":
+                v = verdicts.drafts_verdict(hists["correct"], hists.get("floor"), want,
+                                            None if want else self.p["draft_budget_s"])
+            else:
+                v = verdicts.seed_drafts_verdict(hists, want, None if want else self.p["draft_budget_s"])
             if not v["measured"]:
                 break
         self.res["verdicts"]["drafts"] = v
@@ -653,24 +819,26 @@ class Run:
 
     def start_server(self, c: str):
         r = self.readings()
-        parent = Path(self.o.unpatched_parent) if r[c][2] else self.patched_parent()
-        s = Server(self, c, parent, Path(self.draft_dirs[c]), None, port=self.o.port + 1 + CONTROLS.index(c))
+        base = c.split("@")[0]
+        parent = Path(self.o.unpatched_parent) if r[base][2] else self.patched_parent()
+        s = Server(self, c, parent, Path(self.draft_dirs[c]), None, port=self.o.port + 1 + self.served_order().index(c))
         self.servers[c] = s
         s.start()
         self.say("[acceptance] server %s starting (%s sglang, draft ids %s)"
-                 % (c, "unpatched" if r[c][2] else "patched", r[c][0]))
+                 % (c, "unpatched" if r[base][2] else "patched", r[base][0]))
 
     # ---- 4. guard ----------------------------------------------------------------------------
     def guard_one(self, c: str):
         """tools/guard.py on control ``c``'s draft config and the training dataset, as a user runs it
         before serving: exit 1 expected exactly where the control's reading differs from the
-        training layers or its tree cannot capture them."""
+        training layers or its tree cannot capture them. ``correct@seed<s>`` reads as ``correct``."""
         r = self.readings()
+        base = c.split("@")[0]
         cmd = [sys.executable, str(TOOLS / "guard.py"), "--draft-config", self.draft_dirs[c], "--dataset",
-               self.data["train"], "--release", self.o.release, "--json"] + (["--unpatched"] if r[c][2] else [])
+               self.data["train"], "--release", self.o.release, "--json"] + (["--unpatched"] if r[base][2] else [])
         t = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, env=self.tool_env())
-        want_fail = r[c][1] != r["correct"][1] or not self.servable(c)
+        want_fail = r[base][1] != r["correct"][1] or not self.servable(base)
         self.res["guard"][c] = {"rc": p.returncode, "expected_rc": 1 if want_fail else 0, "cmd": " ".join(cmd[1:]),
                                 "wall_s": round(time.monotonic() - t, 1), "stdout": p.stdout[-3000:],
                                 "stderr": p.stderr[-500:]}
@@ -687,7 +855,11 @@ class Run:
         r = self.readings()
         return {c: {"not_servable": f"sglang {self.o.release}{' unpatched' if r[c][2] else ''} cannot capture "
                                     f"HF indices {r[c][1]}", name: r[c][1]}
-                for c in self.draft_dirs if not self.servable(c)}
+                for c in self.draft_dirs if c in r and not self.servable(c)}
+
+    def seed_heldouts(self) -> dict:
+        """controls=correct: each correct draft's held-out evaluation, in order."""
+        return {c: self.res["drafts"][c]["heldout"] for c in self.served_order() if c in self.draft_dirs}
 
     def do_replay(self):
         """CPU: no server loads a draft (sglang 0.5.9 runs no EAGLE-3 decoding on CPU). Each
@@ -700,16 +872,20 @@ class Run:
         greedy = json.loads((Path(self.data["dir"]) / "greedy.json").read_text())[self.p["train_prompts"]:]
         figures = self._unservable("fed_hf")
         plen = {tuple(g["prompt_ids"] + g["continuation"] + [self.lg.eot]): len(g["prompt_ids"]) for g in greedy}
-        for c, (ids, hf, _) in r.items():
+        for c in self.served_order():
             if c not in self.draft_dirs or c in figures:
                 continue
+            ids, hf, _ = r[c.split("@")[0]]
             name = "heldout@" + c if hf != r["correct"][1] else "heldout@correct"
             files = train.sample_files(Path(self.data["dir"]) / f"ds-{name}")
-            run = self.runs["floor" if c == "floor" else "correct"]
+            run = self.runs.get(c, self.runs["correct"])
             metas = run.chain_replay(files, plen, NUM_STEPS)
             figures[c] = dict(lang_mod.served_accept_length(metas), how=verdicts.REPLAY_NOTE, fed_hf=hf)
         self.res["replayed"] = figures
-        v = verdicts.replayed_verdict(figures, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
+        if self.p["controls"] == "all":
+            v = verdicts.replayed_verdict(figures, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
+        else:
+            v = verdicts.seeds_verdict(figures, self.seed_heldouts(), self.p["answer_len"], "replayed")
         self.res["verdicts"]["replay"] = v
         self.say("[acceptance] " + v["verdict"])
 
@@ -722,7 +898,7 @@ class Run:
         served = self._unservable("served_hf")
         prompts = [g["prompt_ids"] for g in greedy]
         want = [g["continuation"] for g in greedy]
-        todo = [c for c in CONTROLS if c in self.draft_dirs and c not in served]
+        todo = [c for c in self.served_order() if c in self.draft_dirs and c not in served]
         self.finish_warm("warm-spec")
         for c in todo:  # the servers start side by side; requests go to one at a time
             self.start_server(c)
@@ -737,7 +913,7 @@ class Run:
                 same = sum(g[:len(w)] == w for g, w in zip(got, want))
                 first_diff = [next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
                               for g, w in zip(got, want)]
-                served[c] = dict(lang_mod.served_accept_length(metas), how="served", served_hf=r[c][1],
+                served[c] = dict(lang_mod.served_accept_length(metas), how="served", served_hf=r[c.split("@")[0]][1],
                                  lossless_requests=same, first_difference_at=[d for d in first_diff if d is not None],
                                  start_s=s.start_s, generate_s=round(time.monotonic() - t, 1))
             except Exception as exc:  # noqa: BLE001 - reported per control
@@ -745,7 +921,10 @@ class Run:
             finally:
                 s.stop()
         self.res["served"] = served
-        v = verdicts.served_verdict(served, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
+        if self.p["controls"] == "all":
+            v = verdicts.served_verdict(served, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
+        else:
+            v = verdicts.seeds_verdict(served, self.seed_heldouts(), self.p["answer_len"], "served")
         self.res["verdicts"]["serve"] = v
         self.say("[acceptance] " + v["verdict"])
 
@@ -783,7 +962,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = run.server_argv(self.port, draft, parent, model)
         self.env = run.server_env(parent, dump)
-        self.log = run.work / "logs" / f"server-{name}.log"
+        self.log = run.logs / f"server-{name}.log"
         self.proc = None
 
     def start(self):

@@ -64,6 +64,70 @@ def drafts_verdict(correct: dict, floor: dict | None = None, configured_steps: i
     return v
 
 
+def seed_drafts_verdict(hists: dict, configured_steps: int | None = None, configured_s: float | None = None) -> dict:
+    """controls=correct: ``hists`` (name -> training record) of the correct drafts trained so far,
+    one per draft seed. Each is judged as ``drafts_verdict`` judges the correct draft; by steps
+    they must all train the configured steps (``same_steps``); by seconds each trains its own."""
+    steps = {n: h["steps"] for n, h in hists.items()}
+    v = {"steps": steps, "configured_steps": configured_steps, "measured": True,
+         "same_steps": len(set(steps.values())) == 1 if configured_steps else True}
+    for h in hists.values():
+        one = drafts_verdict(h, None, configured_steps, configured_s)
+        if not one["measured"]:
+            v.update(measured=False, verdict=one["verdict"])
+            return v
+    if configured_steps and not v["same_steps"]:
+        v["verdict"] = "the drafts trained unequal steps (%s)" % steps
+    else:
+        v["verdict"] = "trained %s steps (%d draft%s, one per seed)" % (
+            "/".join(str(x) for x in steps.values()) if not configured_steps else configured_steps, len(steps),
+            "s" if len(steps) > 1 else "")
+    return v
+
+
+def seeds_verdict(figures: dict, heldouts: dict, answer_len: int, how: str) -> dict:
+    """controls=correct: the correct drafts, one per draft seed (``heldouts``: name -> held-out
+    evaluation), each ``served`` (GPU) or ``replayed`` (CPU; ``figures``: the result's ``served``
+    or ``replayed``). Reports each accept length, its prediction at the answer length, the mean
+    and the spread over the seeds. Served: passes when every draft was served, every request
+    lossless and each within ``GPU_LIMITS["served_minus_predicted"]`` of its prediction at the
+    answer length (the exact expectation for its a1..a3; the answer cuts the last verify).
+    Replayed: when every draft has a figure (no ordering to judge: there is no control)."""
+    a = {n: (figures.get(n) or {}).get("accept_length") for n in heldouts}
+    at = {n: _r(lang_mod.chain_accept_length_at(h["step_accuracies"], answer_len - 1)) for n, h in heldouts.items()}
+    v = {f"{how}_accept_length": a, "predicted": {n: h["predicted_accept_length"] for n, h in heldouts.items()},
+         "predicted_at_answer_length": at}
+    failed = _missing(figures, a, list(heldouts), how)
+    got = [x for x in a.values() if x is not None]
+    if got:
+        v.update(mean=_r(sum(got) / len(got)), spread=_r(max(got) - min(got)))
+    if how == "served":
+        lim = GPU_LIMITS["served_minus_predicted"]
+        lossless = {}
+        for n, x in a.items():
+            if x is None:
+                continue
+            if abs(x - at[n]) > lim:
+                failed.append("%s served %.3f vs predicted %.3f at %d tokens: differs by %.3f > %s"
+                              % (n, x, at[n], answer_len, abs(x - at[n]), lim))
+            k, m = figures[n].get("lossless_requests"), figures[n].get("requests")
+            lossless[n] = "%s of %s" % (k, m)
+            if k is None or m is None or k < m:
+                failed.append("%s: %s of %s requests lossless (outputs differ from the no-speculation greedy ones)"
+                              % (n, k, m))
+        v["lossless"] = lossless
+        head = "served"
+    else:
+        v["how"] = REPLAY_NOTE
+        head = "replayed (no server loaded a draft)"
+    v["failed"] = failed
+    v["passed"] = not failed
+    figs = ", ".join("%s %s" % (n, "%.3f" % x if x is not None else "-") for n, x in a.items())
+    v["verdict"] = head + ": " + ("failed: " + "; ".join(failed) if failed else
+                                  "correct drafts %s; mean %.3f" % (figs, v["mean"]))
+    return v
+
+
 def _common(figures: dict, heldout: dict, answer_len: int, name: str) -> tuple[dict, dict]:
     pred = heldout["predicted_accept_length"]
     at = lang_mod.chain_accept_length_at(heldout["step_accuracies"], answer_len - 1)

@@ -7,6 +7,12 @@ temporary name and a rename, so it appears whole some time after ``/generate`` h
 sends its own rid (``new_rid``), so it knows the file's name before it asks. The metadata says whose
 request the file holds: ``rid``, ``prompt_key`` (sha256 of the stored ids written "1,2,3", the
 file name of the series before) and ``input_source``.
+
+Compact files (format ``eagle3-dump/2``, docs/design.md "Compact storage") store states as fp8 with
+a scale per row and/or leave out what the target's weights rebuild (the embedding rows of the
+vocabulary, the post-norm final state); ``load_dump`` gives the same ``Dump`` for both formats:
+dequantised as speculators' hs-connectors does, rebuilt with an ``eaglepatch.storage.Rebuilder``.
+A value this reader does not know (storage dtype, scale layout, something left out) is refused.
 """
 
 from __future__ import annotations
@@ -17,14 +23,26 @@ import os
 import re
 import stat
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMAT = "eagle3-dump/1"
+FORMAT = "eagle3-dump/1"  # every state stored whole, in the model dtype
+FORMAT_COMPACT = "eagle3-dump/2"  # fp8 states and/or states left out (docs/design.md, "Compact storage")
+FORMATS = (FORMAT, FORMAT_COMPACT)
 REQUIRED_META = ("format", "key", "eagle3_layer_ids", "hf_hidden_state_indices", "final", "hidden_size",
                  "num_hidden_layers", "dtype", "num_tokens")
+COMPACT_META = ("storage_dtype", "scale_layout", "left_out", "vocab_size")  # every eagle3-dump/2 file's too
 IDENTITY_META = ("rid", "prompt_key", "input_source")  # whose request the file holds (series of issue 19 on)
 RID_PREFIX = "eaglepatch-"
+FP8 = "float8_e4m3fn"
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+SCALE_LAYOUTS = {"none": False, "per_token_per_state": True}  # scale_layout -> whether states are fp8
+EMBEDDING = "layer.-1"
+SCALE_PREFIX, ROWS_PREFIX = "scale.", "rows."
+# what a /2 file may leave out: state -> its rebuild kind and the fields of its ``left_out`` entry
+LEFT_OUT = {EMBEDDING: ("embed_tokens", ("rebuild", "rows")), "final": ("final_norm", ("rebuild", "from", "eps"))}
+REBUILD_FIX = ("pass the served model's directory with its weights (tools/extract.py --model DIR; "
+               "load_dump(..., rebuilder=eaglepatch.storage.Rebuilder(DIR)))")
 
 
 class BadDump(Exception):
@@ -60,11 +78,11 @@ def read_metadata(path: Path) -> dict:
 
 
 def any_server_dumps(directory: Path) -> list[Path]:
-    """Dump files in ``directory`` (any key) that carry this format's metadata."""
+    """Dump files in ``directory`` (any key) that carry one of these formats' metadata."""
     found = []
     for p in sorted(Path(directory).glob("*.safetensors"))[:50]:
         try:
-            if read_metadata(p).get("format") == FORMAT:
+            if read_metadata(p).get("format") in FORMATS:
                 found.append(p)
         except Exception:
             continue
@@ -73,12 +91,27 @@ def any_server_dumps(directory: Path) -> list[Path]:
 
 @dataclass
 class Dump:
+    """A dump as every reader sees it: ``layers`` and ``final`` are model-dtype tensors [T, H]
+    whatever the file's layout (fp8 states dequantised, left-out states rebuilt)."""
     path: Path
     meta: dict
     layer_ids: list  # EAGLE-3 ids, in the order stored (the metadata's HF indices are checked to be these plus one)
     layers: dict  # "layer.<k>" -> tensor [T, H]
     final: object  # tensor [T, H] or None
     input_ids: object  # int64 [T]
+    storage: str = ""  # the dtype states are stored in: the model dtype, or float8_e4m3fn
+    # fp8 states stored with every row: name -> (q float8_e4m3fn [T, H], scale float32 [T, 1]), as the
+    # file holds them (an fp8 export passes them on untouched)
+    encoded: dict = field(default_factory=dict)
+    rebuilt: dict = field(default_factory=dict)  # name -> rebuild kind, of the states rebuilt from weights
+
+
+def storage_meta(meta: dict) -> dict:
+    """The storage layout ``meta`` (a dump's metadata, or a dataset's recorded ``dump_meta``) names:
+    ``storage_dtype``, ``scale_layout``, ``left_out`` (JSON text); where a field is absent (an
+    ``eagle3-dump/1`` file) the plain layout: the model dtype, no scales, nothing left out."""
+    plain = {"storage_dtype": meta.get("dtype"), "scale_layout": "none", "left_out": "{}"}
+    return {k: meta.get(k, v) for k, v in plain.items()}
 
 
 def _json_list(meta: dict, name: str, path: Path) -> list:
@@ -91,14 +124,192 @@ def _json_list(meta: dict, name: str, path: Path) -> list:
     return v
 
 
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _expect(path: Path, name: str, t, shape: tuple, dtype: str, source: str = "metadata says") -> None:
+    """BadDump unless tensor ``name`` has ``shape`` and ``dtype`` (a name, e.g. "bfloat16")."""
+    if tuple(t.shape) != tuple(shape):
+        raise BadDump(f"{path.name}: {name} has shape {tuple(t.shape)}, expected [{', '.join(map(str, shape))}]")
+    if _dtype_name(t) != dtype:
+        raise BadDump(f"{path.name}: {name} is {t.dtype}, {source} {dtype}")
+
+
+def _no_match(path: Path, names, expected, together=()) -> BadDump:
+    both = f"; {sorted(together)} all or none" if together else ""
+    return BadDump(f"{path.name}: tensors {sorted(names)} do not match the metadata (expected {sorted(expected)}{both})")
+
+
+def _plain_states(path: Path, meta: dict, tensors: dict, state_names: list, T: int, H: int) -> dict:
+    """``eagle3-dump/1``: every state whole, [T, H] in the model dtype."""
+    expected = set(state_names) | {"input_ids"}
+    if set(tensors) != expected:
+        raise _no_match(path, tensors, expected)
+    for name in state_names:
+        _expect(path, name, tensors[name], (T, H), meta["dtype"])
+    return {name: tensors[name] for name in state_names}
+
+
+@dataclass
+class _Compact:
+    """A ``/2`` file's storage metadata, checked: every value one this reader knows."""
+    dtype: object  # the model dtype (torch), what the reader yields
+    storage: str
+    fp8: bool
+    left_out: dict
+    vocab_size: int
+
+
+def _compact_settings(path: Path, meta: dict, layer_ids: list, has_final: bool) -> _Compact:
+    import torch
+
+    lacks = [k for k in COMPACT_META if k not in meta]
+    if lacks:
+        raise BadDump(f"{path.name}: format {FORMAT_COMPACT} but the metadata lacks {lacks}")
+    model = meta["dtype"]
+    if model not in MODEL_DTYPES:
+        raise BadDump(f"{path.name}: model dtype {model!r} is not one this reader knows ({', '.join(MODEL_DTYPES)})")
+    storage, layout = meta["storage_dtype"], meta["scale_layout"]
+    if storage not in (model, FP8):
+        raise BadDump(f"{path.name}: storage_dtype {storage!r} is not one this reader knows (the model dtype {model!r} "
+                      f"or {FP8!r}); read it with the eaglepatch of the server's series, or serve with "
+                      f"EAGLE3_DUMP_DTYPE=bf16 or fp8")
+    if layout not in SCALE_LAYOUTS:
+        raise BadDump(f"{path.name}: scale_layout {layout!r} is not one this reader knows ({', '.join(SCALE_LAYOUTS)}); "
+                      f"read it with the eaglepatch of the server's series")
+    if SCALE_LAYOUTS[layout] != (storage == FP8):
+        raise BadDump(f"{path.name}: scale_layout {layout!r} does not go with storage_dtype {storage!r} "
+                      f"({FP8} states have per_token_per_state scales, others none)")
+    try:
+        left_out = json.loads(meta["left_out"])
+        vocab, n_layers = int(meta["vocab_size"]), int(meta["num_hidden_layers"])
+    except (ValueError, TypeError):
+        raise BadDump(f"{path.name}: metadata left_out={meta['left_out']!r} is not JSON, or vocab_size="
+                      f"{meta['vocab_size']!r} / num_hidden_layers={meta['num_hidden_layers']!r} not integers") from None
+    if not isinstance(left_out, dict) or vocab < 1:
+        raise BadDump(f"{path.name}: metadata left_out={meta['left_out']!r} is not a JSON object or vocab_size "
+                      f"{vocab} is not positive")
+    for name, entry in left_out.items():
+        if name not in LEFT_OUT:
+            raise BadDump(f"{path.name}: left_out names {name!r}, which this reader cannot rebuild (it rebuilds "
+                          f"{', '.join(LEFT_OUT)}); read it with the eaglepatch of the server's series")
+        kind, fields = LEFT_OUT[name]
+        got = entry.get("rebuild") if isinstance(entry, dict) else None
+        if got != kind:
+            raise BadDump(f"{path.name}: left_out[{name!r}] has rebuild kind {got!r}, this reader knows {kind!r}; "
+                          f"read it with the eaglepatch of the server's series")
+        if sorted(entry) != sorted(fields):
+            raise BadDump(f"{path.name}: left_out[{name!r}] has fields {sorted(entry)}, this reader knows {list(fields)}")
+    emb, fin = left_out.get(EMBEDDING), left_out.get("final")
+    if emb is not None and (emb["rows"] != "vocab" or -1 not in layer_ids):
+        raise BadDump(f"{path.name}: left_out[{EMBEDDING!r}]={emb} (rows 'vocab' of a dumped layer.-1 is what this "
+                      f"reader knows; the file's layers are {layer_ids})")
+    if fin is not None:
+        eps = fin["eps"]
+        last = f"layer.{n_layers - 1}"
+        if not has_final or fin["from"] != last or n_layers - 1 not in layer_ids:
+            raise BadDump(f"{path.name}: left_out['final'] rebuilds from {fin['from']!r}, but this reader rebuilds the "
+                          f"final state only from the dumped {last} of a file with final=post_norm")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise BadDump(f"{path.name}: left_out['final'] eps={eps!r} is not a positive number")
+    return _Compact(getattr(torch, model), storage, storage == FP8, left_out, vocab)
+
+
+def _compact_states(path: Path, meta: dict, tensors: dict, state_names: list, T: int, H: int, c: _Compact,
+                    rebuilder, encoded: dict, rebuilt: dict) -> dict:
+    """``eagle3-dump/2``: the stored states checked and dequantised (whole fp8 ones noted in
+    ``encoded``), then the left-out ones rebuilt (noted in ``rebuilt``)."""
+    import torch
+
+    from ..storage import dequantize
+
+    def with_scale(names):
+        return set(names) | ({SCALE_PREFIX + n for n in names} if c.fp8 else set())
+
+    whole = [n for n in state_names if n not in c.left_out]
+    expected = with_scale(whole) | {"input_ids"}
+    partial = with_scale([EMBEDDING]) | {ROWS_PREFIX + EMBEDDING} if EMBEDDING in c.left_out else set()
+    names = set(tensors)
+    if names - partial != expected or (names & partial and names & partial != partial):
+        raise _no_match(path, names, expected, partial)
+
+    def decode(name: str, rows: int):
+        t = tensors[name]
+        if not c.fp8:
+            _expect(path, name, t, (rows, H), c.storage, "storage_dtype says")
+            return t, None
+        s = tensors[SCALE_PREFIX + name]
+        _expect(path, name, t, (rows, H), FP8, "storage_dtype says")
+        _expect(path, SCALE_PREFIX + name, s, (rows, 1), "float32", "expected")
+        if not bool((torch.isfinite(s) & (s > 0)).all()):
+            raise BadDump(f"{path.name}: {SCALE_PREFIX + name} holds scales that are not finite positive numbers")
+        return dequantize(t, s, c.dtype), (t, s)
+
+    out = {}
+    for name in whole:
+        out[name], enc = decode(name, T)
+        if enc is not None:
+            encoded[name] = enc
+    if c.left_out and rebuilder is None:
+        raise BadDump(f"{path.name}: the dump leaves out {sorted(c.left_out)}, rebuilt from the target's weights, and "
+                      f"no model directory was given to rebuild them; {REBUILD_FIX}")
+    if EMBEDDING in c.left_out:
+        out[EMBEDDING] = _rebuild_embedding(path, tensors, T, H, c, rebuilder, decode)
+        rebuilt[EMBEDDING] = LEFT_OUT[EMBEDDING][0]
+    if "final" in c.left_out:
+        spec = c.left_out["final"]
+        out["final"] = rebuilder.final(out[spec["from"]], float(spec["eps"]))
+        rebuilt["final"] = LEFT_OUT["final"][0]
+    return {name: out[name] for name in state_names}
+
+
+def _rebuild_embedding(path: Path, tensors: dict, T: int, H: int, c: _Compact, rebuilder, decode):
+    """``layer.-1`` [T, H]: the stored rows at ``rows.layer.-1``, every other row
+    ``embed_tokens.weight[input_id]``."""
+    import torch
+
+    ids = tensors["input_ids"]
+    keep = torch.zeros(T, dtype=torch.bool)
+    part = None
+    rows_name = ROWS_PREFIX + EMBEDDING
+    if rows_name in tensors:
+        rows = tensors[rows_name]
+        if rows.dtype != torch.int64 or rows.dim() != 1 or not 0 < rows.numel() <= T:
+            raise BadDump(f"{path.name}: {rows_name} is {rows.dtype} {tuple(rows.shape)}, expected int64 [R] with "
+                          f"0 < R <= {T}")
+        if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            raise BadDump(f"{path.name}: {rows_name} is not sorted and unique")
+        if int(rows[0]) < 0 or int(rows[-1]) >= T:
+            raise BadDump(f"{path.name}: {rows_name} holds positions outside 0..{T - 1}")
+        part, _ = decode(EMBEDDING, rows.numel())
+        keep[rows] = True
+    todo = torch.nonzero(~keep).flatten()
+    todo_ids = ids[todo]
+    if todo_ids.numel() and int(todo_ids.max()) >= c.vocab_size:
+        t = int(todo[int(torch.argmax(todo_ids))])
+        raise BadDump(f"{path.name}: {EMBEDDING} row {t} (id {int(ids[t])} >= vocab_size {c.vocab_size}) is neither "
+                      f"stored nor rebuildable from the vocabulary")
+    out = torch.empty((T, H), dtype=c.dtype)
+    out[todo] = rebuilder.embedding(todo_ids, c.dtype, hidden_size=H)
+    if part is not None:
+        out[keep] = part
+    return out
+
+
 def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: bool = True,
-              key: str | None = None, rid: str | None = None) -> Dump:
+              key: str | None = None, rid: str | None = None, rebuilder=None) -> Dump:
     """Read ``path`` and check it against what was sent; raises BadDump naming the file.
 
     With ``rid`` (the request's id, as sent): the file is that request's, by the contract of issue 19:
     ``key`` = ``rid_key(rid)``, metadata ``rid`` = ``rid``, ``prompt_key`` = ``prompt_key(sent_ids)``,
     ``input_source`` = ``input_ids``. Without it, a file of the series before: ``key`` (default
-    ``prompt_key(sent_ids)``) is the sent ids' key."""
+    ``prompt_key(sent_ids)``) is the sent ids' key.
+
+    ``eagle3-dump/1`` and ``/2`` files give the same ``Dump``: a ``/2`` file's fp8 states are
+    dequantised, its left-out states rebuilt with ``rebuilder`` (an ``eaglepatch.storage.Rebuilder``
+    of the served model's directory: needed only when the file leaves something out; its problems
+    raise UsageError). Every value is checked finite after that."""
     import torch
     from safetensors import safe_open
 
@@ -106,18 +317,13 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-            names = set(f.keys())
-            tensors = {k: f.get_tensor(k) for k in names}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except FileNotFoundError:
         raise BadDump(f"{path.name}: the dump file vanished before it could be read") from None
     except Exception as exc:
         raise BadDump(f"{path.name}: truncated or corrupt safetensors file ({type(exc).__name__}: "
                       f"{str(exc)[:120]})") from None
-    missing = [k for k in REQUIRED_META if k not in meta]
-    if missing:
-        raise BadDump(f"{path.name}: metadata lacks {missing}")
-    if meta["format"] != FORMAT:
-        raise BadDump(f"{path.name}: format {meta['format']!r}, expected {FORMAT!r}")
+    _check_header(path, meta)
     sent = [int(t) for t in sent_ids]
     if rid is not None:
         lacks = [k for k in IDENTITY_META if k not in meta]
@@ -155,31 +361,58 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     hf = _json_list(meta, "hf_hidden_state_indices", path)
     if hf != [k + 1 for k in layer_ids]:
         raise BadDump(f"{path.name}: HF indices {hf} are not the EAGLE-3 ids {layer_ids} plus one")
-    want_dtype = meta["dtype"]
-    layers = {}
-    expected = {f"layer.{k}" for k in layer_ids} | {"input_ids"}
-    final = None
-    if meta["final"] == "post_norm":
-        expected.add("final")
-    elif need_final:
+    if meta["final"] != "post_norm" and need_final:
         raise BadDump(f"{path.name}: the dump has no final hidden state (final={meta['final']!r}); "
                       f"the server runs with EAGLE3_DUMP_FINAL=0")
-    if names != expected:
-        raise BadDump(f"{path.name}: tensors {sorted(names)} do not match the metadata (expected {sorted(expected)})")
-    for name in sorted(expected - {"input_ids"}):
-        t = tensors[name]
-        if tuple(t.shape) != (T, H):
-            raise BadDump(f"{path.name}: {name} has shape {tuple(t.shape)}, expected [{T}, {H}]")
-        if str(t.dtype).replace("torch.", "") != want_dtype:
-            raise BadDump(f"{path.name}: {name} is {t.dtype}, metadata says {want_dtype}")
+    return decode(path, meta, tensors, rebuilder)
+
+
+def _check_header(path: Path, meta: dict) -> None:
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise BadDump(f"{path.name}: metadata lacks {missing}")
+    if meta["format"] not in FORMATS:
+        raise BadDump(f"{path.name}: format {meta['format']!r}, this reader knows {' and '.join(FORMATS)}; read it "
+                      f"with the eaglepatch of the server's series")
+
+
+def decode(path: Path, meta: dict, tensors: dict, rebuilder=None) -> Dump:
+    """The ``Dump`` of a dump's metadata and tensors (``input_ids`` among them), past ``load_dump``'s
+    checks of the request (rid, key, ids sent, token count): the tensor set, shapes and dtypes
+    checked against the metadata, a ``/2`` file's storage values checked, its fp8 states
+    dequantised and left-out states rebuilt with ``rebuilder``, every state checked finite.
+    ``path`` names the file in messages. Raises BadDump."""
+    import torch
+
+    path = Path(path)
+    _check_header(path, meta)
+    ids = tensors.get("input_ids")
+    if ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
+        raise BadDump(f"{path.name}: no input_ids tensor of int64 [T]")
+    T = int(ids.shape[0])
+    try:
+        H = int(meta["hidden_size"])
+    except ValueError:
+        raise BadDump(f"{path.name}: hidden_size metadata {meta['hidden_size']!r} is not an integer") from None
+    layer_ids = _json_list(meta, "eagle3_layer_ids", path)
+    has_final = meta["final"] == "post_norm"
+    state_names = sorted({f"layer.{k}" for k in layer_ids} | ({"final"} if has_final else set()))
+    encoded, rebuilt = {}, {}
+    if meta["format"] == FORMAT:
+        storage = meta["dtype"]
+        states = _plain_states(path, meta, tensors, state_names, T, H)
+    else:
+        c = _compact_settings(path, meta, layer_ids, has_final)
+        storage = c.storage
+        states = _compact_states(path, meta, tensors, state_names, T, H, c, rebuilder, encoded, rebuilt)
+    for name in state_names:
+        t = states[name]
         if not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise BadDump(f"{path.name}: {name} holds {bad} non-finite values")
-        if name == "final":
-            final = t
-        else:
-            layers[name] = t
-    return Dump(path, meta, layer_ids, {f"layer.{k}": layers[f"layer.{k}"] for k in layer_ids}, final, ids)
+            how = " after dequantising" if storage == FP8 and name not in rebuilt else ""
+            raise BadDump(f"{path.name}: {name} holds {bad} non-finite values{how}")
+    return Dump(path, meta, layer_ids, {f"layer.{k}": states[f"layer.{k}"] for k in layer_ids}, states.get("final"),
+                ids, storage, encoded, rebuilt)
 
 
 RID_PATTERN = re.compile(RID_PREFIX + "[0-9a-f]{32}")

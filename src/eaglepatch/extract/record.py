@@ -38,7 +38,12 @@ COMPARED = ("format", "max_len", "mask_method", "chat_template_sha256", "model")
 # the dump metadata every dump of a dataset must share with its first: recorded in the settings file
 # (``dump_meta``) with the first sample, compared with every dump of every run (``run.Extractor.validate``)
 PROVENANCE = ("model_path", "architecture", "dtype", "hidden_size", "num_hidden_layers", "eagle3_layer_ids",
-              "hf_hidden_state_indices", "final", "series_version", "sglang_version")
+              "hf_hidden_state_indices", "final", "series_version", "sglang_version", "storage_dtype", "scale_layout",
+              "left_out")
+# the dump's storage layout (docs/design.md, "Compact storage"): a dataset holds dumps of one layout;
+# an eagle3-dump/1 file (and a dataset recorded before these fields) is ``dumps.storage_meta``'s
+# plain layout: the model dtype, no scales, nothing left out
+STORAGE_PROVENANCE = ("storage_dtype", "scale_layout", "left_out")
 
 
 # the rids of the requests the dataset's runs sent (one line each, before the request): their dump files

@@ -6,7 +6,9 @@
 3. request   ``/generate`` with the ids, one new token and the sample's own rid; when its dump file
              (named by sha256 of the rid) is not there yet, flush the server (``request``);
 4. validate  the dump against what was sent (rid, prompt, ids, shapes) and against the dataset's
-             provenance: the first dump's model, dtype, layers and versions (``validate``);
+             provenance: the first dump's model, dtype, layers, versions and storage layout; a
+             compact dump's fp8 states are dequantised and its left-out states rebuilt from
+             --model's weights (``storage.Rebuilder``) (``validate``);
 5. write     the sample file in the chosen format (``write``);
 6. record    the sample in progress.jsonl (``record``); after the last sample the format's index
              (speculators) and manifest.json (``finish``).
@@ -22,9 +24,9 @@ is written and recorded once, by this process. A sample's rid is the same on eve
 any server, so two tries converge on one file and two samples never share one: no lock per file.
 
 The dataset's provenance (``PROVENANCE``: the first dump's model path, architecture, dtype, sizes,
-layers, final state, series and sglang versions) is recorded with the first sample and compared
-with every later dump, in this run and in every resumed one: a dump of another model, dtype,
-layer set or series stops the run (exit 2) before its sample is written, naming the field, both
+layers, final state, series and sglang versions, storage layout) is recorded with the first
+sample and compared with every later dump, in this run and in every resumed one: a dump of
+another model, dtype, layer set, series or storage layout stops the run (exit 2) before its sample is written, naming the field, both
 values and the server.
 
 Every request's rid is recorded in OUT (``record.REQUESTS_FILE``) before it is sent. At the start
@@ -53,11 +55,12 @@ from pathlib import Path
 
 from .. import conventions
 from ..errors import UsageError
+from ..storage import Rebuilder
 from . import dumps as dumps_mod
 from . import record as rec_mod
 from .client import NoFlush, RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
-from .record import PROVENANCE, Fatal
+from .record import PROVENANCE, STORAGE_PROVENANCE, Fatal
 from .tokenize import MaskError
 from .writers import (Layout, publish_speculators, resolve_layout, restart_with, sample_rel, stale_temporaries,
                       write_sample)
@@ -114,6 +117,8 @@ class Extractor:
         self.unused: set = set()  # rids of this run's requests whose dump no sample has used yet
         self.earlier_removed = 0  # unused dump files of earlier runs removed at the start
         self.reading: str | None = None  # the dataset's layer-id reading (its first dump's), once known
+        # what rebuilds the states a compact dump leaves out: --model's weights, read on first use
+        self.rebuilder = Rebuilder(opts.model)
 
     def serve_hint(self) -> str:
         """How to start the patched server with the dump on for this run (its flag form)."""
@@ -160,6 +165,7 @@ class Extractor:
             self.layout = Layout.from_json(inp.settings.data["layout"])
         recorded = inp.settings.data.get("dump_meta") or {}
         if recorded:  # a resumed dataset: every dump of this run is compared with its first
+            recorded = dict(recorded, **dumps_mod.storage_meta(recorded))  # recorded before issue 30: plain
             self.provenance = {k: _norm(k, recorded[k]) for k in PROVENANCE if k in recorded}
             self.reading = recorded.get("layer_id_reading")
         self.earlier_removed = self.sweep_unused(inp, earlier=True)
@@ -384,8 +390,8 @@ class Extractor:
         """Stage 4. The dump, checked against the request (rid, prompt, ids), the model, the dataset's
         provenance and layout; BadDump for a file to retry, Fatal for a server that does not match
         the dataset (``url``: the server that answered)."""
-        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, rid=rid)
-        m = dump.meta
+        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, rid=rid, rebuilder=self.rebuilder)
+        m = _provenance_meta(dump)
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
                 raise Fatal(f"the server at {url} serves a model with {k}={m[k]} but --model {self.o.model} has "
@@ -407,11 +413,15 @@ class Extractor:
     def _check_provenance(self, dump, url: str) -> None:
         """Fatal when ``dump`` (written by the server at ``url``) differs from the dataset's first dump in
         a ``PROVENANCE`` field."""
+        seen = _provenance_meta(dump)
         for k, want in self.provenance.items():
-            have = _norm(k, dump.meta.get(k))
+            have = _norm(k, seen.get(k))
             if have != want:
                 fix = ("serve the dataset's model with its dtype, layers and patch series on every server to resume, "
                        "or pass a new --out")
+                if k in STORAGE_PROVENANCE:
+                    fix = ("restart every server with the dataset's storage (EAGLE3_DUMP_DTYPE, "
+                           "EAGLE3_DUMP_REBUILDABLE) to resume, or pass a new --out")
                 if k in _LISTS and isinstance(want, list):
                     rule = self.reading or conventions.dump_rule(dump.meta)
                     layers = [h - 1 for h in want] if k == "hf_hidden_state_indices" else want
@@ -434,7 +444,8 @@ class Extractor:
             raise Fatal(f"the server's dump gives layout {lay.to_json()} but {self.o.out} holds {self.layout.to_json()}",
                         f"restart the server with the dataset's layers{how}, or pass a new --out")
         self.layout, self.dump_ids = lay, list(dump.layer_ids)
-        self.dump_meta = {k: dump.meta.get(k) for k in (*PROVENANCE, "tp_size")}
+        seen = _provenance_meta(dump)
+        self.dump_meta = {k: seen.get(k) for k in (*PROVENANCE, "tp_size")}
         self.dump_meta.update({k: _norm(k, dump.meta.get(k)) for k in _LISTS})
         self.dump_meta["layer_id_reading"] = rule
         self.reading = self.reading or rule
@@ -519,11 +530,23 @@ class Extractor:
         return 1 if failed else 0
 
 
+def _provenance_meta(dump) -> dict:
+    """The dump's metadata with its storage layout spelled out (``dumps.storage_meta``: a plain
+    ``eagle3-dump/1`` file's too), as the provenance compares and records it."""
+    return dict(dump.meta, **dumps_mod.storage_meta(dump.meta))
+
+
 def _norm(field: str, value):
     """A provenance value as compared: layer lists as lists of ints (the metadata holds JSON, the
-    settings file lists), the rest as strings (None: absent)."""
+    settings file lists), ``left_out`` as JSON text with sorted keys, the rest as strings (None:
+    absent)."""
     if value is None:
         return None
+    if field == "left_out":
+        try:
+            return json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        except (TypeError, ValueError):
+            return str(value)
     if field in _LISTS:
         if isinstance(value, str):
             try:

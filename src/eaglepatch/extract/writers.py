@@ -18,6 +18,20 @@ another's file.
   ``save_to_disk`` table (``input_ids``, ``loss_mask``, ``seq_len``, torch format) with one row per
   sample, ``OUT/hidden_states/hs_<row>.safetensors`` (hard links to the sample files) and
   ``OUT/token_freq.pt`` (loss-masked token counts, speculators' vocab-mapping input).
+  From an fp8 dump (``storage_dtype`` float8_e4m3fn, docs/design.md "Compact storage") the file
+  holds ``hidden_states`` float8_e4m3fn [T, L+1, H] and ``hidden_states_scales`` float32
+  [T, L+1, 1] (hs-connectors' ``SCALES_KEY``; one scale per token and state, the dump's own,
+  passed on untouched; a state the reader rebuilt, the embedding, is quantised with
+  ``storage.quantize_rows``): speculators reads it with ``--hidden-states-backend fp8``, whose
+  ``FP8Transfer`` yields ``q.to(bf16) * scale.to(bf16)``, broadcast over the hidden size. The
+  SpecForge export is always in the model dtype (its reader cannot dequantise): the dump's
+  states dequantised and rebuilt.
+- ``compact`` (``eaglepatch.compact.CompactDataset``, with the model directory): each sample a
+  safetensors file holding exactly what the dump stores (fp8 states and their ``scale.<name>``,
+  ``rows.layer.-1``, no state the reader rebuilds), every dumped layer, plus ``loss_mask`` int64
+  [T]; its metadata is the dump's (storage, layers, provenance), ``format`` = ``COMPACT_FORMAT``
+  (the dump's own in ``dump_format``). The dataset costs what the dumps cost; the reader yields,
+  tensor for tensor, what SpecForge's or speculators' reader yields for the other two formats.
 """
 
 from __future__ import annotations
@@ -35,9 +49,13 @@ from pathlib import Path
 from .. import conventions
 from ..errors import UsageError
 
-FORMATS = ("specforge", "speculators")
+FORMATS = ("specforge", "speculators", "compact")
 SAMPLES_DIR = "samples"
-SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors"}  # sample file suffix per format
+SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors", "compact": "safetensors"}  # sample file suffix
+COMPACT_FORMAT = "eaglepatch-compact/1"  # a compact sample's metadata "format"
+FP8 = "float8_e4m3fn"
+SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY (hs-connectors 0.9.0)
+PER_TOKEN_PER_STATE = "per_token_per_state"  # a scale per (token, state): [T, L+1, 1] in a speculators file
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ_FILE = "token_freq.pt"
 _STAGING = ".publish"
@@ -50,7 +68,9 @@ class LayoutError(UsageError):
 @dataclass(frozen=True)
 class Layout:
     """Which dumped tensors a sample holds. Layer ids are EAGLE-3 ids (-1 = embedding output,
-    k = output of decoder layer k); ``last`` is N-1 for speculators (its last slot), else None."""
+    k = output of decoder layer k); ``last`` is N-1 for speculators (its last slot), else None. A
+    compact sample holds every dumped layer: ``aux`` is the aux layers its reader yields by default,
+    ``last`` N-1 when it is dumped (the speculators view's last slot), else None."""
 
     format: str
     aux: tuple  # ascending
@@ -122,6 +142,8 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
         raise LayoutError(f"no aux layer left: the server dumps only {dumped} (layer {last} is the verifier's "
                           f"last layer)", f"restart the server dumping the draft's layers too: python3 tools/serve.py "
                                           f"--layers=<the draft's ids>,{last} ... (EAGLE3_DUMP_LAYERS)")
+    if fmt == "compact":  # every dumped layer is kept: a reader picks SpecForge's or speculators' view
+        return Layout(fmt, tuple(chosen), last if last in dumped else None, num_layers)
     if fmt == "speculators" and last not in dumped:
         raise LayoutError(f"--format speculators needs the last decoder layer's output before the final norm "
                           f"(EAGLE-3 id {last}, HF index {num_layers}) but the server dumps layers {dumped}",
@@ -151,6 +173,70 @@ def stale_temporaries(out_dir: Path) -> list:
     return sorted(set(d.glob(f"{SAMPLES_DIR}/*/.*.tmp")) | set(d.glob(f"{SAMPLES_DIR}/*/.tmp*")))
 
 
+def specforge_sample(layout: Layout, dump, loss_mask) -> dict:
+    """The dict a SpecForge ``.ckpt`` holds (module doc), from ``dump``'s dequantised, rebuilt states."""
+    import torch
+
+    aux = [dump.layers[f"layer.{k}"] for k in layout.aux]
+    return {"input_ids": dump.input_ids.to(torch.int64).clone(),
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64),
+            "hidden_state": dump.final.contiguous().unsqueeze(0),
+            "aux_hidden_state": torch.cat(aux, dim=-1).contiguous().unsqueeze(0)}
+
+
+def speculators_states(layout: Layout, dump) -> tuple:
+    """(hidden_states [T, L+1, H], scales [T, L+1, 1] or None): the aux layers ascending, then layer
+    ``layout.last`` (N-1, pre-norm). An fp8 dump gives float8_e4m3fn states with float32 scales:
+    each state the dump stores whole as fp8 passes on as stored (``dump.encoded``); the others
+    (rebuilt: the embedding) are quantised from the reader's rows (``storage.quantize_rows``). Any
+    other dump gives its model-dtype states and no scales."""
+    import torch
+
+    names = [f"layer.{k}" for k in layout.aux] + [f"layer.{layout.last}"]
+    if dump.storage != FP8:
+        return torch.stack([dump.layers[n] for n in names], dim=1).contiguous(), None
+    from ..storage import quantize_rows
+
+    pairs = [dump.encoded[n] if n in dump.encoded else quantize_rows(dump.layers[n]) for n in names]
+    return (torch.stack([q for q, _ in pairs], dim=1).contiguous(),
+            torch.stack([s.to(torch.float32) for _, s in pairs], dim=1).contiguous())
+
+
+def speculators_sample(layout: Layout, dump, sample_id: str) -> tuple:
+    """(tensors, metadata) of a speculators sample file (module doc)."""
+    import torch
+
+    hs, scales = speculators_states(layout, dump)
+    tensors = {"token_ids": dump.input_ids.to(torch.int64).clone(), "hidden_states": hs}
+    if scales is not None:
+        tensors[SCALES_KEY] = scales
+    meta = {"sample_id": sample_id, "hidden_states_slots": json.dumps(layout.slots()),
+            "hf_hidden_state_indices": json.dumps(layout.aux_hf + [layout.num_layers]), "last_slot": "pre_norm",
+            "hidden_states_dtype": str(hs.dtype).replace("torch.", ""),
+            "scale_layout": PER_TOKEN_PER_STATE if scales is not None else "none"}
+    return tensors, meta
+
+
+def compact_sample(layout: Layout, dump, sample_id: str) -> tuple:
+    """(tensors, metadata) of a compact sample file: the dump file's tensors as stored and its
+    metadata, with ``format`` = ``COMPACT_FORMAT`` (the dump's in ``dump_format``), ``sample_id`` and
+    ``aux_layer_ids`` (the layout's aux layers: what a reader yields by default)."""
+    meta = dict(dump.meta, format=COMPACT_FORMAT, dump_format=dump.meta["format"], sample_id=sample_id,
+                aux_layer_ids=json.dumps(list(layout.aux)))
+    return stored_tensors(dump), meta
+
+
+def stored_tensors(dump) -> dict:
+    """The tensors ``dump``'s file holds, as it holds them: read again from ``dump.path`` (``load_dump``
+    keeps only the decoded states), refused (OSError) unless its metadata is still the one decoded."""
+    from safetensors import safe_open
+
+    with safe_open(str(dump.path), framework="pt") as f:
+        if dict(f.metadata() or {}) != dump.meta:
+            raise OSError(f"the dump {Path(dump.path).name} changed after it was read")
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
 def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, loss_mask) -> int:
     """Write one sample at ``out_dir/rel`` (temporary name, then rename); returns its size."""
     import torch
@@ -158,27 +244,20 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
     path = Path(out_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_for(path)
-    ids = dump.input_ids.to(torch.int64).clone()
-    mask = torch.tensor(loss_mask, dtype=torch.int64)
-    aux = [dump.layers[f"layer.{k}"] for k in layout.aux]
     try:
         if layout.format == "specforge":
-            data = {
-                "input_ids": ids,
-                "loss_mask": mask,
-                "hidden_state": dump.final.contiguous().unsqueeze(0),
-                "aux_hidden_state": torch.cat(aux, dim=-1).contiguous().unsqueeze(0),
-            }
+            data = specforge_sample(layout, dump, loss_mask)
             with open(tmp, "wb") as fh:  # closed here even when the disk is full (no fd kept by the error)
                 torch.save(data, fh)
         else:
             from safetensors.torch import save_file
 
-            stacked = torch.stack(aux + [dump.layers[f"layer.{layout.last}"]], dim=1).contiguous()
-            meta = {"sample_id": sample_id, "hidden_states_slots": json.dumps(layout.slots()),
-                    "hf_hidden_state_indices": json.dumps(layout.aux_hf + [layout.num_layers]),
-                    "last_slot": "pre_norm"}
-            save_file({"token_ids": ids, "hidden_states": stacked, "loss_mask": mask}, str(tmp), metadata=meta)
+            if layout.format == "speculators":
+                tensors, meta = speculators_sample(layout, dump, sample_id)
+            else:
+                tensors, meta = compact_sample(layout, dump, sample_id)
+            tensors["loss_mask"] = torch.as_tensor(loss_mask, dtype=torch.int64)
+            save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -186,21 +265,91 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
     return path.stat().st_size
 
 
-def read_sample(fmt: str, path: Path) -> dict:
+def load_compact(path: Path, rebuilder=None) -> tuple:
+    """(``dumps.Dump``, loss_mask int64 [T]) of the compact sample file ``path``: its dump part decoded
+    as ``dumps.load_dump`` decodes a dump (``dumps.decode``: fp8 dequantised, left-out states rebuilt
+    with ``rebuilder``, an ``eaglepatch.storage.Rebuilder`` of the model). UsageError (one line)
+    for a file that is not a compact sample or does not decode."""
+    from safetensors import safe_open
+
+    from . import dumps
+
+    path = Path(path)
+    fix = "re-extract the dataset with tools/extract.py --format compact"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise UsageError(f"cannot read the compact sample {path} ({type(exc).__name__}: {str(exc)[:120]})",
+                         fix) from None
+    if meta.get("format") != COMPACT_FORMAT or "loss_mask" not in tensors:
+        raise UsageError(f"{path} is not a compact sample (format {meta.get('format')!r})", fix)
+    mask = tensors.pop("loss_mask")
+    try:  # decoded as the dump it was
+        return dumps.decode(path, dict(meta, format=meta.get("dump_format", "")), tensors, rebuilder), mask
+    except dumps.BadDump as exc:
+        raise UsageError(f"compact sample {path}: {exc}", fix) from None
+
+
+def read_sample(fmt: str, path: Path, rebuilder=None) -> dict:
     """A sample back as {input_ids, loss_mask, aux [T, L*H], last [T, H]} (for checks); ``last`` is the
-    post-norm final state (specforge) or the pre-norm last-layer output (speculators)."""
+    post-norm final state (specforge) or the pre-norm last-layer output (speculators; fp8 states
+    dequantised as speculators' FP8Transfer does, to bfloat16). A compact sample (``rebuilder``: an
+    ``eaglepatch.storage.Rebuilder`` of the model, for the states it rebuilds) gives its metadata's
+    aux layers, ``last`` the pre-norm layer N-1 (None when not dumped) and ``final`` the post-norm
+    state (None when not dumped)."""
     import torch
 
     if fmt == "specforge":
         d = torch.load(str(path), weights_only=True)
         return {"input_ids": d["input_ids"], "loss_mask": d["loss_mask"],
                 "aux": d["aux_hidden_state"].squeeze(0), "last": d["hidden_state"].squeeze(0)}
+    if fmt == "compact":
+        dump, mask = load_compact(path, rebuilder)
+        aux = json.loads(dump.meta["aux_layer_ids"])
+        return {"input_ids": dump.input_ids, "loss_mask": mask,
+                "aux": torch.cat([dump.layers[f"layer.{k}"] for k in aux], dim=-1),
+                "last": dump.layers.get(f"layer.{int(dump.meta['num_hidden_layers']) - 1}"), "final": dump.final}
     from safetensors.torch import load_file
+
+    from ..storage import dequantize
 
     d = load_file(str(path))
     hs = d["hidden_states"]
+    if SCALES_KEY in d:
+        hs = dequantize(hs, d[SCALES_KEY], torch.bfloat16)
     return {"input_ids": d["token_ids"], "loss_mask": d["loss_mask"],
             "aux": hs[:, :-1, :].reshape(hs.shape[0], -1), "last": hs[:, -1, :]}
+
+
+def manifest_storage(fmt: str, dump_meta: dict) -> dict:
+    """The manifest's ``storage``: how the dataset's sample files hold the states, from the dataset's
+    dump metadata (``dump_meta``: the first dump's ``storage_dtype``, ``scale_layout``, ``left_out``,
+    ``dtype``; absent in an ``eagle3-dump/1`` dump). ``dtype``: the stored states' dtype;
+    ``scale_layout``; ``left_out`` (states the reader rebuilds from the model directory);
+    ``needs_model_dir``; ``speculators_backend``: the ``--hidden-states-backend`` speculators must
+    train with (``fp8``: hs-connectors' FP8Transfer dequantises; None for other formats);
+    ``reader``: what reads it (``tools/guard.py`` refuses a dataset the draft's trainer cannot)."""
+    model = dump_meta.get("dtype")
+    stored = dump_meta.get("storage_dtype") or model
+    fp8 = stored == FP8
+    left_out = dump_meta.get("left_out") or {}
+    if isinstance(left_out, str):  # the dump's metadata holds JSON text
+        try:
+            left_out = json.loads(left_out)
+        except ValueError:
+            left_out = {}
+    if fmt == "compact":
+        return {"dtype": stored, "scale_layout": dump_meta.get("scale_layout") or "none", "left_out": left_out,
+                "needs_model_dir": bool(left_out), "speculators_backend": None,
+                "reader": "eaglepatch.compact.CompactDataset(OUT, MODEL_DIR, yields='specforge'|'speculators')"}
+    if fmt == "speculators":
+        return {"dtype": stored, "scale_layout": PER_TOKEN_PER_STATE if fp8 else "none", "left_out": {},
+                "needs_model_dir": False, "speculators_backend": "fp8" if fp8 else "file",
+                "reader": "speculators ArrowDataset, --hidden-states-backend " + ("fp8" if fp8 else "file")}
+    return {"dtype": model, "scale_layout": "none", "left_out": {}, "needs_model_dir": False,
+            "speculators_backend": None, "reader": "SpecForge OfflineEagle3Dataset"}
 
 
 def _link(src: Path, dst: Path) -> None:

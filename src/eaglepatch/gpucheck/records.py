@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 
+from ..errors import UsageError
 from ..extract.dumps import BadDump, load_dump
+from ..storage import Rebuilder
 from .criterion import TOL, compare, merge
 
 
@@ -223,7 +225,8 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
     Each file is read and checked by ``extract.dumps.load_dump`` (format, key, input_ids, token
     count, HF indices, tensor set with ``final``, shapes, dtypes); on top: the stored ids are
     ``ids``, the metadata names the request id, matches ``expect_meta`` and names the sglang and
-    series versions."""
+    series versions. A compact (``eagle3-dump/2``) file's left-out states are rebuilt from the
+    weights in ``expect_meta["model_path"]``."""
     directory = Path(directory)
     keys = [request_key(r) for r in rids]
     if len(set(keys)) != len(keys):
@@ -240,14 +243,16 @@ def check_dump(name: str, directory: Path, prompts, refs, ids, expect_meta: dict
     comps = []
     tensor_names = {"input_ids"} | {"layer.%d" % k for k in ids} | {"final"}
     hidden = expect_meta.get("hidden_size")
+    # a compact dump's left-out states are rebuilt from the checkpoint's weights (read only if needed)
+    rebuilder = Rebuilder(expect_meta["model_path"]) if expect_meta.get("model_path") else None
     for i, (ids_, key, rid) in enumerate(zip(prompts, keys, rids)):
         path = directory / (key + ".safetensors")
         if not path.is_file():
             continue
         try:
             d = load_dump(path, ids_, hidden_size=int(hidden) if hidden is not None else None, need_final=True,
-                          key=key)
-        except BadDump as exc:
+                          key=key, rebuilder=rebuilder)
+        except (BadDump, UsageError) as exc:
             problems.append("request %d: %s" % (i, exc))
             continue
         if d.layer_ids != list(ids):
