@@ -418,6 +418,37 @@ def test_rerun_skips_everything(assets, server):
 
 
 @in_env
+def test_compact_reads_as_the_specforge_export(assets, server):
+    """--format compact from the same server: CompactDataset yields, sample for sample, what
+    SpecForge's own reader yields from the SpecForge export (ids and masks exact, states within the
+    suite's tolerance: two runs of the server batch differently), and the manifest names its reader."""
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+
+    from eaglepatch.compact import CompactDataset
+
+    assert (assets.root / "out-specforge" / "manifest.json").is_file(), "test_specforge_matches_hf must run first"
+    out = assets.root / "out-compact"
+    p = extract(assets, server, out, "--format", "compact", "--concurrency", "4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["dataset_format"] == "compact" and "CompactDataset" in man["layout"]
+    assert man["storage"]["reader"].startswith("eaglepatch.compact.CompactDataset") and man["final"] == "post_norm"
+    assert man["storage"]["dtype"] == man["model"]["dtype"] and man["storage"]["left_out"] == {}
+    ours = CompactDataset(out, assets.ckpt, yields="specforge")
+    theirs = build_offline_eagle3_dataset(str(assets.root / "out-specforge"), max_len=2048)
+    assert len(ours) == len(theirs) == man["samples"] == N_CONV
+    for i in range(len(ours)):
+        a, b = ours[i], theirs[i]
+        assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+        for k in a:
+            if a[k].is_floating_point():
+                assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+                assert (a[k].float() - b[k].float()).abs().max().item() <= TOL, (i, k)
+            else:
+                assert torch.equal(a[k], b[k]), (i, k)
+
+
+@in_env
 def test_killed_run_resumes(assets, server, reference, expected):
     out = assets.root / "out-speculators"
     cmd = [sys.executable, str(EXTRACT), "--server", server.url, "--model", str(assets.ckpt), "--tokenizer",

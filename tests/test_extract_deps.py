@@ -59,7 +59,7 @@ def names(reqs) -> set:
 
 def test_each_format_has_an_extra_naming_what_it_imports():
     table = extras()
-    for fmt in ("specforge", "speculators"):
+    for fmt in ("specforge", "speculators", "compact"):
         reqs = resolve(f"extract-{fmt}", table)
         assert names(reqs) == set(NEEDS[fmt].values()), fmt
     assert names(resolve("extract", table)) == set(NEEDS["speculators"].values()) | names(resolve("guard", table))
@@ -79,7 +79,7 @@ def test_transformers_is_pinned_to_the_servers_and_torch_is_not():
                 assert not r.specifier, (name, str(r))  # any build: the README installs the CPU one first
 
 
-@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+@pytest.mark.parametrize("fmt", ["specforge", "speculators", "compact"])
 def test_extract_without_torch_names_the_cpu_install(tmp_path, fmt):
     """No torch: one line, exit 2, before the server is asked or anything is written (the server
     named here does not exist; OUT is not created)."""

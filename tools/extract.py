@@ -2,7 +2,7 @@
 """Extract EAGLE-3 training hidden states from patched SGLang servers into a dataset.
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
-      --dump-dir DIR --out OUT [--format specforge|speculators] [--aux-layers=-1,1,29] [--max-len 2048]
+      --dump-dir DIR --out OUT [--format specforge|speculators|compact] [--aux-layers=-1,1,29] [--max-len 2048]
 
 --server is one patched SGLang server, SGLang's router in front of several, or several servers
 (repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
@@ -10,7 +10,9 @@ while and its requests are sent to the others. Every server must run the patched
 dump on (python3 tools/serve.py --model-path MODEL --dump-dir DIR, which sets EAGLE3_DUMP_DIR=DIR; one
 directory shared by all of them; DIR as this machine sees it is --dump-dir). --format speculators
 also needs the last decoder layer N-1 in the server's --layers (EAGLE3_DUMP_LAYERS: its output before
-the final norm is speculators' last slot). Rerunning with the same --out resumes: done samples are
+the final norm is speculators' last slot). --format compact keeps every dumped state as the server
+stored it (EAGLE3_DUMP_DTYPE=fp8, EAGLE3_DUMP_REBUILDABLE=omit) and is read with
+eaglepatch.compact.CompactDataset(OUT, MODEL_DIR), which yields SpecForge's or speculators' tensors. Rerunning with the same --out resumes: done samples are
 skipped, edited conversations are extracted again; dump files of this dataset's requests that no
 sample used (failed or killed runs) are reported and removed.
 Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
@@ -56,7 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
     ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR (one shared directory) as seen from here")
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
-    ap.add_argument("--format", choices=["specforge", "speculators"], default="specforge")
+    ap.add_argument("--format", choices=["specforge", "speculators", "compact"], default="specforge",
+                    help="specforge: torch.save samples SpecForge's OfflineEagle3Dataset reads (bf16); speculators: "
+                         "its ArrowDataset (fp8 with hidden_states_scales when the dump is fp8); compact: the dump's "
+                         "states as stored (fp8, rebuildable states left out), read by eaglepatch.compact.CompactDataset "
+                         "with the model directory")
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
     ap.add_argument("--concurrency", type=int, default=4,
                     help="requests in flight, over all servers (give each replica several)")

@@ -20,6 +20,7 @@ NEEDS = {
                   "numpy": "numpy", "requests": "requests", "tqdm": "tqdm"},
 }
 NEEDS["speculators"] = dict(NEEDS["specforge"], datasets="datasets")
+NEEDS["compact"] = dict(NEEDS["specforge"])  # safetensors samples, read back by eaglepatch.compact
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 

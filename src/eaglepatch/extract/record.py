@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import conventions
 from ..errors import UsageError
-from .writers import SAMPLE_EXT, SAMPLES_DIR
+from .writers import SAMPLE_EXT, SAMPLES_DIR, manifest_storage
 
 MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
 SETTINGS_FILE = ".extract-settings.json"
@@ -252,7 +252,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         # the eagle_config a draft trained on this dataset needs on the sglang release that dumped it
         # (the ids read as that release reads them: eaglepatch.conventions, README "Layer ids")
         "sglang_draft_config": _draft_config(meta, hf_aux),
-        "final": "post_norm" if o.format == "specforge" else None,
+        "final": {"specforge": "post_norm", "compact": meta.get("final")}.get(o.format),
         "model": {"path": str(o.model), "served_path": meta.get("model_path"),
                   "architecture": meta.get("architecture") or cfg.get("architecture"),
                   "hidden_size": cfg["hidden_size"], "num_hidden_layers": n,
@@ -263,6 +263,9 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "dump_provenance": {k: meta.get(k) for k in PROVENANCE if k in meta},
         "tokenizer": {"path": tok.path, "mask_method": tok.mask_method, "size": len(tok)},
         "max_len": o.max_len,
+        # how the samples hold the states (dtype, scales, states rebuilt from the model directory) and
+        # which reader takes them: tools/guard.py refuses a dataset the draft's trainer cannot read
+        "storage": manifest_storage(o.format, meta),
         "data": str(o.data),
         "progress": PROGRESS_FILE,
         "last_run": last_run,
@@ -270,11 +273,18 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
     if o.format == "specforge":
         m["layout"] = ("samples/<hh>/<id>-<hash>.ckpt: torch.save dict input_ids [T], loss_mask [T], "
                        "hidden_state [1,T,H] (final, post-norm), aux_hidden_state [1,T,L*H] (aux layers ascending)")
+    elif o.format == "compact":
+        m["layout"] = ("samples/<hh>/<id>-<hash>.safetensors: the dump's tensors as the server stored them "
+                       "(<state> [T,H] in the storage dtype with its float32 scale [T,1] when fp8, an embedding of "
+                       "image or input_embeds rows only with their positions, input_ids [T], loss_mask [T]) and its "
+                       "metadata; states left out are rebuilt from the model directory; read "
+                       "with eaglepatch.compact.CompactDataset(OUT, MODEL_DIR)")
     else:
         m["layout"] = ("datasets save_to_disk table (input_ids, loss_mask, seq_len) + hidden_states/hs_<row>.safetensors: "
                        "token_ids [T], hidden_states [T,L+1,H] (aux layers ascending, then layer N-1 before the final norm)")
         # speculators' own fields, in its (and vLLM's) HF-index convention: 0 = embedding, N = last layer pre-norm
-        m["speculators"] = {"eagle_aux_hidden_state_layer_ids": hf_aux, "target_layer_ids": hf_aux,
+        m["speculators"] = {"hidden_states_backend": m["storage"]["speculators_backend"],
+                            "eagle_aux_hidden_state_layer_ids": hf_aux, "target_layer_ids": hf_aux,
                             "hidden_states_layer_ids": hf_aux + [n] if hf_aux is not None else None,
                             "verifier_last_hidden_state": {"hf_index": n, "eagle3_id": n - 1, "norm": "pre_norm"},
                             "data_path": ".", "hidden_states_path": "hidden_states", "token_freq_path": "token_freq.pt"}

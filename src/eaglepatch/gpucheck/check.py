@@ -584,7 +584,7 @@ def check_g(state, ck, sglang_pp, prompts, refs):
              "fp8": (True, False, True)}
     modes = [known[m] for m in opts.g_modes.split(",")]
     if opts.cpu:  # CPU: no overlap scheduler, no HTTP run
-        modes = [(False, False, fp8) for overlap, http, fp8 in modes if not http]
+        modes = list(dict.fromkeys((False, False, fp8) for overlap, http, fp8 in modes if not http))
     for overlap, http, fp8 in modes:
         name = "G-overlap-" + ("on" if overlap else "off") + ("-http" if http else "") + ("-fp8" if fp8 else "")
         dump_dir = Path(opts.work) / "dump" / name
