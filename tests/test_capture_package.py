@@ -59,13 +59,18 @@ def test_settings_from_env():
     s = settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "-1, 2,60",
                                         "EAGLE3_DUMP_FINAL": "off", "EAGLE3_DUMP_MAX_PENDING_MB": "1.5"})
     assert (s.directory, s.layer_ids, s.final, s.max_pending_bytes) == ("/d", [-1, 2, 60], False, 1572864)
+    assert s.writers is None  # the default: commits.default_writers() at start
+    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_WRITERS": " 6 "}).writers == 6
     assert settings.DumpSettings.from_env({}) is None
     assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d"}).capture_indices(4) == [1, 2]
     assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "3,-1"}).capture_indices(4) == [0, 4]
     for env, needle in [({"EAGLE3_DUMP_LAYERS": "1,x"}, "comma-separated"),
                         ({"EAGLE3_DUMP_LAYERS": ","}, "names no layer"),
                         ({"EAGLE3_DUMP_FINAL": "maybe"}, "not a boolean"),
-                        ({"EAGLE3_DUMP_MAX_PENDING_MB": "0"}, "positive finite number")]:
+                        ({"EAGLE3_DUMP_MAX_PENDING_MB": "0"}, "positive finite number"),
+                        ({"EAGLE3_DUMP_WRITERS": "0"}, "whole number from 1 to 64"),
+                        ({"EAGLE3_DUMP_WRITERS": "65"}, "whole number from 1 to 64"),
+                        ({"EAGLE3_DUMP_WRITERS": "2.5"}, "whole number from 1 to 64")]:
         with pytest.raises(settings.DumpConfigError, match=needle):
             settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_DIR="/d"))
 
@@ -749,16 +754,17 @@ def test_one_bad_request_costs_only_its_own_file(tmp_path, monkeypatch, caplog):
     ids, cap, fin = _states([3, 4, 5], [1])
     real_write = w._write
 
-    def write(rows, req):
+    def write(rows, req, done):
         if req.rid == "r1":
             raise RuntimeError("boom")
-        return real_write(rows, req)
+        return real_write(rows, req, done)
 
     monkeypatch.setattr(w, "_write", write)
     w.submit(_Batch(ids, [3, 4, 5]), cap, fin)
     w.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(dump_mod.request_key(r) + ".safetensors" for r in ("r0", "r2"))
     assert w.failed == 1 and "request r1" in caplog.text
+    assert w.staging.in_use == 0  # the forward's rows went back, the failed request's part included
     w.close()
 
 

@@ -98,6 +98,9 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
          "--dump-dtype 'fp16' is not bf16 or fp8; pass --dump-dtype bf16 or fp8"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--rebuildable", "drop"],
          "--rebuildable 'drop' is not store or omit"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--dump-writers", "0"],
+         "--dump-writers '0' is not a whole number of threads from 1 to 64; pass e.g. --dump-writers 4"),
+        (["--cpu-demo", tmp_path / "demo", "--dump-writers", "auto"], "--dump-writers 'auto' is not a whole number"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "[::1"], "--host '[::1' is not an address"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "1:2:3"], "--host '1:2:3' is not an IPv6"),
     ]
@@ -116,6 +119,8 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         ({"EAGLE3_DUMP_FINAL": "maybe"}, "EAGLE3_DUMP_FINAL='maybe' (from the environment) is not 1 or 0"),
         ({"EAGLE3_DUMP_DTYPE": "int8"}, "EAGLE3_DUMP_DTYPE='int8' (from the environment) is not bf16 or fp8; set it "
                                         "to bf16 or fp8, unset it, or pass --dump-dtype"),
+        ({"EAGLE3_DUMP_WRITERS": "100"}, "EAGLE3_DUMP_WRITERS='100' (from the environment) is not a whole number of "
+                                         "threads from 1 to 64; set it to e.g. 4, unset it, or pass --dump-writers"),
     ]
     for env, needle in env_cases:
         for where in (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout],
@@ -306,19 +311,21 @@ def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp
         "EAGLE3_DUMP_DRAIN_S": "20", "EAGLE3_DUMP_MAX_WAIT_S": "60"}
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=8192 (from the environment), EAGLE3_DUMP_FINAL=0 "
             "(from the environment), EAGLE3_DUMP_DRAIN_S=20 (default), EAGLE3_DUMP_MAX_WAIT_S=60 (from the "
-            "environment), EAGLE3_DUMP_DTYPE=bf16 (default), EAGLE3_DUMP_REBUILDABLE=store (default)"
+            "environment), EAGLE3_DUMP_DTYPE=bf16 (default), EAGLE3_DUMP_REBUILDABLE=store (default), "
+            "EAGLE3_DUMP_WRITERS=auto (default)"
             ) in r.stderr.splitlines(), r.stderr
     r = run_tool("serve", *base, "--max-pending-mb", "1024", "--final", "1", "--drain-s", "45", "--max-wait-s", "7.5",
-                 "--dump-dtype", "FP8", "--rebuildable", "omit", env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
+                 "--dump-dtype", "FP8", "--rebuildable", "omit", "--dump-writers", "3",
+                 env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
     assert r.returncode == 0, r.stderr
     env = split_shell(r.stdout.strip())[0]
     assert (env["EAGLE3_DUMP_MAX_PENDING_MB"], env["EAGLE3_DUMP_FINAL"], env["EAGLE3_DUMP_DRAIN_S"],
-            env["EAGLE3_DUMP_MAX_WAIT_S"], env["EAGLE3_DUMP_DTYPE"], env["EAGLE3_DUMP_REBUILDABLE"]
-            ) == ("1024", "1", "45", "7.5", "fp8", "omit")
+            env["EAGLE3_DUMP_MAX_WAIT_S"], env["EAGLE3_DUMP_DTYPE"], env["EAGLE3_DUMP_REBUILDABLE"],
+            env["EAGLE3_DUMP_WRITERS"]) == ("1024", "1", "45", "7.5", "fp8", "omit", "3")
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=1024 (--max-pending-mb), EAGLE3_DUMP_FINAL=1 "
             "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s), "
-            "EAGLE3_DUMP_DTYPE=fp8 (--dump-dtype), EAGLE3_DUMP_REBUILDABLE=omit (--rebuildable)"
-            ) in r.stderr.splitlines(), r.stderr
+            "EAGLE3_DUMP_DTYPE=fp8 (--dump-dtype), EAGLE3_DUMP_REBUILDABLE=omit (--rebuildable), "
+            "EAGLE3_DUMP_WRITERS=3 (--dump-writers)") in r.stderr.splitlines(), r.stderr
 
 
 # A stand-in for launch_server, started by tools/serve.py through a stand-in interpreter (--python):

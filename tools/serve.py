@@ -96,6 +96,9 @@ def main(argv=None) -> int:
                     help="EAGLE3_DUMP_REBUILDABLE: omit leaves out what tools/extract.py rebuilds from the model's "
                          "weights: embedding rows of vocabulary tokens, and the final state when layer N-1 is "
                          "dumped (default: $EAGLE3_DUMP_REBUILDABLE, else store)")
+    ap.add_argument("--dump-writers", metavar="N",
+                    help="EAGLE3_DUMP_WRITERS: threads writing dump files at once, each file committed whole "
+                         "(default: $EAGLE3_DUMP_WRITERS, else the CPUs the server's rank may use, at most 4)")
     ap.add_argument("--host", default=DEFAULT_HOST,
                     help="address to listen on, IPv4 or IPv6 (e.g. ::1) (default: %(default)s)")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
         host = serve.check_host(a.host)
         settings, setting_notes = serve.dump_settings({"--max-pending-mb": a.max_pending_mb, "--final": a.final,
                                                        "--drain-s": a.drain_s, "--max-wait-s": a.max_wait_s,
-                                                       "--dump-dtype": a.dump_dtype, "--rebuildable": a.rebuildable})
+                                                       "--dump-dtype": a.dump_dtype, "--rebuildable": a.rebuildable,
+                                                       "--dump-writers": a.dump_writers})
         if a.cpu_demo is not None:
             if a.python:
                 raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",

@@ -444,46 +444,95 @@ class DraftRun:
                 "predicted_accept_length": round(lang_mod.chain_accept_length(acc), 4)}
 
     @torch.no_grad()
-    def chain_replay(self, files: list, prompt_lens: dict, num_steps: int) -> dict:
+    def chain_replay(self, files: list, prompt_lens: dict | None, num_steps: int, spans=None) -> list:
         """What a chain speculative decoder (topk 1, ``num_steps`` draft steps) accepts on each sample
         of a dataset whose aux states are the ones a server would feed the draft: SpecForge's TTT
-        forward gives, per position, each step's prediction with the true (greedy) tokens as inputs;
-        a verify starting after the committed token p accepts the leading correct steps at p - 1.
-        ``prompt_lens``: input_ids tuple prefix -> prompt length. Per sample a meta_info-like dict
-        (completion_tokens C, spec_verify_ct V)."""
+        forward gives, per position, each step's prediction with the true (greedy) tokens as inputs
+        (a prediction counts as SpecForge counts it: the draft's argmax mapped through its ``d2t``
+        to a target token, equal to the target's argmax); a verify starting after the committed
+        token p accepts the leading correct steps at p - 1.
+
+        ``files``: sample files, or samples as ``read_sample`` returns them. The generated tokens of
+        a sample: with ``prompt_lens`` (input_ids tuple -> prompt length P), ids[P:-1] (the trailing
+        <|eot|> of the template is no generated token); with ``spans`` (a function of the input ids
+        and the loss mask, both lists, giving (P, T) pairs), ids[P:T] for each pair, each its own
+        request. Per request a meta_info-like dict (completion_tokens C, spec_verify_ct V) with the
+        draft tokens each verify accepted (``accepted``) and could have (``room``: fewer than
+        ``num_steps`` where the request ends)."""
         metas = []
         rec = {}
         orig = self.model._acc_and_loss
+        d2t = getattr(self.draft, "d2t", None)
 
         def spy(**kw):
-            rec.setdefault("pred", []).append(kw["logits"].argmax(-1))
+            pred = kw["logits"].argmax(-1)
+            rec.setdefault("pred", []).append(pred + d2t[pred] if d2t is not None else pred)
             rec.setdefault("tgt", []).append(kw["target_token_ids"])
             return orig(**kw)
 
         self.model._acc_and_loss = spy
         try:
             for f in files:
-                d = read_sample(f)
+                d = f if isinstance(f, dict) else read_sample(f)
                 rec.clear()
-                self.strategy.forward_loss(self._collate([d]))
+                self.strategy.forward_loss(self._collate([{k: v.to(self.dev) for k, v in d.items()}]))
                 ids = d["input_ids"][0].tolist()
-                P = prompt_lens.get(tuple(ids))
-                if P is None:
-                    continue
-                T = len(ids) - 1  # the trailing <|eot|> of the template is no generated token
-                C = T - P
+                if spans is not None:
+                    pairs = spans(ids, d["loss_mask"][0].tolist())
+                else:
+                    P = prompt_lens.get(tuple(ids))
+                    pairs = [] if P is None else [(P, len(ids) - 1)]
                 correct = [(rec["pred"][i][0] == rec["tgt"][i][0]).tolist() for i in range(num_steps)]
-                p, V = P, 0  # p: index of the last committed token (the prefill's token first)
-                while p < T - 1:
-                    V += 1
-                    a = 0
-                    while a < num_steps and p + 1 + a <= T - 1 and correct[a][p - 1]:
-                        a += 1
-                    p += a + 1
-                metas.append({"completion_tokens": C, "spec_verify_ct": V})
+                for P, T in pairs:
+                    p, V = P, 0  # p: index of the last committed token (the prefill's token first)
+                    acc, room = [], []
+                    while p < T - 1:
+                        V += 1
+                        a, m = 0, min(num_steps, T - 1 - p)
+                        while a < m and correct[a][p - 1]:
+                            a += 1
+                        acc.append(a)
+                        room.append(m)
+                        p += a + 1
+                    metas.append({"completion_tokens": T - P, "spec_verify_ct": V, "accepted": acc, "room": room})
         finally:
             self.model._acc_and_loss = orig
         return metas
+
+    def load_weights(self, src: Path) -> dict:
+        """The weights of a trained draft directory (``*.safetensors`` as ``export`` and SpecForge
+        write them: the draft's own names, without the frozen embedding, which comes from the
+        target; ``t2d``/``d2t`` when the draft has its own vocabulary) into this draft. A one-line
+        usage error for a name the draft lacks, a shape that differs, or a weight it needs that
+        the directory lacks. Returns {"tensors": n, "kept_from_target": [...]}."""
+        from safetensors.torch import load_file
+
+        from ..errors import UsageError
+
+        files = sorted(Path(src).glob("*.safetensors"))
+        if not files:
+            raise UsageError(f"the draft directory {src} holds no *.safetensors weights",
+                             "pass a directory as SpecForge or this project's export writes it (config.json and "
+                             "model.safetensors)")
+        sd = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        own = self.draft.state_dict()
+        unknown = sorted(k for k in sd if k not in own)
+        shapes = sorted(k for k in sd if k in own and tuple(sd[k].shape) != tuple(own[k].shape))
+        kept = [k for k in own if k not in sd and ("embed" in k.lower() or k in ("t2d", "d2t"))]
+        missing = sorted(k for k in own if k not in sd and k not in kept)
+        if unknown or shapes or missing:
+            what = "; ".join(x for x in (f"names it does not have {unknown[:3]}" if unknown else "",
+                                         f"other shapes for {shapes[:3]}" if shapes else "",
+                                         f"no {missing[:3]}" if missing else "") if x)
+            raise UsageError(f"the draft weights in {src} do not fit a LlamaForCausalLMEagle3 of its config.json "
+                             f"({what})", "pass the config.json the draft was trained with, beside its weights")
+        with torch.no_grad():
+            for k, v in sd.items():
+                own[k].copy_(v.to(own[k].dtype))
+        self.model.eval()
+        return {"tensors": len(sd), "kept_from_target": kept}
 
     def export(self, dest: Path, dtype: str, zero_fc: bool = False) -> Path:
         """The draft as SGLang loads it: config.json + model.safetensors with the trained weights

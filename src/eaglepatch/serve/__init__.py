@@ -73,7 +73,10 @@ DUMP_SETTINGS = (
     DumpSetting("--max-wait-s", "EAGLE3_DUMP_MAX_WAIT_S", "120", "seconds"),
     DumpSetting("--dump-dtype", "EAGLE3_DUMP_DTYPE", "bf16", "bf16|fp8"),
     DumpSetting("--rebuildable", "EAGLE3_DUMP_REBUILDABLE", "store", "store|omit"),
+    # "auto": the server's default (the CPUs its rank may use, at most 4; printed in its start line)
+    DumpSetting("--dump-writers", "EAGLE3_DUMP_WRITERS", "auto", "threads"),
 )
+MAX_WRITERS = 64  # eagle3_capture.settings.MAX_WRITERS
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -119,8 +122,11 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
     value = str(raw).strip()
     boolean = st.unit == "1/0"
     choices = st.unit.split("|") if "|" in st.unit else None
+    threads = st.unit == "threads"
     if boolean:
         ok = value.lower() in _TRUE + _FALSE
+    elif threads:
+        ok = value.isdigit() and 1 <= int(value) <= MAX_WRITERS
     elif choices:
         value = value.lower()
         ok = value in choices
@@ -132,10 +138,12 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
         ok = math.isfinite(number) and number > 0
     if ok:
         return value
-    what = "1 or 0" if boolean else " or ".join(choices) if choices else f"a positive finite number of {st.unit}"
-    example = "1 or 0" if boolean else what if choices else "e.g. " + st.default
+    what = ("1 or 0" if boolean else " or ".join(choices) if choices else
+            f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else f"a positive finite number of {st.unit}")
+    example = "1 or 0" if boolean else what if choices else "e.g. 4" if threads else "e.g. " + st.default
     if from_flag:
         raise UsageError(f"{st.flag} {raw!r} is not {what}",
+                         f"pass e.g. {st.flag} 4" if threads else
                          f"pass e.g. {st.flag} {st.default}" if not (boolean or choices) else
                          f"pass {st.flag} 1 or {st.flag} 0" if boolean else f"pass {st.flag} {example}")
     raise UsageError(f"{st.var}={raw!r} (from the environment) is not {what}",
@@ -418,8 +426,8 @@ def run(plan: Plan, say=None) -> int:
     refuse_taken_port(u.hostname, u.port)
     for d in plan.mkdirs:
         Path(d).mkdir(parents=True, exist_ok=True)
-    say(f"[serve] starting the server (its own log follows; until \"[serve] ready\", warnings, an "
-        f"openai_harmony traceback and \"/health ... 503\" lines are its warm-up, not a failure)")
+    say("[serve] starting the server (its own log follows; until \"[serve] ready\", warnings, an "
+        "openai_harmony traceback and \"/health ... 503\" lines are its warm-up, not a failure)")
     proc = subprocess.Popen([str(a) for a in plan.argv], env=plan.environ(), stdin=subprocess.DEVNULL,
                             start_new_session=True)
     if plan.info_file is not None:

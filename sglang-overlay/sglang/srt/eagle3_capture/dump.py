@@ -2,11 +2,12 @@
 
 The forward thread only starts device-to-host copies of a prefill's rows into one host arena
 allocated at start (page-locked on CUDA; ``staging``), on a side stream so that the forward's next kernels do not wait for them;
-a writer thread waits for the copies, cuts the rows per request and
-writes ``<key>.safetensors`` through a temporary name (unique across hosts) and a rename, with
-the file fsynced before and the directory after the rename: readers never see a partial file, and
-a node crash leaves either the whole file or none. Bytes copied but not yet written are capped
-(``staging``): at the cap the forward waits (backpressure).
+a gather thread waits for the copies and cuts the rows per request, and the writer threads
+(``commits``: ``EAGLE3_DUMP_WRITERS``, several files at once) write ``<key>.safetensors`` through a
+temporary name (unique across hosts) and a rename, with the file fsynced before and the directory
+after the rename: readers never see a partial file, and a node crash leaves either the whole file
+or none. A forward's host rows are given back once every file cut from them is written. Bytes
+copied but not yet written are capped (``staging``): at the cap the forward waits (backpressure).
 
 Identity (``identity``): each row belongs to a request of the scheduler, taken from its ``Req``
 objects before the forward runs; the file is ``<sha256 of the request id>.safetensors`` and holds
@@ -53,6 +54,7 @@ from .settings import (
     ENV_DIR,
     ENV_LAUNCH,
     ENV_LAYERS,
+    ENV_WRITERS,
     SERIES_RELEASE,
     SERIES_VERSION,
     DumpConfigError,
@@ -65,6 +67,7 @@ from .settings import (
     resolved,
     text_config,
 )
+from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
 from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
@@ -149,6 +152,27 @@ class _Job:
     spans: List[_Span]
 
 
+class _Hold:
+    """A forward's host rows, given back (``release``) when the gather and every file cut from them
+    are done: ``add`` per file handed to a writer thread, ``drop`` when one is done."""
+
+    def __init__(self, release):
+        self._release = release
+        self._count = 1  # the gather's own
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self._release()
+
+
 @dataclass
 class _Partial:
     """A chunked request's rows so far (writer thread only)."""
@@ -165,8 +189,9 @@ class DumpWriter:
     def __init__(self, directory: str, indices: List[int], final: bool,
                  max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True,
                  chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0,
-                 layout: Optional[Layout] = None):
-        """``layout``: how states are stored (``storage``); None: as computed, every state."""
+                 layout: Optional[Layout] = None, writers: int = 1):
+        """``layout``: how states are stored (``storage``); None: as computed, every state.
+        ``writers``: threads writing files at once (``commits``)."""
         self.directory = directory
         self.indices = list(indices)  # capture indices (= HF indices), ascending
         self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
@@ -179,6 +204,8 @@ class DumpWriter:
         self.chunked = chunked  # prefills may be split: track requests across forwards
         self.placeholder_id = placeholder_id  # multimodal wrappers: what a pad value stands for
         self.vocab_size = vocab_size
+        self.writers = writers
+        self._counts_lock = threading.Lock()  # the counts are bumped from the forward, gather and writer threads
         self.written = 0
         self.failed = 0
         self.skipped = 0  # rows of a request whose earlier rows were never seen (not chunking)
@@ -202,10 +229,12 @@ class DumpWriter:
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._stream = None
         self._thread = None
+        self._pool: Optional[CommitPool] = None
         if enabled:
             self.layout.warm_up()
+            self._pool = CommitPool(writers)
             self._thread = threading.Thread(
-                target=self._run, name="eagle3-dump-writer", daemon=True
+                target=self._run, name="eagle3-dump-gather", daemon=True
             )
             self._thread.start()
             atexit.register(self.close)
@@ -244,7 +273,7 @@ class DumpWriter:
         if not spans:
             return
         if self.placeholder_id is not None and input_ids is None:
-            self.failed += len(spans)  # the ids were clamped in place: their pad values are lost
+            self._add("failed", len(spans))  # the ids were clamped in place: their pad values are lost
             logger.error("%s: a prefill of %d requests through the multimodal wrapper came without its "
                          "ids before the clamp; not dumped", ENV_DIR, len(spans))
             return
@@ -283,7 +312,7 @@ class DumpWriter:
         except StagingTimeout as exc:  # the writer is stuck (a hung dump disk): fail loudly, keep serving
             for span in spans:
                 self._not_written(span.req, f"not dumped: the forward waited {exc}")
-            self.failed += len(spans)
+            self._add("failed", len(spans))
             logger.error("%s: a prefill of %d requests (%s) is not dumped: the forward waited %s; the "
                          "server keeps serving, and requests go on failing like this until the dump disk "
                          "takes writes again; %d failed so far", ENV_DIR, len(spans),
@@ -318,7 +347,7 @@ class DumpWriter:
         lengths = [int(n) for n in forward_batch.extend_seq_lens_cpu]
         prefixes = [int(n) for n in (forward_batch.extend_prefix_lens_cpu or [0] * len(lengths))]
         if reqs is None or len(reqs) != len(lengths):
-            self.failed += len(lengths)
+            self._add("failed", len(lengths))
             logger.error("%s: a prefill of %d requests came without their request ids (%s); not dumped",
                          ENV_DIR, len(lengths), "none" if reqs is None else f"{len(reqs)} ids")
             return []
@@ -356,6 +385,10 @@ class DumpWriter:
             return True
         return self.placeholder_id is not None or req.input_embeds
 
+    def _add(self, count: str, n: int = 1) -> None:
+        with self._counts_lock:
+            setattr(self, count, getattr(self, count) + n)
+
     def _set_state(self, req: RequestInfo, state: str) -> None:
         with self._states_lock:
             self._states[req.rid] = state
@@ -377,7 +410,8 @@ class DumpWriter:
             if job is None:
                 self._queue.task_done()
                 return
-            if isinstance(job, threading.Event):  # a flush: every job before it is done
+            if isinstance(job, threading.Event):  # a flush: every job before it is written
+                self._pool.wait_idle()
                 job.set()
                 self._queue.task_done()
                 continue
@@ -386,21 +420,22 @@ class DumpWriter:
                 self._queue.task_done()
                 continue
             self._current = job
+            hold = _Hold(lambda job=job: self.staging.release(job.buffers, job.held))
             try:
                 if job.event is not None:
                     job.event.synchronize()
-                self._gather(job)
+                self._gather(job, hold)
             except Exception:  # the thread must outlive any one job, or the forward would hang
-                self.failed += len(job.spans)
+                self._add("failed", len(job.spans))
                 for span in job.spans:
                     self._not_written(span.req, "its forward's rows could not be read")
                 logger.exception("%s: a batch of %d requests was not dumped", ENV_DIR, len(job.spans))
             finally:
                 self._current = None
-                self.staging.release(job.buffers, job.held)
+                hold.drop()  # the rows go back once the files cut from them are written too
                 self._queue.task_done()
 
-    def _gather(self, job: _Job) -> None:
+    def _gather(self, job: _Job, hold: _Hold) -> None:
         """Write the requests this forward completes; keep the rows of unfinished ones."""
         for p in self._partials.values():
             p.seen = False
@@ -408,9 +443,9 @@ class DumpWriter:
             rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()
                     if self._keeps(n, span.req)}
             try:
-                self._take(span, rows)
+                self._take(span, rows, hold)
             except Exception as exc:  # this request's problem: the others of the forward are written
-                self.failed += 1
+                self._add("failed")
                 partial = self._partials.pop(span.req.rid, None)
                 if partial is not None:
                     self.staging.release(partial.buffers, queued=False)
@@ -420,7 +455,7 @@ class DumpWriter:
         for p in [p for p in self._partials.values() if not p.seen]:
             self._drop(p, "its next chunk did not come (aborted or retracted)")
 
-    def _take(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
+    def _take(self, span: _Span, rows: Dict[str, torch.Tensor], hold: _Hold) -> None:
         rid = span.req.rid
         partial = self._partials.get(rid)
         if span.prefix == 0:
@@ -428,7 +463,7 @@ class DumpWriter:
             if partial is not None:
                 self._drop(partial, "it was prefilled again from its start (retracted)")
             if span.length >= span.total:
-                self._write(rows, span.req)
+                self._handed(rows, span.req, hold.add, hold.drop)
             else:
                 self._start(span, rows)
             return
@@ -437,7 +472,8 @@ class DumpWriter:
                 del self._abandoned[rid]
             return
         if partial is None:
-            if self._written_before(span.req):  # retracted, prefilled again in chunks
+            # retracted, prefilled again in chunks (its file written, or being written)
+            if self._pool.busy(span.req.key) or self._written_before(span.req):
                 return
             self._abandon(span.req, "rows %d..%d came without its earlier rows"
                           % (span.prefix, span.prefix + span.length), span.prefix + span.length)
@@ -451,10 +487,8 @@ class DumpWriter:
         partial.seen = True
         if partial.filled >= partial.total:
             del self._partials[rid]
-            try:
-                self._write(partial.tensors, partial.req)
-            finally:
-                self.staging.release(partial.buffers, queued=False)
+            self._handed(partial.tensors, partial.req, None,
+                         lambda buffers=partial.buffers: self.staging.release(buffers, queued=False))
 
     def _start(self, span: _Span, rows: Dict[str, torch.Tensor]) -> None:
         shapes = {n: (span.total,) + tuple(t.shape[1:]) for n, t in rows.items()}
@@ -512,7 +546,7 @@ class DumpWriter:
                                                          if header.get(k) != (metadata or self.metadata).get(k)
                                                          and k != "rid") or "launch")
             return False
-        self.reprefilled += 1
+        self._add("reprefilled")
         if self.state(req.rid) == "queued":
             self._set_state(req, "kept")
         return True
@@ -520,11 +554,42 @@ class DumpWriter:
     def _not_written(self, req: RequestInfo, why: str) -> None:
         """Name a request this writer will not write (the unwritten ledger, at a stop)."""
         self._set_state(req, "failed: " + why)
-        self.unwritten[req.rid] = {"rid": printable(req.rid), "key": req.key, "why": why}
-        while len(self.unwritten) > UNWRITTEN_KEPT:
-            self.unwritten.popitem(last=False)
+        with self._counts_lock:  # named from the forward, gather and writer threads
+            self.unwritten[req.rid] = {"rid": printable(req.rid), "key": req.key, "why": why}
+            while len(self.unwritten) > UNWRITTEN_KEPT:
+                self.unwritten.popitem(last=False)
 
-    def _write(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
+    def _handed(self, rows: Dict[str, torch.Tensor], req: RequestInfo, take, done) -> None:
+        """``_write`` with the rows' memory accounted: ``take()`` before (None: nothing to take),
+        ``done()`` once the file is committed or failed, or at once when it was not handed over."""
+        if take is not None:
+            take()
+        try:
+            self._write(rows, req, done)
+        except BaseException:
+            done()
+            raise
+
+    def _write(self, rows: Dict[str, torch.Tensor], req: RequestInfo, done) -> None:
+        """Hand a whole request's rows to its writer thread; ``done()`` runs once its file is
+        committed or failed (the rows' memory may then be reused)."""
+        self._pool.submit(req.key, req, lambda: self._commit(rows, req, done))
+
+    def _commit(self, rows: Dict[str, torch.Tensor], req: RequestInfo, done) -> None:
+        """Write one request's file (a writer thread)."""
+        try:
+            if self._stopping:  # a drain gave up: named in its ledger as not written
+                return
+            self._commit_file(rows, req)
+        except Exception as exc:  # anything but the write itself (counted there): this request only
+            self._add("failed")
+            self._not_written(req, f"{type(exc).__name__}: {exc}")
+            logger.exception("%s: request %s (key %s) was not dumped; %d failed so far",
+                             ENV_DIR, printable(req.rid), req.key, self.failed)
+        finally:
+            done()
+
+    def _commit_file(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
         from safetensors.torch import save_file
 
         length = req.prompt_len
@@ -550,10 +615,10 @@ class DumpWriter:
             _fsync(tmp)
             os.replace(tmp, path)
             _fsync(self.directory)
-            self.written += 1
+            self._add("written")
             self._set_state(req, "written")
         except Exception as exc:  # a full or vanished disk must not stop serving
-            self.failed += 1
+            self._add("failed")
             self._not_written(req, f"the write failed: {exc}")
             logger.error("%s: dump of request %s (key %s) failed (%s); %d failed so far", ENV_DIR,
                          printable(req.rid), key, exc, self.failed)
@@ -570,7 +635,9 @@ class DumpWriter:
     def flush(self) -> None:
         """Wait until every submitted forward is written, failed, or held as a partial request."""
         if self.enabled:
-            self._queue.join()
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
 
     def flush_report(self, timeout: float) -> dict:
         """Wait (at most ``timeout`` seconds) until every forward submitted before the call is
@@ -590,8 +657,9 @@ class DumpWriter:
         """The requests handed to the writer and not yet written or failed: queued forwards, the
         one being written, chunked requests whose last chunk has not run."""
         jobs = [j for j in list(self._queue.queue) + [self._current] if isinstance(j, _Job)]
+        committing = self._pool.pending() if self._pool is not None else []
         seen, out = set(), []
-        for req in [sp.req for j in jobs for sp in j.spans] + [p.req for p in list(self._partials.values())]:
+        for req in committing + [sp.req for j in jobs for sp in j.spans] + [p.req for p in list(self._partials.values())]:
             if req.rid not in seen:
                 seen.add(req.rid)
                 out.append(req)
@@ -601,7 +669,8 @@ class DumpWriter:
         """Durably name what this writer did not write (``unwritten_path``); the ledger is removed
         when nothing is left to name. Returns its path when one was written."""
         path = unwritten_path(self.directory)
-        entries = list(self.unwritten.values())
+        with self._counts_lock:
+            entries = list(self.unwritten.values())
         entries += [{"rid": printable(r.rid), "key": r.key, "why": why} for r in pending if r.rid not in self.unwritten]
         if not entries:
             with contextlib.suppress(FileNotFoundError):
@@ -687,6 +756,7 @@ class DumpWriter:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            self._pool.close()
             for p in list(self._partials.values()):
                 self._not_written(p.req, "the server stopped before its last chunk was prefilled")
                 self._drop(p, "the server stopped before its last chunk")
@@ -787,6 +857,7 @@ def start_dump(runner, target, settings: DumpSettings):
         placeholder_id=placeholder,
         vocab_size=vocab_size,
         layout=layout,
+        writers=settings.writers or default_writers(),
     )
     writer.max_wait_s = settings.max_wait_s
     if writer.enabled:
@@ -797,10 +868,13 @@ def start_dump(runner, target, settings: DumpSettings):
         writer.install_sigterm_drain(settings.drain_s)
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
-        "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s)", ENV_DIR,
+        "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s, %d writer threads "
+        "(%s))", ENV_DIR,
         settings.directory, ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
         indices, settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
         settings.storage.dtype, settings.storage.rebuildable,
         (": left out " + ", ".join(layout.left_out)) if layout.left_out else "",
+        writer.writers, f"{ENV_WRITERS}={settings.writers}" if settings.writers else
+        f"default: the CPUs this process may use, at most {MAX_DEFAULT_WRITERS}",
     )
     return writer

@@ -22,8 +22,10 @@ ENV_DRAIN_S = "EAGLE3_DUMP_DRAIN_S"
 ENV_MAX_WAIT_S = "EAGLE3_DUMP_MAX_WAIT_S"
 ENV_DTYPE = "EAGLE3_DUMP_DTYPE"  # bf16 (default) | fp8: how states are stored (storage.py)
 ENV_REBUILDABLE = "EAGLE3_DUMP_REBUILDABLE"  # store (default) | omit: states a trainer rebuilds
+ENV_WRITERS = "EAGLE3_DUMP_WRITERS"  # threads writing files at once (commits.py); default from the CPUs
+MAX_WRITERS = 64
 DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
-             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE")
+             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS")
 # SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
 # waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
 DEFAULT_DRAIN_S = 20.0
@@ -129,6 +131,17 @@ def _positive(env, name: str, default: float, unit: str) -> float:
     return value
 
 
+def _count(env, name: str, most: int) -> Optional[int]:
+    """A whole number 1..``most`` from ``env[name]``; None when unset (the default applies)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isdigit() and 1 <= int(raw) <= most):
+        raise DumpConfigError(f"{name}={raw!r} must be a whole number from 1 to {most}; use e.g. {name}=4, "
+                              f"or unset it for the default")
+    return int(raw)
+
+
 def _choice(env, name: str, choices: Sequence[str]) -> str:
     """One of ``choices`` from ``env[name]`` (the first when unset)."""
     raw = env.get(name, "").strip()
@@ -147,6 +160,7 @@ class DumpSettings:
     drain_s: float = DEFAULT_DRAIN_S  # SIGTERM: the longest the writing process writes before it exits
     max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
     storage: Storage = Storage()  # EAGLE3_DUMP_DTYPE, EAGLE3_DUMP_REBUILDABLE
+    writers: Optional[int] = None  # EAGLE3_DUMP_WRITERS; None: commits.default_writers()
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
@@ -173,7 +187,8 @@ class DumpSettings:
         return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)),
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
-                   storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)))
+                   storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
+                   writers=_count(env, ENV_WRITERS, MAX_WRITERS))
 
     def capture_indices(self, num_layers: int) -> List[int]:
         """The capture indices the dump writes, ascending: the ids read as a draft's are on this

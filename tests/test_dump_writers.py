@@ -1,0 +1,176 @@
+"""The dump's writer threads (issue 31, ``eagle3_capture.commits``): several files are committed at
+once, each as durably as with one thread, the flush waits for every one of them, a request's own
+files never race, a forward's host rows go back only once every file cut from them is written, and
+a drain's ledger names the files still being written.
+
+The real ``DumpWriter`` of the overlay on CPU tensors; ``_fsync`` is wrapped (the real fsync still
+runs) only to see how many commits overlap and to hold them at the disk for as long as a test needs."""
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_capture_package import _Batch, _idx, _states, dump_mod  # noqa: E402
+
+commits = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".commits"]
+
+
+class _Disk:
+    """The real ``_fsync`` of the dump, watched: how many file fsyncs run at once, and a gate that
+    holds every fsync of a file (not of the directory) until it is opened."""
+
+    def __init__(self, monkeypatch, hold_s: float = 0.0):
+        self.real = dump_mod._fsync
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.files = 0
+        self.hold_s = hold_s
+        self.gate = threading.Event()
+        self.gate.set()
+        monkeypatch.setattr(dump_mod, "_fsync", self)
+
+    def __call__(self, path):
+        if os.path.isdir(path):
+            return self.real(path)
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            self.gate.wait()
+            time.sleep(self.hold_s)  # a disk that takes its time: commits can only overlap here
+            self.real(path)
+        finally:
+            with self.lock:
+                self.now -= 1
+                self.files += 1
+
+
+def _forwards(w, n_forwards: int, per: int, layers, seed0: int = 0):
+    """``n_forwards`` prefills of ``per`` requests each; returns {rid: (ids, captured rows, final)}."""
+    want = {}
+    for f in range(n_forwards):
+        lens = [3 + (f * per + i) % 7 for i in range(per)]
+        ids, cap, fin = _states(lens, layers, seed=seed0 + f)
+        rids = [f"f{f}-r{i}" for i in range(per)]
+        w.submit(_Batch(ids, lens, rids=rids), cap, fin)
+        start = 0
+        for rid, n in zip(rids, lens):
+            want[rid] = (ids[start:start + n], {k: cap[k + 1][start:start + n] for k in layers}, fin[start:start + n])
+            start += n
+    return want
+
+
+def _check_files(directory: Path, want: dict, layers) -> None:
+    from safetensors import safe_open
+
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == sorted(dump_mod.request_key(r) + ".safetensors" for r in want), names
+    for rid, (ids, cap, fin) in want.items():
+        with safe_open(str(directory / (dump_mod.request_key(rid) + ".safetensors")), "pt") as f:
+            assert f.get_tensor("input_ids").tolist() == ids.tolist(), rid
+            for k in layers:
+                assert torch.equal(f.get_tensor(f"layer.{k}"), cap[k]), (rid, k)
+            assert torch.equal(f.get_tensor("final"), fin), rid
+
+
+def test_several_writers_commit_at_once_and_every_file_is_whole(tmp_path, monkeypatch):
+    layers = [-1, 1, 3]
+    disk = _Disk(monkeypatch, hold_s=0.01)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx(layers), True, 1 << 22, {"format": "eagle3-dump/1"}, writers=4)
+    want = _forwards(w, 12, 8, layers)
+    report = w.flush_report(60)
+    assert report["flushed"] and (report["written"], report["failed"]) == (96, 0), report
+    assert disk.files == 96
+    assert disk.most > 1, "no two files were committed at once"
+    assert disk.most <= 4  # never more than the writer threads
+    assert w.staging.in_use == 0  # every forward's rows went back once its files were written
+    _check_files(tmp_path, want, layers)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    w.close()
+
+
+def test_one_writer_commits_one_file_at_a_time(tmp_path, monkeypatch):
+    """The watch above can tell: with one thread no two commits overlap."""
+    disk = _Disk(monkeypatch, hold_s=0.005)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 22, {}, writers=1)
+    _forwards(w, 4, 6, [1])
+    assert w.flush_report(60)["written"] == 24
+    assert disk.files == 24 and disk.most == 1
+    w.close()
+
+
+def test_the_flush_waits_for_the_files_being_written(tmp_path, monkeypatch):
+    """Rows handed to the writer threads but not yet durable are not flushed: the flush answers
+    not flushed while the disk holds them, and flushed once they are committed."""
+    disk = _Disk(monkeypatch)
+    disk.gate.clear()
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 22, {}, writers=3)
+    want = _forwards(w, 2, 5, [1])
+    time.sleep(0.3)  # the gather is done: every request is with a writer thread, held at the disk
+    report = w.flush_report(0.5)
+    assert not report["flushed"] and report["written"] == 0, report
+    assert "did not catch up" in report["error"]
+    assert {r.rid for r in w.pending_requests()} == set(want)  # being committed: still pending
+    assert w.staging.in_use > 0  # their rows are still in the arena
+    disk.gate.set()
+    report = w.flush_report(30)
+    assert report["flushed"] and report["written"] == 10
+    assert w.pending_requests() == [] and w.staging.in_use == 0
+    w.close()
+
+
+def test_a_request_prefilled_again_is_written_once_whatever_the_threads(tmp_path, monkeypatch):
+    """A retracted request prefilled again while its first file is still at the disk: both go to
+    the same writer thread, so the second sees the first and keeps it."""
+    disk = _Disk(monkeypatch)
+    disk.gate.clear()
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 22, {}, writers=4)
+    ids, cap, fin = _states([6], [1])
+    for _ in range(3):
+        w.submit(_Batch(ids, [6], rids=["again"]), cap, fin)
+    others = _forwards(w, 1, 6, [1], seed0=7)
+    time.sleep(0.2)
+    disk.gate.set()
+    report = w.flush_report(30)
+    assert (report["written"], report["reprefilled"], report["failed"]) == (7, 2, 0), report
+    assert w.state("again") == "written"
+    assert len(list(tmp_path.iterdir())) == 1 + len(others)
+    w.close()
+
+
+def test_a_drain_that_gives_up_names_the_files_still_at_the_disk(tmp_path, monkeypatch):
+    import json
+
+    disk = _Disk(monkeypatch)
+    disk.gate.clear()
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 22, {"launch_id": "L"}, writers=2)
+    want = _forwards(w, 3, 4, [1])
+    time.sleep(0.3)
+    assert not w.drain(0.3, "test stop")
+    ledger = json.loads(Path(dump_mod.unwritten_path(str(tmp_path))).read_text())
+    named = {e["rid"] for e in ledger["requests"]}
+    assert named == set(want)  # every request: at most two are being written, the rest never start
+    disk.gate.set()
+    w.close()
+    written = {p.stem for p in tmp_path.glob("*.safetensors")}
+    assert len(written) <= 2  # only the commits already at the disk when the drain gave up landed
+    assert written <= {dump_mod.request_key(r) for r in want}
+
+
+def test_the_default_comes_from_the_cpus_this_process_may_use():
+    n = commits.default_writers()
+    assert n == max(1, min(commits.MAX_DEFAULT_WRITERS, len(os.sched_getaffinity(0))))
+    with pytest.raises(ValueError):
+        commits.CommitPool(0)
