@@ -118,6 +118,205 @@ def build(work: Path, say=print) -> dict:
     return out
 
 
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("check-draft"), say=lambda m: print(m, file=sys.stderr))
+
+
+def _check(toy, where, draft, data="heldout", *extra, states=True):
+    """tools/check_draft.py on the toy's inputs, its report under ``where``; (process, report)."""
+    where.mkdir(parents=True, exist_ok=True)
+    out = where / "report.json"
+    cmd = [sys.executable, str(TOOL), "--target", str(TOY_TARGET), "--draft", toy["drafts"][draft],
+           "--data", toy[data], "--release", "0.5.9", "--out", str(out), *extra]
+    if states:
+        cmd += ["--states", toy["states"]]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.is_file(), p.stderr[-3000:]
+    return p, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def checked(toy, tmp_path_factory):
+    """Each draft's check, run once for the module: name -> (process, report)."""
+    where = tmp_path_factory.mktemp("checks")
+    done = {}
+
+    def get(name, data="heldout"):
+        if name not in done:
+            done[name] = _check(toy, where / name, name, data)
+        return done[name]
+
+    return get
+
+
+def _reading(r, kind):
+    return next(x for x in r["readings"] if kind in x["kinds"])
+
+
+def test_correct_draft_passes(checked):
+    """The draft whose config reads the layers it was trained on: guard passes, the replay on what
+    sglang 0.5.9 with the series feeds it accepts what the held-out data predicts, exit 0. The
+    readings a mix-up would produce accept less, by margins the diagnosis can tell apart."""
+    p, r = checked("correct")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert r["guard"]["ok"] and r["guard"]["served_hf"] == CORRECT_HF, r["guard"]
+    pred, obs = r["predicted"], r["observed"]
+    assert pred["accept_length"] >= 3.0 and len(pred["per_position"]) == 3, pred  # the draft learned the lookup
+    assert obs["kind"] == "replayed" and "no server loaded the draft" in obs["how"], obs
+    assert r["within_tolerance"] and abs(r["observed_minus_predicted"]) <= 0.15, r["observed_minus_predicted"]
+    assert r["diagnosis"]["cause"] == "none", r["diagnosis"]
+    deeper = _reading(r, "off_by_one_deeper")
+    assert deeper["hf"] == ["HF 1", "HF 3", "HF 4"], deeper
+    assert pred["accept_length"] - deeper["accept_length"] >= 0.5, (pred, deeper)
+    assert _reading(r, "as_trained")["minus_predicted"] == 0, _reading(r, "as_trained")  # the dumps hold the data's states
+    png = Path(r["png"]["path"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r["png"]
+    assert p.stderr.strip().splitlines()[-1].startswith("passed: replayed"), p.stderr[-500:]
+    assert "diagnosis:" in p.stdout and "predicted" in p.stdout, p.stdout
+
+
+def test_shifted_ids_is_off_by_one(checked):
+    """The same weights with the ids in its config shifted: sglang 0.5.9 reads them one layer deeper
+    (HF [1, 3, 4]). The replay on that accepts far less than predicted: exit 1, and the diagnosis
+    names the mix-up: the prediction matches the data's own reading, the observed figure each aux
+    layer one deeper."""
+    p, r = checked("shifted")
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert not r["guard"]["ok"] and r["guard"]["served_hf"] == [1, 3, 4], r["guard"]
+    assert r["observed"]["hf"] == ["HF 1", "HF 3", "HF 4"], r["observed"]
+    assert r["observed_minus_predicted"] < -0.5, r["observed_minus_predicted"]
+    d = r["diagnosis"]
+    assert d["cause"] == "off_by_one_deeper" and "off by one" in d["text"], d
+    assert d["trained_reading"][0].startswith("as trained"), d
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed:") and "off by one" in last, last
+
+
+def test_postnorm_last_slot_is_named(checked):
+    """A draft whose last slot was trained on the post-norm final state, its config naming layer 3's
+    output (HF 4), which the series feeds before the final norm. Guard cannot see it (the ids and
+    the data's layers agree); the figures do: exit 1, and the diagnosis names the swap: the
+    prediction matches the reading with the post-norm state in the last slot, the observed figure
+    the pre-norm one."""
+    p, r = checked("postnorm", "heldout_postnorm")
+    assert r["guard"]["ok"] and r["guard"]["served_hf"] == LAST_HF, r["guard"]
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert r["observed_minus_predicted"] < -0.15, (r["predicted"], r["observed"])
+    d = r["diagnosis"]
+    assert d["cause"] == "norm_swapped" and "post-norm" in d["text"], d
+    assert _reading(r, "norm_swapped")["slots"] == [0, 2, "final"], r["readings"]
+    assert "pre-norm and post-norm" in d["trained_reading"][0], d
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed:") and "post-norm" in last, last
+
+
+def test_served_figures_are_compared(toy, checked, tmp_path):
+    """--served: figures given from a file (a GPU run writes it) are what the prediction is compared
+    with, named served, and matched against the replayed readings. Given the shifted draft's
+    replayed figures (here the previous check's, named so in the file), the correct draft's check
+    fails with the off-by-one diagnosis; given its own, it passes."""
+    shifted, own = checked("shifted")[1], checked("correct")[1]
+    for name, src, code in (("off", shifted, 1), ("own", own, 0)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"accept_length": src["observed"]["accept_length"],
+                                 "per_position": src["observed"]["per_position"],
+                                 "how": "replayed by tools/check_draft.py (test input)"}))
+        p, r = _check(toy, tmp_path / name, "correct", "heldout", "--served", str(f))
+        assert p.returncode == code, (name, p.stderr[-2000:])
+        assert r["observed"]["kind"] == "served" and r["observed"]["source"] == str(f), r["observed"]
+        if code:
+            assert r["diagnosis"]["cause"] == "off_by_one_deeper", r["diagnosis"]
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--topk", "2"], "models a chain"),
+    (["--steps", "0"], "draft steps per verify"),
+    (["--release", "9.9.9"], "9.9.9"),
+    (["--no-such-flag"], "unrecognized arguments"),
+])
+def test_usage_errors(tmp_path, extra, says):
+    """Refused before anything is loaded: one line (error: ...; fix), exit 2, no report, no PNG."""
+    out = tmp_path / "r.json"
+    d = tmp_path / "d"
+    d.mkdir()
+    cmd = [sys.executable, str(TOOL), "--target", str(TOY_TARGET), "--draft", str(d), "--data", str(d),
+           "--states", str(d), "--out", str(out), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and ";" in lines[0], p.stderr
+    assert says in lines[0] and "Traceback" not in p.stderr, lines
+    assert list(tmp_path.iterdir()) == [d], list(tmp_path.iterdir())
+
+
+def test_usage_errors_on_inputs(toy, tmp_path):
+    """Inputs that cannot be checked: the target's directory given as the draft (guard's refusal),
+    no --states and no --served, a --served file of no accept length. Exit 2, one line, nothing
+    written."""
+    base = ["--target", str(TOY_TARGET), "--data", toy["heldout"], "--out", str(tmp_path / "r.json")]
+    bad = tmp_path / "served.json"
+    bad.write_text(json.dumps({"per_position": [1, 1, 1]}))
+    for extra, says in ((["--draft", str(TOY_TARGET), "--states", toy["states"]], "target model's config"),
+                        (["--draft", toy["drafts"]["correct"]], "nothing to compare"),
+                        (["--draft", toy["drafts"]["correct"], "--served", str(bad)], "accept_length")):
+        p = subprocess.run([sys.executable, str(TOOL), *base, *extra], capture_output=True, text=True, timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+        assert says in lines[0], lines
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["served.json"], list(tmp_path.iterdir())
+
+
+def test_relation_names_each_mix_up():
+    """The mix-up named from the reading the draft was trained on and the one it is fed, on a
+    4-layer target; each name only for its own case."""
+    from eaglepatch.acceptance.check import FINAL, relation
+
+    assert relation([0, 2, 3], [1, 3, 4], 4)[0] == "off_by_one_deeper"
+    assert relation([1, 3, 4], [0, 2, 3], 4)[0] == "off_by_one_shallower"
+    assert relation([0, 2, FINAL], [0, 2, 4], 4)[0] == "norm_swapped"
+    assert "trained on the post-norm" in relation([0, 2, FINAL], [0, 2, 4], 4)[1]
+    assert "trained on layer 3's output before" in relation([0, 2, 4], [0, 2, FINAL], 4)[1]
+    assert relation([0, 2, 3], [0, 2, 3], 4)[0] == "none"
+    assert relation([0, 2, 3], [0, 1, 3], 4)[0] == "other_layers"
+    assert relation([0, 2, 3], [0, 2, FINAL], 4)[0] == "other_layers"  # HF 3 is no last layer of 4
+
+
+def test_readings_follow_the_release():
+    """The readings replayed for the data's HF indices. [0, 2, 3] on 0.5.9: upstream reads ids as the
+    series does (k + 1), so output-of-layer ids read as trained and capture indices written as ids
+    read one deeper. [1, 3, 4] on 0.5.17: unpatched reads output-of-layer ids [0, 2, 3] (first id
+    not 1) as capture indices, one shallower; HF 4 is the last layer's pre-norm output, so the
+    post-norm swap is replayed too."""
+    from eaglepatch import conventions
+    from eaglepatch.acceptance.check import readings
+
+    r9 = readings([0, 2, 3], 4, [0, 2, 3], conventions.release_rule("0.5.9", unpatched=True),
+                  conventions.release_rule("0.5.9"), "0.5.9")
+    assert [x["slots"] for x in r9] == [[0, 2, 3], [1, 3, 4]], r9
+    assert r9[0]["kinds"] == ["as_trained", "upstream_convention", "config"], r9[0]
+    assert r9[1]["kinds"] == ["off_by_one_deeper", "upstream_convention"], r9[1]  # capture indices read k + 1
+    r = readings([1, 3, 4], 4, None, conventions.release_rule("0.5.17", unpatched=True),
+                 conventions.release_rule("0.5.17"), "0.5.17")
+    kinds = {tuple(x["slots"]): x["kinds"] for x in r}
+    assert kinds[(0, 2, 3)] == ["off_by_one_shallower", "upstream_convention"], kinds  # ids [0, 2, 3] read as they are
+    assert kinds[(1, 3, "final")] == ["norm_swapped"], kinds
+    assert (2, 4, 5) not in kinds and len(kinds) == 3, kinds  # HF 5 is no state of a 4-layer target
+
+
+def test_figures_count_each_position():
+    """Per-position rates from replayed verifies: position k counts a verify that accepted k-1 and
+    had room for k; accept length sum(C-1)/sum(V)."""
+    from eaglepatch.acceptance.check import figures
+
+    metas = [{"completion_tokens": 9, "spec_verify_ct": 3, "accepted": [3, 1, 0], "room": [3, 3, 3]},
+             {"completion_tokens": 3, "spec_verify_ct": 1, "accepted": [1], "room": [1]}]
+    f = figures(metas, 3)
+    assert f["accept_length"] == round((8 + 2) / 4, 4), f
+    assert f["per_position"] == [round(3 / 4, 4), round(1 / 2, 4), 1.0], f
+    assert f["at_least"] == [0.75, 0.25, 0.25], f
+
+
 if __name__ == "__main__":  # build the inputs into a directory, to look at them
     sys.path.insert(0, str(REPO / "src"))
     print(json.dumps(build(Path(sys.argv[1])), indent=2))

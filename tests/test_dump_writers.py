@@ -174,3 +174,36 @@ def test_the_default_comes_from_the_cpus_this_process_may_use():
     assert n == max(1, min(commits.MAX_DEFAULT_WRITERS, len(os.sched_getaffinity(0))))
     with pytest.raises(ValueError):
         commits.CommitPool(0)
+
+
+def test_the_sustained_benchmark_runs_and_leaves_no_file(tmp_path):
+    """benchmarks/dump_sustained.py --smoke (CPU, tiny sizes): every configuration writes all of its
+    files, the figures are there for each, nothing is left in its directory; bad settings: exit 2."""
+    import json
+    import subprocess
+
+    bench = REPO / "benchmarks" / "dump_sustained.py"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    where = tmp_path / "disk"
+    where.mkdir()
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(bench), "--smoke", "--writers", "1,3", "--out", str(out), "--dir", str(where)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert sorted(res["summary"]) == sorted(["off", "on-bf16-x1", "on-bf16-x3", "on-fp8-x1", "on-fp8-x3",
+                                             "writer-bf16-x1", "writer-bf16-x3"])
+    per = res["prefills_per_config"] * res["settings"]["requests"]
+    for rep in res["reps"]:
+        for run in rep["runs"]:
+            if run["mode"] != "off":
+                assert run["files"] == run["written"] == per and run["failed"] == 0, run
+        assert rep["disk_GBps_1_stream"] > 0
+    fp8 = [r["bytes_per_token"] for rep in res["reps"] for r in rep["runs"] if r.get("dtype") == "fp8"]
+    bf16 = [r["bytes_per_token"] for rep in res["reps"] for r in rep["runs"] if r.get("dtype") == "bf16"]
+    assert max(fp8) < 0.6 * min(bf16)  # float32 states on CPU: fp8 + scales is about a quarter
+    assert list(where.iterdir()) == []
+    p = subprocess.run([sys.executable, str(bench), "--smoke", "--writers", "0", "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,525 @@
+"""Check a trained EAGLE-3 draft before serving it (issue 32; ``tools/check_draft.py``).
+
+Inputs: the target checkpoint, the draft directory (config.json and weights, as SpecForge or this
+project's export writes them), the held-out data the draft's training predicts on (a dataset
+directory from ``tools/extract.py``, specforge format), the serving settings (release, steps),
+and what is compared with the prediction: the dump files of the held-out conversations with
+every layer a reading needs (``--states``: the CPU path replays what the release feeds the draft),
+or the figures of a GPU serving run (``--served``).
+
+1. **guard**: the draft's config against the data's layers for that release (``guard.check``).
+2. **prediction**: the draft's own forward (SpecForge's TTT, ``train.DraftRun.chain_replay``) over
+   the held-out data, greedy chain acceptance (a draft token is accepted when the draft's argmax
+   equals the target's next token and every token before it was accepted): per-position accept
+   rates, the accept length over the data's answers, and the chain prediction at those answer
+   lengths (``language.chain_accept_length_at``).
+3. **observed**: ``--served``'s figures, or, without them, the draft replayed on the states the
+   release feeds it by its config (guard's served HF indices) read from the dump files, reported
+   as ``replayed``: no server loaded the draft.
+4. **diagnosis**: the draft replayed on the states of each reading a layer mix-up produces from the
+   data's layers (as trained; each aux layer one deeper or one shallower; upstream's capture-index
+   convention; the last slot's pre-norm and post-norm states swapped), and which of them the
+   prediction and the observed figures match: the reading the draft was trained on and the one
+   it is fed, and the mix-up between them.
+
+Exit (``outcome``): 0 guard passes and the observed accept length is within the tolerance of the
+predicted; 1 otherwise, with the diagnosis.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from . import language as lang_mod
+from .verdicts import GPU_LIMITS
+
+TOLERANCE = GPU_LIMITS["served_minus_predicted"]
+FINAL = "final"  # the post-norm final state, as a slot of a reading
+REPLAYED = ("replayed, not served: no server loaded the draft; its chain acceptance replayed with SpecForge's TTT "
+            "forward on the states the release feeds it by its config, read from the dump files")
+
+
+@dataclass
+class Inputs:
+    target: Path
+    draft: Path
+    data: Path
+    states: Path | None = None
+    served: Path | None = None
+    release: str = "0.5.17"
+    unpatched: bool = False
+    steps: int = 3
+    topk: int = 1
+    draft_tokens: int = 4
+    tolerance: float = TOLERANCE
+    device: str = "cpu"
+
+
+# ---- inputs, checked before anything is loaded or written ------------------------------------------
+
+def _json(path: Path, what: str, fix: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{what} {path} does not exist", fix) from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{what} {path} is not readable JSON ({type(exc).__name__})", fix) from None
+
+
+def check_settings(i: Inputs) -> None:
+    """The serving settings the replay models: a chain (topk 1, draft tokens = steps + 1)."""
+    import math
+
+    if not isinstance(i.steps, int) or not 1 <= i.steps <= 16:
+        raise UsageError(f"--steps {i.steps}: the draft steps per verify are 1 to 16", "pass e.g. --steps 3")
+    if i.topk != 1 or i.draft_tokens != i.steps + 1:
+        raise UsageError(f"--topk {i.topk} --draft-tokens {i.draft_tokens}: the replay models a chain (topk 1, draft "
+                         f"tokens = steps + 1 = {i.steps + 1}), not a tree",
+                         f"check with --topk 1 --draft-tokens {i.steps + 1} (the acceptance a tree adds is not "
+                         f"predicted here)")
+    if not (isinstance(i.tolerance, float) and math.isfinite(i.tolerance) and i.tolerance > 0):
+        raise UsageError(f"--tolerance {i.tolerance}: not a positive number", f"pass e.g. --tolerance {TOLERANCE}")
+
+
+def target_config(target: Path) -> dict:
+    """The target's config.json (its text config for a multimodal checkpoint) with the LM head's
+    shard index SpecForge's TargetHead reads; a one-line usage error otherwise."""
+    fix = "pass --target the checkpoint directory the draft was trained for (config.json, model.safetensors.index.json)"
+    cfg = _json(Path(target) / "config.json", "the target config", fix)
+    if not isinstance(cfg, dict):
+        raise UsageError(f"the target config {target}/config.json is no JSON object", fix)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for k in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if not isinstance(text.get(k), int) or isinstance(text.get(k), bool):
+            raise UsageError(f"the target config {target}/config.json has no integer {k}", fix)
+    if not (Path(target) / "model.safetensors.index.json").is_file():
+        raise UsageError(f"{target} has no model.safetensors.index.json (SpecForge's TargetHead finds the LM head "
+                         f"through it)", fix)
+    return text
+
+
+def draft_config(draft: Path, target: dict) -> dict:
+    """The draft's config.json, which builds its LlamaForCausalLMEagle3 (SpecForge's layout); a
+    speculators draft or one of another size is a one-line usage error."""
+    fix = "pass --draft the directory SpecForge (or tools/acceptance.py) wrote: config.json and model.safetensors"
+    cfg = _json(Path(draft) / "config.json", "the draft config", fix)
+    if not isinstance(cfg, dict):
+        raise UsageError(f"the draft config {draft}/config.json is no JSON object", fix)
+    if "speculators_model_type" in cfg:
+        raise UsageError(f"{draft} is a speculators draft: its weights are not replayed by this tool (it replays "
+                         f"SpecForge's LlamaForCausalLMEagle3)", "check its layers with tools/guard.py; " + fix)
+    if cfg.get("hidden_size") != target["hidden_size"]:
+        raise UsageError(f"the draft's hidden_size {cfg.get('hidden_size')} is not the target's {target['hidden_size']}",
+                         "pass the draft trained for this target")
+    return cfg
+
+
+def read_served(path: Path, steps: int) -> dict:
+    """A GPU serving run's figures: ``accept_length`` (sum(C-1)/sum(V) over the responses'
+    meta_info) and optionally ``per_position`` (the rate of each draft position given the ones
+    before it accepted, ``steps`` numbers), ``requests``, ``how``."""
+    fix = ('write it as {"accept_length": 3.1, "per_position": [0.9, 0.8, 0.7], "requests": 128, "how": "served ..."}'
+           " (docs/check-draft.md)")
+    d = _json(path, "--served", fix)
+    a = d.get("accept_length") if isinstance(d, dict) else None
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 1.0 <= a <= steps + 1:
+        raise UsageError(f"--served {path}: accept_length {a!r} is not a number from 1 to {steps + 1}", fix)
+    pp = d.get("per_position")
+    if pp is not None and (not isinstance(pp, list) or len(pp) != steps or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in pp)):
+        raise UsageError(f"--served {path}: per_position is not {steps} rates from 0 to 1", fix)
+    return {"accept_length": float(a), "per_position": pp, "requests": d.get("requests"),
+            "how": str(d.get("how") or f"served (figures from {path})"), "source": str(path)}
+
+
+def dump_index(states: Path) -> dict:
+    """input_ids tuple -> dump file, over the ``*.safetensors`` files of ``states`` (headers only)."""
+    from .storage_check import _ids, header
+
+    out = {}
+    for p in sorted(Path(states).glob("*.safetensors")):
+        try:
+            start, _, table = header(p)
+            out.setdefault(tuple(_ids(p, start, table["input_ids"])), p)
+        except (OSError, ValueError, KeyError):
+            continue
+    if not out:
+        raise UsageError(f"--states {states} holds no dump file (*.safetensors with input_ids)",
+                         "pass the directory of the held-out conversations' dump files (tools/extract.py "
+                         "--keep-dumps against a server dumping every layer the readings need)")
+    return out
+
+
+# ---- readings ---------------------------------------------------------------------------------------
+
+def slot_name(h) -> str:
+    """A reading's slot: HF index h (0 = embedding output, N = the last layer before the norm) or FINAL."""
+    return FINAL if h == FINAL else f"HF {h}"
+
+
+def state_key(h) -> str:
+    """The dump tensor of a slot: ``layer.<h-1>`` (layer-output id) or ``final``."""
+    return FINAL if h == FINAL else f"layer.{h - 1}"
+
+
+def readings(trained: list, n: int, config_hf: list | None, upstream_rule: str, series_rule: str,
+             release: str) -> list:
+    """The readings a layer mix-up produces from the data's HF indices ``trained`` (ascending) on an
+    ``n``-layer target, each {"names", "kinds", "slots"}, equal slot lists merged: as trained;
+    every aux layer one deeper (k read as k + 1) and one shallower; upstream's capture-index
+    convention both ways (output-of-layer ids read as capture indices by unpatched ``release``, and
+    capture indices read k + 1 by the series); the last slot's pre-norm state (HF N) and the
+    post-norm final state swapped; and ``config_hf``, what the release reads the draft's config as."""
+    from .. import conventions
+
+    cands = [("as_trained", "as trained (the data's layers)", list(trained))]
+    cands.append(("off_by_one_deeper", "off by one: each aux layer read one deeper (k as k+1)",
+                  [h + 1 for h in trained]))
+    cands.append(("off_by_one_shallower", "off by one: each aux layer read one shallower (k as k-1)",
+                  [h - 1 for h in trained]))
+    up = sorted(conventions.capture(upstream_rule, [h - 1 for h in trained]))
+    cands.append(("upstream_convention", f"upstream's capture-index convention: output-of-layer ids "
+                  f"{[h - 1 for h in trained]} read by unpatched sglang {release} as capture indices {up}", up))
+    sr = sorted(conventions.capture(series_rule, list(trained)))
+    cands.append(("upstream_convention", f"upstream's capture-index convention the other way: capture indices "
+                  f"{list(trained)} written as ids, read by sglang {release} with the series as {sr}", sr))
+    if trained and trained[-1] == n:
+        cands.append(("norm_swapped", f"pre-norm and post-norm last state swapped: the post-norm final state where "
+                      f"the data holds layer {n - 1}'s output before the norm (HF {n})", list(trained[:-1]) + [FINAL]))
+    if config_hf is not None:
+        cands.append(("config", f"the draft's config as sglang {release} reads it", list(config_hf)))
+    out = []
+    for kind, name, slots in cands:
+        if not all(s == FINAL or 0 <= s <= n for s in slots) or len(set(slots)) != len(slots):
+            continue
+        same = next((r for r in out if r["slots"] == slots), None)
+        if same is None:
+            out.append({"kinds": [kind], "names": [name], "slots": slots})
+        elif name not in same["names"]:
+            same["kinds"].append(kind)
+            same["names"].append(name)
+    return out
+
+
+def relation(trained: list, fed: list, n: int) -> tuple[str, str]:
+    """(cause, sentence) of the mix-up that feeds a draft trained on the slots ``trained`` the slots ``fed``."""
+    t, f = [slot_name(s) for s in trained], [slot_name(s) for s in fed]
+    if trained == fed:
+        return "none", "the draft is fed the states it was trained on: no layer mix-up explains the gap"
+    if len(trained) == len(fed) and FINAL not in trained + fed:
+        d = {b - a for a, b in zip(trained, fed)}
+        if d == {1}:
+            return "off_by_one_deeper", (f"off by one: the draft is fed each aux layer one deeper than it was trained "
+                                         f"on ({f} where it learned {t})")
+        if d == {-1}:
+            return "off_by_one_shallower", (f"off by one: the draft is fed each aux layer one shallower than it was "
+                                            f"trained on ({f} where it learned {t})")
+    if len(trained) == len(fed) and trained[:-1] == fed[:-1] and {trained[-1], fed[-1]} == {n, FINAL}:
+        if trained[-1] == FINAL:
+            return "norm_swapped", (f"pre-norm vs post-norm: the draft's last slot was trained on the post-norm final "
+                                    f"state and is fed layer {n - 1}'s output before the final norm (HF {n})")
+        return "norm_swapped", (f"pre-norm vs post-norm: the draft's last slot was trained on layer {n - 1}'s output "
+                                f"before the final norm (HF {n}) and is fed the post-norm final state")
+    return "other_layers", f"a layer mix-up: the draft is fed {f} where it learned {t}"
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+
+def answer_spans(ids: list, loss_mask: list) -> list:
+    """(P, T) of each answer in a sample: a run of loss-masked positions P..T-1 is the assistant's
+    answer to the prompt ids[:P] (the prefill's token at P). SpecForge's reader masks the sample's
+    last position, so an answer at the end loses that token (its end-of-turn)."""
+    out, start = [], None
+    for j, m in enumerate(list(loss_mask) + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            if j - start >= 2:
+                out.append((start, j))
+            start = None
+    return out
+
+
+def figures(metas: list, steps: int) -> dict:
+    """The chain figures of replayed requests (``chain_replay``'s metas): accept length
+    sum(C-1)/sum(V); per position k the rate of draft token k accepted given tokens 1..k-1 were
+    and there was room for it (``per_position``), and the share of verifies that accepted at least
+    k (``at_least``); the chain prediction at these answer lengths from the per-position rates."""
+    acc = [a for m in metas for a in m["accepted"]]
+    room = [r for m in metas for r in m["room"]]
+    base = lang_mod.served_accept_length(metas)
+    per, at_least = [], []
+    for k in range(1, steps + 1):
+        tried = sum(1 for a, r in zip(acc, room) if a >= k - 1 and r >= k)
+        got = sum(1 for a in acc if a >= k)
+        per.append(round(got / tried, 4) if tried else None)
+        at_least.append(round(got / len(acc), 4) if acc else None)
+    rates = [x if x is not None else 0.0 for x in per]
+    tokens = [m["completion_tokens"] - 1 for m in metas if m["completion_tokens"] > 1]
+    verifies = sum(t / lang_mod.chain_accept_length_at(rates, t) for t in tokens if rates and
+                   lang_mod.chain_accept_length_at(rates, t) > 0)
+    return {"accept_length": round(base["accept_length"], 4) if base["accept_length"] else None,
+            "per_position": per, "at_least": at_least, "requests": base["requests"], "verify_ct": base["verify_ct"],
+            "tokens_after_prefill": base["tokens_after_prefill"],
+            "chain_at_answer_lengths": round(sum(tokens) / verifies, 4) if verifies else None,
+            "chain_unbounded": round(lang_mod.chain_accept_length(rates), 4)}
+
+
+class Replayer:
+    """The draft built from its directory (``train.DraftRun`` with the trained weights), replaying
+    samples: the data's own, or ones whose aux states are a reading's slots read from dump files."""
+
+    def __init__(self, i: Inputs, cfg: dict):
+        from . import train
+
+        self.i = i
+        self.run = train.DraftRun(Path(i.target), cfg, i.steps, i.device)
+        self.loaded = self.run.load_weights(Path(i.draft))
+        self.data_files = train.sample_files(Path(i.data))
+        if not self.data_files:
+            raise UsageError(f"--data {i.data} holds no sample (*.ckpt)", "pass a specforge-format dataset directory "
+                             "written by tools/extract.py")
+        self._samples = [train.read_sample(f) for f in self.data_files]
+        self._dumps = dump_index(i.states) if i.states else None
+        self._states = {}
+
+    def replay(self, samples: list) -> dict:
+        return figures(self.run.chain_replay(samples, None, self.i.steps, spans=answer_spans), self.i.steps)
+
+    def predicted(self) -> dict:
+        return self.replay(self._samples)
+
+    def _dump_states(self, ids: tuple) -> dict | None:
+        from ..storage import Rebuilder
+        from .storage_check import read_states
+
+        if ids not in self._states:
+            p = self._dumps.get(ids)
+            if p is None:  # a sample cut at max_len: the dump of the whole conversation starts with its ids
+                p = next((q for k, q in self._dumps.items() if k[:len(ids)] == ids), None)
+            if p is None:
+                self._states[ids] = None
+            else:
+                if not hasattr(self, "_rebuilder"):
+                    self._rebuilder = Rebuilder(Path(self.i.target))
+                self._states[ids] = read_states(p, self._rebuilder)
+        return self._states[ids]
+
+    def reading_samples(self, slots: list) -> tuple[list, str | None]:
+        """The data's samples with their aux states replaced by ``slots`` from the dump files, the
+        target (post-norm final) from the dumps too; (samples, why not) when a state is missing."""
+        import torch
+
+        out = []
+        for s in self._samples:
+            ids = tuple(s["input_ids"][0].tolist())
+            st = self._dump_states(ids)
+            if st is None:
+                return [], f"no dump file holds the conversation of {len(ids)} tokens starting {list(ids[:6])}"
+            need = [state_key(h) for h in slots] + [FINAL]
+            lack = [k for k in need if k not in st]
+            if lack:
+                return [], f"the dump files hold no {', '.join(lack)} (dumped: {', '.join(sorted(st))})"
+            T = len(ids)
+            aux = torch.cat([st[state_key(h)][:T] for h in slots], -1)
+            out.append(dict(s, hidden_state=aux[None], target=st[FINAL][:T][None]))
+        return out, None
+
+
+def _close(a: dict, b: dict) -> float | None:
+    if a.get("accept_length") is None or b.get("accept_length") is None:
+        return None
+    return round(abs(a["accept_length"] - b["accept_length"]), 4)
+
+
+def _nearest(rs: list, key: str, tol: float) -> dict | None:
+    ok = [r for r in rs if r.get(key) is not None and r[key] <= tol]
+    return min(ok, key=lambda r: r[key]) if ok else None
+
+
+def diagnose(rs: list, gap_ok: bool, n: int, tol: float) -> dict:
+    """From the replayed readings ``rs`` (each with ``minus_predicted`` and ``minus_observed``: the
+    distance of its accept length from the prediction's and the observed one's): the reading the
+    draft was trained on (nearest the prediction, within ``tol``), the one it is fed (nearest the
+    observed figures), and the mix-up between them."""
+    trained = _nearest(rs, "minus_predicted", tol)
+    fed = _nearest(rs, "minus_observed", tol)
+    out = {"trained_reading": trained and trained["names"], "fed_reading": fed and fed["names"]}
+    also = [r["names"][0] for r in rs if fed is not None and r is not fed and r.get("minus_observed") is not None
+            and r["minus_observed"] <= tol]
+    if also:
+        out["fed_reading_also_within_tolerance"] = also
+    if gap_ok:
+        out.update(cause="none", text="the observed accept length is within the tolerance of the prediction")
+    elif trained is None:
+        out.update(cause="unexplained", text="the prediction matches none of the replayed readings within %s: the held-out "
+                   "data holds states the dump files do not (a reading outside the ones replayed)" % tol)
+    elif fed is None:
+        near = min((r for r in rs if r.get("minus_observed") is not None), key=lambda r: r["minus_observed"],
+                   default=None)
+        out.update(cause="unexplained", text="no replayed reading accepts what was observed within %s%s: the gap is no "
+                   "layer mix-up replayed here (the tree settings, numerics, the server's own draft code)"
+                   % (tol, "" if near is None else " (nearest: %s, %.3f off)" % (near["names"][0], near["minus_observed"])))
+    else:
+        cause, text = relation(trained["slots"], fed["slots"], n)
+        if cause != "none" and len(fed["names"]) > 1:  # the other mix-ups that feed the same states
+            text += " (the same states as: %s)" % "; ".join(fed["names"][1:])
+        out.update(cause=cause, text=text)
+    return out
+
+
+def outcome(res: dict) -> tuple[int, str]:
+    """(exit code, the one line): 0 guard passes and the observed accept length is within the
+    tolerance of the prediction; 1 otherwise, naming each cause and the diagnosis."""
+    bad = []
+    if not res["guard"]["ok"]:
+        bad.append("guard: the draft's config does not read the data's layers on this release")
+    o, p = res["observed"]["accept_length"], res["predicted"]["accept_length"]
+    head = "%s %.3f vs predicted %.3f" % (res["observed"]["kind"], o, p)
+    if not res["within_tolerance"]:
+        bad.append("%s: differs by %.3f > %s; %s" % (head, abs(o - p), res["tolerance"], res["diagnosis"]["text"]))
+    if bad:
+        return 1, "failed: " + "; ".join(bad)
+    return 0, "passed: %s (within %s)" % (head, res["tolerance"])
+
+
+def check(i: Inputs, say=print) -> dict:
+    """Every step in turn (see the module docstring); the result the report is written from."""
+    from .. import conventions, guard
+
+    tcfg = target_config(i.target)
+    dcfg = draft_config(i.draft, tcfg)
+    n = tcfg["num_hidden_layers"]
+    draft = guard.read_draft(i.draft)
+    data = guard.read_dataset(i.data)
+    if data.dataset_format not in (None, "specforge"):
+        raise UsageError(f"--data {i.data} is a {data.dataset_format} dataset; the replay reads specforge-format "
+                         f"samples", "extract the held-out conversations with tools/extract.py --format specforge")
+    served = read_served(i.served, i.steps) if i.served else None
+    if served is None and i.states is None:
+        raise UsageError("nothing to compare the prediction with", "pass --states DIR (the held-out conversations' "
+                         "dump files: the draft is replayed on what the release feeds it) or --served FILE (a GPU "
+                         "serving run's figures)")
+    sem = guard.release_semantics(i.release, unpatched=i.unpatched)
+    guard.check_storage(draft, data)
+    gv = guard.check(draft, data, sem)
+    res = {"inputs": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(i).items()},
+           "target": {"num_hidden_layers": n, "hidden_size": tcfg["hidden_size"]},
+           "guard": {"ok": gv.ok, "served_hf": gv.served_hf, "lines": gv.lines, "reading": sem.source},
+           "data": {"hf": data.hf, "layer_ids": data.layer_ids, "format": data.dataset_format}}
+    say("guard: " + ("OK" if gv.ok else "MISMATCH") + " (%s): data HF %s, draft served HF %s"
+        % (sem.source, data.hf, gv.served_hf))
+    rep = Replayer(i, dcfg)
+    res["draft"] = {"config_ids": draft.layer_ids, "family": draft.family, "weights": rep.loaded}
+    pred = rep.predicted()
+    pred["how"] = ("the draft's own TTT forward over the held-out data (%d samples), greedy chain acceptance"
+                   % len(rep.data_files))
+    res["predicted"] = pred
+    say("predicted: accept length %.3f, per position %s (chain at the answer lengths %s)"
+        % (pred["accept_length"], pred["per_position"], pred["chain_at_answer_lengths"]))
+    config_hf = gv.served_hf if draft.family == guard.EAGLE_CONFIG else None
+    series_rule = conventions.release_rule(i.release) if not i.unpatched else sem.rule
+    try:
+        upstream_rule = conventions.release_rule(i.release, unpatched=True)
+    except UsageError:
+        upstream_rule = sem.rule
+    rs = readings(data.hf, n, config_hf, upstream_rule, series_rule, i.release) if i.states else []
+    for r in rs:
+        samples, why = rep.reading_samples(r["slots"])
+        r["hf"] = [slot_name(s) for s in r["slots"]]
+        if why:
+            r["not_replayed"] = why
+            continue
+        r.update(rep.replay(samples))
+        r["minus_predicted"] = _close(r, pred)
+    if served is not None:
+        observed = dict(served, kind="served")
+    else:
+        cfg_r = next((r for r in rs if "config" in r["kinds"]), None)
+        if cfg_r is None or cfg_r.get("not_replayed") or config_hf is None:
+            why = (cfg_r or {}).get("not_replayed") or "the release reads the draft's config as no layers it can replay"
+            raise UsageError(f"the draft cannot be replayed on what sglang {i.release} feeds it ({why})",
+                             "dump every layer the readings need (tools/serve.py --layers) or pass --served FILE")
+        observed = {k: cfg_r.get(k) for k in ("accept_length", "per_position", "at_least", "requests", "verify_ct",
+                                               "tokens_after_prefill")}
+        observed.update(kind="replayed", how=REPLAYED, hf=cfg_r["hf"])
+    res["observed"] = observed
+    for r in rs:
+        if "accept_length" in r:
+            r["minus_observed"] = _close(r, observed)
+    res["readings"] = rs
+    gap = round(observed["accept_length"] - pred["accept_length"], 4)
+    res.update(observed_minus_predicted=gap, tolerance=i.tolerance, within_tolerance=abs(gap) <= i.tolerance)
+    say("%s: accept length %.3f, per position %s" % (observed["kind"], observed["accept_length"],
+                                                      observed.get("per_position")))
+    res["diagnosis"] = diagnose([r for r in rs if "accept_length" in r], res["within_tolerance"], n, i.tolerance)
+    if not rs:
+        res["diagnosis"]["note"] = "no reading replayed: pass --states with the held-out conversations' dump files"
+    return res
+
+
+# ---- the picture ----------------------------------------------------------------------------------------
+
+def plot(res: dict, path: Path) -> str:
+    """A PNG of the per-position accept rates, predicted vs observed, each replayed reading faint
+    beside them; matplotlib when it is installed, else PIL's drawing. Returns what drew it; raises
+    ImportError when neither is installed."""
+    steps = len(res["predicted"]["per_position"])
+    xs = list(range(1, steps + 1))
+    lines = [("predicted", res["predicted"]["per_position"], (31, 119, 180), 3),
+             (res["observed"]["kind"], res["observed"].get("per_position"), (214, 39, 40), 3)]
+    for r in res.get("readings", []):
+        if r.get("per_position") and "config" not in r["kinds"]:
+            lines.append((r["kinds"][0], r["per_position"], (150, 150, 150), 1))
+    lines = [(n, [None if y is None else float(y) for y in ys], c, w) for n, ys, c, w in lines if ys]
+    title = "per-position acceptance: predicted %.3f vs %s %.3f" % (
+        res["predicted"]["accept_length"], res["observed"]["kind"], res["observed"]["accept_length"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n, ys, c, w in lines:
+            ax.plot(xs, ys, marker="o", color=tuple(v / 255 for v in c), linewidth=w, label=n)
+        ax.set(xlabel="draft position k", ylabel="accepted | 1..k-1 accepted", ylim=(0, 1.05), title=title)
+        ax.set_xticks(xs)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+        plt.close(fig)
+        return "matplotlib"
+    except ImportError:
+        pass
+    from PIL import Image, ImageDraw
+
+    W, H, L, R, T, B = 640, 420, 60, 150, 40, 50
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 10), title, fill="black")
+    d.rectangle([L, T, W - R, H - B], outline="black")
+
+    def at(k, y):
+        x = L + (W - R - L) * ((k - 1) / max(steps - 1, 1) if steps > 1 else 0.5)
+        return x, T + (H - B - T) * (1 - y / 1.05)
+
+    for y in (0, 0.25, 0.5, 0.75, 1.0):
+        d.text((L - 35, at(1, y)[1] - 5), "%.2f" % y, fill="black")
+    for k in xs:
+        d.text((at(k, 0)[0] - 3, H - B + 5), str(k), fill="black")
+    d.text((L + 100, H - 20), "draft position k (accepted given 1..k-1 accepted)", fill="black")
+    for j, (n, ys, c, w) in enumerate(sorted(lines, key=lambda t: t[3])):
+        pts = [at(k, y) for k, y in zip(xs, ys) if y is not None]
+        if len(pts) > 1:
+            d.line(pts, fill=c, width=w)
+        for x, y in pts:
+            d.ellipse([x - 3, y - 3, x + 3, y + 3], fill=c)
+    for j, (n, ys, c, w) in enumerate(lines):
+        d.line([W - R + 10, T + 15 * j + 6, W - R + 30, T + 15 * j + 6], fill=c, width=w)
+        d.text((W - R + 35, T + 15 * j), n[:18], fill="black")
+    img.save(path, format="PNG")
+    return "PIL"

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Check your own EAGLE-3 draft before serving it: does it accept at the rate its training predicts on
+this release, and if not, which layer mix-up explains it?
+
+  python3 tools/check_draft.py --target TARGET --draft DRAFT --data HELDOUT --states DUMPS \
+      --release 0.5.17 --out REPORT.json [--served SERVED.json]
+
+TARGET: the checkpoint the draft was trained for (config.json, model.safetensors.index.json: the LM
+head and embedding come from it). DRAFT: the draft directory (config.json with
+eagle_config.eagle_aux_hidden_state_layer_ids, model.safetensors), as SpecForge writes it. HELDOUT:
+held-out data the draft's training predicts on, a specforge-format dataset from tools/extract.py.
+DUMPS: the dump files of the same conversations (tools/extract.py --keep-dumps against a server
+dumping every layer the readings need, with the final state). Steps: guard (the draft's config
+against the data's layers on --release); the prediction (the draft's own forward over HELDOUT,
+greedy chain acceptance per position, and the chain at the answer lengths); the observed figures
+(--served: a GPU serving run's; without it the draft is replayed on the states --release feeds it
+by its config, read from DUMPS, and reported as replayed: no server loads a draft here); the
+diagnosis (the draft replayed on each reading a layer mix-up produces: as trained, each aux layer
+one deeper or shallower, upstream's capture-index convention, the last slot's pre-norm and post-norm
+states swapped; which reading the prediction and the observed figures match). Writes REPORT.json and
+a PNG beside it (REPORT.png) of the per-position acceptance, predicted vs observed (the report says
+when no PNG could be made). Runs in the CPU environment (tools/acceptance.py --cpu's) by itself.
+
+Exit: 0 guard passes and the observed accept length is within --tolerance of the predicted, 1 it is
+not or guard fails (the diagnosis on the last line), 2 usage error (one line, nothing written).
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch import cli  # noqa: E402
+from eaglepatch.errors import UsageError, run_main  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = cli.parser("check_draft.py", __doc__)
+    ap.add_argument("--target", required=True, type=Path, help="the target checkpoint directory")
+    ap.add_argument("--draft", required=True, type=Path, help="the draft directory (config.json, model.safetensors)")
+    ap.add_argument("--data", required=True, type=Path, help="held-out dataset (tools/extract.py --format specforge)")
+    ap.add_argument("--states", type=Path, help="the held-out conversations' dump files (every layer the readings "
+                                               "need, and the final state): the replays read them")
+    ap.add_argument("--served", type=Path, help="a GPU serving run's figures (JSON: accept_length, per_position); "
+                                               "without it the observed figures are the replay on --states")
+    ap.add_argument("--release", default="0.5.17", help="the sglang release that serves the draft")
+    ap.add_argument("--unpatched", action="store_true", help="the release without the series serves it")
+    ap.add_argument("--steps", type=int, default=3, help="--speculative-num-steps")
+    ap.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (the replay models 1: a chain)")
+    ap.add_argument("--draft-tokens", type=int, help="--speculative-num-draft-tokens (default: steps + 1)")
+    ap.add_argument("--tolerance", type=float, default=0.15, help="|observed - predicted| accept length that passes")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the draft replays")
+    ap.add_argument("--out", required=True, type=Path, help="the JSON report (the PNG goes beside it, .png)")
+
+    def error(message):
+        raise UsageError(message, "see tools/check_draft.py --help")
+
+    ap.error = error
+
+    def body() -> int:
+        a = ap.parse_args(argv)
+        from eaglepatch import guard
+        from eaglepatch.acceptance import check
+        from eaglepatch.outputs import check_output_file
+
+        i = check.Inputs(target=a.target, draft=a.draft, data=a.data, states=a.states, served=a.served,
+                         release=a.release, unpatched=a.unpatched, steps=a.steps, topk=a.topk,
+                         draft_tokens=a.steps + 1 if a.draft_tokens is None else a.draft_tokens,
+                         tolerance=float(a.tolerance), device=a.device)
+        # everything a run can be refused for, before the environment is entered or anything loaded
+        check.check_settings(i)
+        out = check_output_file(a.out, "--out")
+        png = out.with_suffix(".png")
+        check_output_file(png, "--out's PNG")
+        for flag, p in (("--target", a.target), ("--draft", a.draft), ("--data", a.data), ("--states", a.states)):
+            if p is not None and not p.is_dir():
+                raise UsageError(f"{flag} {p} is not a directory", f"pass {flag} a directory (tools/check_draft.py --help)")
+        tcfg = check.target_config(a.target)
+        check.draft_config(a.draft, tcfg)
+        guard.read_draft(a.draft)
+        guard.read_dataset(a.data)
+        guard.release_semantics(a.release, unpatched=a.unpatched)
+        if a.served:
+            check.read_served(a.served, a.steps)
+        elif a.states is None:
+            raise UsageError("nothing to compare the prediction with", "pass --states DIR (the held-out conversations' "
+                             "dump files) or --served FILE (a GPU serving run's figures)")
+        if a.device == "cpu" and os.environ.get("EAGLEPATCH_CHECK_ENV") != "1":
+            try:
+                import specforge  # noqa: F401
+                import torch  # noqa: F401
+            except ImportError:  # run in the CPU environment (torch, transformers, SpecForge 0.2.0)
+                from eaglepatch import cpuenv
+
+                try:
+                    py = cpuenv.ensure_env()
+                except RuntimeError as exc:
+                    raise UsageError(f"the CPU environment could not be built ({' '.join(str(exc).split())[:200]})",
+                                     "fix what the log names and rerun") from None
+                import subprocess
+
+                env = dict(os.environ, EAGLEPATCH_CHECK_ENV="1", PYTHONPATH=os.pathsep.join(
+                    [str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+                return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
+        res = check.check(i, say=lambda m: print(m, file=sys.stderr, flush=True))
+        try:
+            res["png"] = {"path": str(png), "drawn_with": check.plot(res, png)}
+        except ImportError:
+            res["png"] = {"path": None, "why": "no PNG: neither matplotlib nor PIL is installed in this environment"}
+        code, line = check.outcome(res)
+        res.update(exit=code, verdict=line)
+        from eaglepatch.outputs import write_atomic
+
+        write_atomic(out, json.dumps(res, indent=2) + "\n", "--out")
+        print(summary(res))
+        print(line, file=sys.stderr)
+        return code
+
+    return run_main(body)
+
+
+def summary(res: dict) -> str:
+    """What stdout shows: guard, predicted and observed per position, each reading, the diagnosis."""
+    p, o = res["predicted"], res["observed"]
+    fmt = lambda xs: " ".join("-" if x is None else "%.3f" % x for x in (xs or []))  # noqa: E731
+    lines = ["guard: %s" % ("OK" if res["guard"]["ok"] else "MISMATCH"),
+             "%-28s accept length %.3f   per position %s" % ("predicted", p["accept_length"], fmt(p["per_position"])),
+             "%-28s accept length %.3f   per position %s" % (o["kind"], o["accept_length"], fmt(o.get("per_position")))]
+    for r in res.get("readings", []):
+        if "accept_length" in r:
+            lines.append("  reading %-20s %s: %.3f   per position %s" % (
+                "/".join(r["kinds"]), r["hf"], r["accept_length"], fmt(r["per_position"])))
+        else:
+            lines.append("  reading %-20s %s: not replayed (%s)" % ("/".join(r["kinds"]), r["hf"], r["not_replayed"]))
+    lines.append("diagnosis: " + res["diagnosis"]["text"])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
