@@ -12,7 +12,7 @@ before pytest starts, each step logged as it goes: the test environment
 (src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py or
 tests/test_dump_stops.py (every run without test paths does), also the environment of every
 series' release and its tiny smoke checkpoints. Before them, the Debian packages the tests need
-(eaglepatch.sysdeps: libfuse3 and fusermount3 for the slow and hung dump disks) are installed with
+(eaglepatch.sysdeps: libfuse3 and fusermount3 for the slow and hung dump disks, libibverbs1 for Mooncake) are installed with
 apt-get when missing (as root; otherwise the command to run is printed and the run stops). Tests never build one themselves: inside pytest a missing environment is an
 error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-core machine
 (2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
@@ -91,7 +91,12 @@ def build(paths: list[str]) -> Path:
 
             with tempfile.TemporaryDirectory(prefix="eaglepatch-checkpoints-") as work:
                 ensure_checkpoints(py, Path(work), req, stubs_for(req, Path(work)))
-    return cpuenv.ensure_env()
+    py = cpuenv.ensure_env()
+    if not paths or any("test_mooncake" in p for p in paths):  # the store's package beside the test env
+        from eaglepatch import mooncake
+
+        print("[test.py] mooncake: " + str(mooncake.ensure_site(py)), file=sys.stderr, flush=True)
+    return py
 
 
 def main(argv: list[str]) -> int:

@@ -2,6 +2,8 @@
 
 FUSE (Debian's ``fuse3``: libfuse3 and fusermount3) mounts the real slow and hung dump
 filesystems of tests/slowfs.py; the Python side (mfusepy) is in the test environment.
+``libibverbs1``: Mooncake's native code (the store the online sink writes to, tests/test_mooncake.py)
+links it even for TCP.
 ``ensure()`` installs what is missing with apt-get (as root) or raises RuntimeError naming the
 command to run."""
 
@@ -14,7 +16,8 @@ import subprocess
 import sys
 
 # Debian package -> how to tell it is there
-PACKAGES = {"fuse3": lambda: bool(ctypes.util.find_library("fuse3")) and shutil.which("fusermount3") is not None}
+PACKAGES = {"fuse3": lambda: bool(ctypes.util.find_library("fuse3")) and shutil.which("fusermount3") is not None,
+            "libibverbs1": lambda: bool(ctypes.util.find_library("ibverbs"))}
 
 
 def missing() -> list:

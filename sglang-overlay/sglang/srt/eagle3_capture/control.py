@@ -143,7 +143,8 @@ class ControlServer:
                     rids = request.get("rids")
                     if not isinstance(rids, list):
                         raise ValueError("status needs a list of request ids")
-                    reply = {"ok": True, "states": {str(r): self.writer.state(str(r)) for r in rids}}
+                    reply = {"ok": True, "states": {str(r): self.writer.state(str(r)) for r in rids},
+                             "handles": {str(r): self.writer.handle(str(r)) for r in rids}}
                 elif op in ("pause", "resume"):
                     self.writer.paused = op == "pause"
                     reply = {"ok": True, "paused": self.writer.paused}
@@ -317,10 +318,16 @@ def _finished(o: dict) -> bool:
 
 def dump_states(rids, path: Optional[str] = None) -> dict:
     """rid -> what became of its dump file, from the writer (``DumpWriter.state``)."""
+    return dump_handles(rids, path)[0]
+
+
+def dump_handles(rids, path: Optional[str] = None) -> tuple:
+    """({rid: state}, {rid: handle}) from the writer (``DumpWriter.state`` and ``.handle``)."""
     try:
-        return call("status", STATUS_TIMEOUT, path, rids=list(rids))["states"]
+        reply = call("status", STATUS_TIMEOUT, path, rids=list(rids))
+        return reply["states"], reply.get("handles") or {}
     except (FlushError, KeyError, ValueError) as exc:
-        return {r: f"unknown: the dump writer did not answer ({exc})" for r in rids}
+        return {r: f"unknown: the dump writer did not answer ({exc})" for r in rids}, {}
 
 
 def parallel_samples(sampling_params) -> int:
@@ -332,8 +339,11 @@ def parallel_samples(sampling_params) -> int:
 
 def _answer_hooks(tokenizer_manager_cls) -> None:
     """Every finished answer (``/generate`` and ``Engine.generate``) says where its request's
-    states are and what became of them: ``meta_info["eagle3_dump"] = {"file": "<key>.safetensors",
-    "state": ...}`` (``DumpWriter.state``: queued, written, kept, not dumped: why, failed: why)."""
+    states are and what became of them: ``meta_info["eagle3_dump"] = {"sink": "file", "file":
+    "<key>.safetensors", "state": ...}`` (``DumpWriter.state``: queued, written, kept, not dumped:
+    why, failed: why); with the Mooncake sink ``{"sink": "mooncake", "key", "manifest_key",
+    "manifest" (once committed: tensors, shapes, dtypes, offsets, the file metadata), "state"}``
+    (``DumpWriter.handle``)."""
     inner = tokenizer_manager_cls.generate_request
     if getattr(inner, "_eagle3_hooks", False):
         return
@@ -349,11 +359,11 @@ def _answer_hooks(tokenizer_manager_cls) -> None:
         async for out in inner(self, obj, request):
             done = [o for o in _outputs(out) if _finished(o)]
             if done and os.environ.get(ENV_CONTROL):
-                states = await _run_in_thread(dump_states, [o["meta_info"]["id"] for o in done])
+                states, handles = await _run_in_thread(dump_handles, [o["meta_info"]["id"] for o in done])
                 for o in done:
                     rid = o["meta_info"]["id"]
-                    o["meta_info"]["eagle3_dump"] = {"file": request_key(rid) + ".safetensors",
-                                                     "state": states.get(str(rid), "unknown")}
+                    where = handles.get(str(rid)) or {"sink": "file", "file": request_key(rid) + ".safetensors"}
+                    o["meta_info"]["eagle3_dump"] = dict(where, state=states.get(str(rid), "unknown"))
             yield out
 
     generate_request.__doc__ = inner.__doc__

@@ -68,6 +68,7 @@ from .settings import (
     text_config,
 )
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
+from .sinks import FileSink, MooncakeSink, SinkError
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
 from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
@@ -189,9 +190,10 @@ class DumpWriter:
     def __init__(self, directory: str, indices: List[int], final: bool,
                  max_pending_bytes: int, metadata: Dict[str, str], enabled: bool = True,
                  chunked: bool = False, placeholder_id: Optional[int] = None, vocab_size: int = 0,
-                 layout: Optional[Layout] = None, writers: int = 1):
+                 layout: Optional[Layout] = None, writers: int = 1, sink=None):
         """``layout``: how states are stored (``storage``); None: as computed, every state.
-        ``writers``: threads writing files at once (``commits``)."""
+        ``writers``: threads writing files at once (``commits``). ``sink``: where each request's
+        states go (``sinks``; None: a file in ``directory``)."""
         self.directory = directory
         self.indices = list(indices)  # capture indices (= HF indices), ascending
         self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
@@ -205,6 +207,8 @@ class DumpWriter:
         self.placeholder_id = placeholder_id  # multimodal wrappers: what a pad value stands for
         self.vocab_size = vocab_size
         self.writers = writers
+        self.sink = sink if sink is not None else FileSink(directory)
+        self._handles: "OrderedDict[str, dict]" = OrderedDict()  # rid -> where its states are (handle())
         self._counts_lock = threading.Lock()  # the counts are bumped from the forward, gather and writer threads
         self.written = 0
         self.failed = 0
@@ -385,6 +389,21 @@ class DumpWriter:
             return True
         return self.placeholder_id is not None or req.input_embeds
 
+    def handle(self, rid: str) -> dict:
+        """Where a request's states are (or will be): the sink, its file or object key, and once
+        committed to an object store the manifest (tensor names, shapes, dtypes, offsets and the
+        file metadata: layer ids, their reading, storage dtype and scale layout)."""
+        with self._states_lock:
+            got = self._handles.get(str(rid))
+        return dict(got) if got is not None else self.sink.where(request_key(str(rid)))
+
+    def _set_handle(self, req: RequestInfo, where: dict) -> None:
+        with self._states_lock:
+            self._handles[req.rid] = where
+            self._handles.move_to_end(req.rid)
+            while len(self._handles) > STATES_KEPT:
+                self._handles.popitem(last=False)
+
     def _add(self, count: str, n: int = 1) -> None:
         with self._counts_lock:
             setattr(self, count, getattr(self, count) + n)
@@ -533,7 +552,7 @@ class DumpWriter:
         its name is replaced (logged when it was another request's file); nothing but a regular
         file is ever opened. Without ``metadata`` (a chunk of a request whose prompt is not all
         in yet) a file of this launch and request id is enough."""
-        header = read_header_of_regular_file(self._path(req))
+        header = self.sink.header(req.key, read_header_of_regular_file)
         if header is None:
             return False
         if metadata is None:
@@ -590,8 +609,6 @@ class DumpWriter:
             done()
 
     def _commit_file(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
-        from safetensors.torch import save_file
-
         length = req.prompt_len
         raw_ids = rows["input_ids"][:length].to(torch.int64)
         ids = raw_ids
@@ -607,25 +624,16 @@ class DumpWriter:
             if name != "input_ids":
                 out[name] = host[:length]
         self.layout.cut_embedding(out, raw_ids, all_rows=req.input_embeds)
-        path = self._path(req)
-        tmp = os.path.join(self.directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            save_file(out, tmp, metadata=metadata)
-            os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
-            _fsync(tmp)
-            os.replace(tmp, path)
-            _fsync(self.directory)
+            where = self.sink.commit(key, out, metadata)
+            self._set_handle(req, where)
             self._add("written")
             self._set_state(req, "written")
-        except Exception as exc:  # a full or vanished disk must not stop serving
+        except Exception as exc:  # a full or vanished disk or store must not stop serving
             self._add("failed")
             self._not_written(req, f"the write failed: {exc}")
             logger.error("%s: dump of request %s (key %s) failed (%s); %d failed so far", ENV_DIR,
                          printable(req.rid), key, exc, self.failed)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def counts(self) -> Dict[str, int]:
         return {"written": self.written, "failed": self.failed, "dropped": self.dropped,
@@ -846,6 +854,12 @@ def start_dump(runner, target, settings: DumpSettings):
                         getattr(config, "rms_norm_eps", None), vocab_size)
     except ValueError as exc:
         raise DumpConfigError(f"{ENV_DIR}: {exc}; unset EAGLE3_DUMP_REBUILDABLE (store)") from None
+    sink = None
+    if settings.mooncake is not None and get_tensor_model_parallel_rank() == 0:  # the writing rank only
+        try:
+            sink = MooncakeSink(settings.mooncake)
+        except SinkError as exc:
+            raise DumpConfigError(str(exc)) from None
     writer = DumpWriter(
         settings.directory,
         indices,
@@ -858,6 +872,7 @@ def start_dump(runner, target, settings: DumpSettings):
         vocab_size=vocab_size,
         layout=layout,
         writers=settings.writers or default_writers(),
+        sink=sink,
     )
     writer.max_wait_s = settings.max_wait_s
     if writer.enabled:
@@ -869,12 +884,14 @@ def start_dump(runner, target, settings: DumpSettings):
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s, %d writer threads "
-        "(%s))", ENV_DIR,
+        "(%s), sink %s)", ENV_DIR,
         settings.directory, ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
         indices, settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
         settings.storage.dtype, settings.storage.rebuildable,
         (": left out " + ", ".join(layout.left_out)) if layout.left_out else "",
         writer.writers, f"{ENV_WRITERS}={settings.writers}" if settings.writers else
         f"default: the CPUs this process may use, at most {MAX_DEFAULT_WRITERS}",
+        settings.sink if settings.mooncake is None else
+        f"mooncake (master {settings.mooncake.master}, {settings.mooncake.protocol})",
     )
     return writer

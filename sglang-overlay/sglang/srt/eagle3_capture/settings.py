@@ -24,8 +24,25 @@ ENV_DTYPE = "EAGLE3_DUMP_DTYPE"  # bf16 (default) | fp8: how states are stored (
 ENV_REBUILDABLE = "EAGLE3_DUMP_REBUILDABLE"  # store (default) | omit: states a trainer rebuilds
 ENV_WRITERS = "EAGLE3_DUMP_WRITERS"  # threads writing files at once (commits.py); default from the CPUs
 MAX_WRITERS = 64
+ENV_SINK = "EAGLE3_DUMP_SINK"  # file (default) | mooncake: where each request's states go (sinks.py)
+SINKS = ("file", "mooncake")
+ENV_MC_MASTER = "EAGLE3_DUMP_MOONCAKE_MASTER"  # host:port of mooncake_master
+ENV_MC_METADATA = "EAGLE3_DUMP_MOONCAKE_METADATA"  # http://host:port/metadata, or P2PHANDSHAKE
+ENV_MC_PROTOCOL = "EAGLE3_DUMP_MOONCAKE_PROTOCOL"  # tcp (default) | rdma
+ENV_MC_DEVICE = "EAGLE3_DUMP_MOONCAKE_DEVICE"  # RDMA device names (rdma only)
+ENV_MC_HOST = "EAGLE3_DUMP_MOONCAKE_HOST"  # this node's address the store's peers reach
+ENV_MC_SEGMENT_MB = "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB"  # memory this client gives the store
+ENV_MC_BUFFER_MB = "EAGLE3_DUMP_MOONCAKE_BUFFER_MB"  # this client's transfer buffer
+MOONCAKE_VARS = (ENV_MC_MASTER, ENV_MC_METADATA, ENV_MC_PROTOCOL, ENV_MC_DEVICE, ENV_MC_HOST, ENV_MC_SEGMENT_MB,
+                 ENV_MC_BUFFER_MB)
+DEFAULT_MC_SEGMENT_MB = 4096
+DEFAULT_MC_BUFFER_MB = 2048
+REACH_TIMEOUT_S = 5.0
 DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
-             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS")
+             "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS",
+             "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER", "EAGLE3_DUMP_MOONCAKE_METADATA",
+             "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "EAGLE3_DUMP_MOONCAKE_DEVICE", "EAGLE3_DUMP_MOONCAKE_HOST",
+             "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB")
 # SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
 # waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
 DEFAULT_DRAIN_S = 20.0
@@ -151,6 +168,58 @@ def _choice(env, name: str, choices: Sequence[str]) -> str:
     return value
 
 
+def _host_port(name: str, raw: str) -> tuple:
+    host, sep, port = raw.strip().rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise DumpConfigError(f"{name}={raw!r} is not host:port; use e.g. {name}=127.0.0.1:50051")
+    return host.strip("[]"), int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeSettings:
+    """The Mooncake Store client of the writing rank (``EAGLE3_DUMP_MOONCAKE_*``)."""
+
+    master: str
+    metadata_server: str
+    protocol: str = "tcp"
+    device: str = ""
+    local_host: str = "127.0.0.1"
+    segment_bytes: int = DEFAULT_MC_SEGMENT_MB << 20
+    buffer_bytes: int = DEFAULT_MC_BUFFER_MB << 20
+
+    @classmethod
+    def from_env(cls, env) -> "MooncakeSettings":
+        master = env.get(ENV_MC_MASTER, "").strip()
+        if not master:
+            raise DumpConfigError(f"{ENV_SINK}=mooncake needs {ENV_MC_MASTER} (the mooncake_master's host:port); "
+                                  f"set e.g. {ENV_MC_MASTER}=127.0.0.1:50051")
+        _host_port(ENV_MC_MASTER, master)
+        metadata = env.get(ENV_MC_METADATA, "").strip() or "P2PHANDSHAKE"
+        if metadata != "P2PHANDSHAKE" and not metadata.startswith(("http://", "etcd://")):
+            raise DumpConfigError(f"{ENV_MC_METADATA}={metadata!r} is neither P2PHANDSHAKE nor an http:// or etcd:// "
+                                  f"address; use e.g. {ENV_MC_METADATA}=http://127.0.0.1:8080/metadata")
+        return cls(master, metadata, _choice(env, ENV_MC_PROTOCOL, ("tcp", "rdma")),
+                   env.get(ENV_MC_DEVICE, "").strip(), env.get(ENV_MC_HOST, "").strip() or "127.0.0.1",
+                   int(_positive(env, ENV_MC_SEGMENT_MB, DEFAULT_MC_SEGMENT_MB, "MiB") * (1 << 20)),
+                   int(_positive(env, ENV_MC_BUFFER_MB, DEFAULT_MC_BUFFER_MB, "MiB") * (1 << 20)))
+
+    def check_reachable(self) -> None:
+        """The master (and an http metadata server) accept a connection, or the launch ends."""
+        import socket
+
+        targets = [(ENV_MC_MASTER, self.master)]
+        if self.metadata_server.startswith("http://"):
+            targets.append((ENV_MC_METADATA, self.metadata_server[len("http://"):].split("/", 1)[0]))
+        for name, address in targets:
+            host, port = _host_port(name, address)
+            try:
+                socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+            except OSError as exc:
+                raise DumpConfigError(f"{name}={address!r} cannot be reached ({exc.strerror or exc}); start "
+                                      f"mooncake_master there (--enable_http_metadata_server=true for an http "
+                                      f"metadata server) or point {name} at it") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpSettings:
     directory: str
@@ -161,6 +230,8 @@ class DumpSettings:
     max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
     storage: Storage = Storage()  # EAGLE3_DUMP_DTYPE, EAGLE3_DUMP_REBUILDABLE
     writers: Optional[int] = None  # EAGLE3_DUMP_WRITERS; None: commits.default_writers()
+    sink: str = "file"  # EAGLE3_DUMP_SINK
+    mooncake: Optional[MooncakeSettings] = None  # EAGLE3_DUMP_MOONCAKE_*, with the mooncake sink
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
@@ -188,7 +259,7 @@ class DumpSettings:
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
                    storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
-                   writers=_count(env, ENV_WRITERS, MAX_WRITERS))
+                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), **_sink(env))
 
     def capture_indices(self, num_layers: int) -> List[int]:
         """The capture indices the dump writes, ascending: the ids read as a draft's are on this
@@ -196,6 +267,17 @@ class DumpSettings:
         if self.layer_ids is None:
             return default_capture_indices(num_layers)
         return sorted(capture_indices(self.layer_ids, num_layers, ENV_LAYERS))
+
+
+def _sink(env) -> dict:
+    sink = _choice(env, ENV_SINK, SINKS)
+    if sink == "mooncake":
+        return {"sink": sink, "mooncake": MooncakeSettings.from_env(env)}
+    given = [v for v in MOONCAKE_VARS if env.get(v, "").strip()]
+    if given:  # a store configured and never written to: say so rather than write files silently
+        raise DumpConfigError(f"{', '.join(given)} set but {ENV_SINK} is {sink!r}; set {ENV_SINK}=mooncake or "
+                              f"unset them")
+    return {"sink": sink}
 
 
 def check_directory(directory: str) -> None:
@@ -506,6 +588,8 @@ def check_launch(server_args) -> None:
         check_model(getattr(hf_config, "architectures", None) or [],
                     text_config(hf_config).num_hidden_layers, settings)
         check_directory(settings.directory)
+        if settings.mooncake is not None:
+            settings.mooncake.check_reachable()
         from .control import install_launcher_hooks
 
         install_launcher_hooks(server_args)
