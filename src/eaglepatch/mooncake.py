@@ -30,6 +30,7 @@ from . import cpuenv
 WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 COMPLETE = ".eaglepatch-complete"
 META_SUFFIX = ":meta"  # the overlay's sinks.META_SUFFIX
+ERROR_SUFFIX = ":error"  # sinks.ERROR_SUFFIX: a failed commit's {"error": why}
 MANIFEST_VERSION = 1
 
 
@@ -167,6 +168,13 @@ class StoreReader:
         key = handle["key"] if isinstance(handle, dict) else str(handle)
         deadline = time.monotonic() + timeout
         while self.store.is_exist(key + META_SUFFIX) != 1:
+            if self.store.is_exist(key + ERROR_SUFFIX) == 1:
+                raw = bytes(self.store.get(key + ERROR_SUFFIX))
+                try:
+                    why = json.loads(raw.decode("utf-8"))["error"]
+                except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                    why = raw[:200]
+                raise StoreError(f"the server could not put {key}: {why}")
             if time.monotonic() >= deadline:
                 raise StoreError(f"no object {key} in the store (not yet written, failed, or deleted)")
             time.sleep(0.02)
@@ -220,5 +228,5 @@ class StoreReader:
         """Remove a request's object and manifest (the manifest first: a reader never finds a
         manifest without its data)."""
         key = handle["key"] if isinstance(handle, dict) else str(handle)
-        for k in (key + META_SUFFIX, key):
+        for k in (key + META_SUFFIX, key, key + ERROR_SUFFIX):
             self.store.remove(k, force=True)

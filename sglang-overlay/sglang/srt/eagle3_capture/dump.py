@@ -632,6 +632,7 @@ class DumpWriter:
         except Exception as exc:  # a full or vanished disk or store must not stop serving
             self._add("failed")
             self._not_written(req, f"the write failed: {exc}")
+            self.sink.fail(key, f"the write failed: {exc}")
             logger.error("%s: dump of request %s (key %s) failed (%s); %d failed so far", ENV_DIR,
                          printable(req.rid), key, exc, self.failed)
 

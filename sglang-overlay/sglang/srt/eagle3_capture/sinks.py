@@ -29,6 +29,7 @@ import torch
 ALIGN = 64  # byte alignment of each tensor in a Mooncake object (hs-connectors' _TENSOR_ALIGN)
 MANIFEST_VERSION = 1
 META_SUFFIX = ":meta"
+ERROR_SUFFIX = ":error"  # a failed commit's marker: {"error": why} (hs-connectors' readers check it first)
 FILE_MODE = 0o644
 HOST = socket.gethostname()
 
@@ -99,6 +100,9 @@ class FileSink:
             raise
         return self.where(key)
 
+    def fail(self, key: str, why: str) -> None:
+        """Nothing to mark: a missing file and the stop ledger say it."""
+
 
 def _store_error(what: str, key: str, code) -> SinkError:
     return SinkError(f"the Mooncake store refused {what} of {key} (code {code}; a full store: raise "
@@ -160,6 +164,7 @@ class MooncakeSink:
             buf[spec["offset"]: spec["offset"] + spec["nbytes"]].view(t.dtype).view(t.shape).copy_(t)
         meta_key = key + META_SUFFIX
         self.store.remove(meta_key, force=True)  # an earlier commit's manifest never describes this data
+        self.store.remove(key + ERROR_SUFFIX, force=True)
         code = self.store.upsert_from(key, buf.data_ptr(), total)
         if code != 0:
             raise _store_error("the object", key, code)
@@ -168,3 +173,12 @@ class MooncakeSink:
             self.store.remove(key, force=True)
             raise _store_error("the manifest", key, code)
         return dict(self.where(key), manifest=man)
+
+    def fail(self, key: str, why: str) -> None:
+        """Put the marker a reader finds instead of the object, so it fails at once with the reason
+        rather than waiting (best effort: a store that takes nothing takes no marker either)."""
+        try:
+            self.store.upsert(key + ERROR_SUFFIX, json.dumps({"error": why[:4096]}).encode("utf-8"))
+        except Exception:  # the request is already failed and named; the marker is a courtesy
+            pass
+
