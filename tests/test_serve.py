@@ -101,6 +101,15 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--dump-writers", "0"],
          "--dump-writers '0' is not a whole number of threads from 1 to 64; pass e.g. --dump-writers 4"),
         (["--cpu-demo", tmp_path / "demo", "--dump-writers", "auto"], "--dump-writers 'auto' is not a whole number"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "s3"], "--sink 's3' is not file or mooncake"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "mooncake"],
+         "--sink mooncake needs the store's master; pass --mooncake-master HOST:PORT"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--mooncake-master", "h:1"],
+         "--mooncake-master is set but the sink is file; pass --sink mooncake"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "mooncake", "--mooncake-master", "h"],
+         "--mooncake-master 'h' is not host:port; pass --mooncake-master 127.0.0.1:50051"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "mooncake", "--mooncake-master", "h:1",
+          "--mooncake-metadata", "h:2"], "--mooncake-metadata 'h:2' is not http://host:port/metadata"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "[::1"], "--host '[::1' is not an address"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--host", "1:2:3"], "--host '1:2:3' is not an IPv6"),
     ]
@@ -312,7 +321,7 @@ def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=8192 (from the environment), EAGLE3_DUMP_FINAL=0 "
             "(from the environment), EAGLE3_DUMP_DRAIN_S=20 (default), EAGLE3_DUMP_MAX_WAIT_S=60 (from the "
             "environment), EAGLE3_DUMP_DTYPE=bf16 (default), EAGLE3_DUMP_REBUILDABLE=store (default), "
-            "EAGLE3_DUMP_WRITERS=auto (default)"
+            "EAGLE3_DUMP_WRITERS=auto (default), EAGLE3_DUMP_SINK=file (default)"
             ) in r.stderr.splitlines(), r.stderr
     r = run_tool("serve", *base, "--max-pending-mb", "1024", "--final", "1", "--drain-s", "45", "--max-wait-s", "7.5",
                  "--dump-dtype", "FP8", "--rebuildable", "omit", "--dump-writers", "3",
@@ -325,7 +334,18 @@ def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=1024 (--max-pending-mb), EAGLE3_DUMP_FINAL=1 "
             "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s), "
             "EAGLE3_DUMP_DTYPE=fp8 (--dump-dtype), EAGLE3_DUMP_REBUILDABLE=omit (--rebuildable), "
-            "EAGLE3_DUMP_WRITERS=3 (--dump-writers)") in r.stderr.splitlines(), r.stderr
+            "EAGLE3_DUMP_WRITERS=3 (--dump-writers), EAGLE3_DUMP_SINK=file (default)") in r.stderr.splitlines(), r.stderr
+    r = run_tool("serve", *base, "--sink", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata",
+                 "http://10.0.0.5:8080/metadata", "--mooncake-protocol", "rdma", "--mooncake-device", "mlx5_0",
+                 "--mooncake-host", "10.0.0.7", "--mooncake-segment-mb", "8192", "--mooncake-buffer-mb", "1024",
+                 env=user)
+    assert r.returncode == 0, r.stderr
+    env = split_shell(r.stdout.strip())[0]
+    assert {k: v for k, v in env.items() if k.startswith(("EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_"))} == {
+        "EAGLE3_DUMP_SINK": "mooncake", "EAGLE3_DUMP_MOONCAKE_MASTER": "10.0.0.5:50051",
+        "EAGLE3_DUMP_MOONCAKE_METADATA": "http://10.0.0.5:8080/metadata", "EAGLE3_DUMP_MOONCAKE_PROTOCOL": "rdma",
+        "EAGLE3_DUMP_MOONCAKE_DEVICE": "mlx5_0", "EAGLE3_DUMP_MOONCAKE_HOST": "10.0.0.7",
+        "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB": "8192", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB": "1024"}
 
 
 # A stand-in for launch_server, started by tools/serve.py through a stand-in interpreter (--python):

@@ -99,6 +99,21 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-writers", metavar="N",
                     help="EAGLE3_DUMP_WRITERS: threads writing dump files at once, each file committed whole "
                          "(default: $EAGLE3_DUMP_WRITERS, else the CPUs the server's rank may use, at most 4)")
+    ap.add_argument("--sink", metavar="file|mooncake",
+                    help="EAGLE3_DUMP_SINK: mooncake puts each request's states into a Mooncake Store instead of a "
+                         "file (docs/online.md; needs --mooncake-master) (default: $EAGLE3_DUMP_SINK, else file)")
+    for flag, what in (("--mooncake-master", "HOST:PORT of mooncake_master"),
+                       ("--mooncake-metadata", "http://HOST:PORT/metadata (the master's HTTP metadata server), "
+                                               "etcd://..., or P2PHANDSHAKE (the default)"),
+                       ("--mooncake-protocol", "tcp (default) or rdma"),
+                       ("--mooncake-device", "RDMA device names, with --mooncake-protocol rdma"),
+                       ("--mooncake-host", "this node's address the store's other clients reach (default 127.0.0.1)"),
+                       ("--mooncake-segment-mb", "MiB of memory this server gives the store; its objects live "
+                                                 "there (default 4096)"),
+                       ("--mooncake-buffer-mb", "MiB of the store client's transfer buffer (default 2048)")):
+        var = "EAGLE3_DUMP_" + flag[2:].upper().replace("-", "_")
+        ap.add_argument(flag, metavar=flag[len("--mooncake-"):].upper().replace("-", "_"),
+                        help=f"{var}: {what} (default: ${var})")
     ap.add_argument("--host", default=DEFAULT_HOST,
                     help="address to listen on, IPv4 or IPv6 (e.g. ::1) (default: %(default)s)")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
@@ -113,10 +128,8 @@ def main(argv=None) -> int:
             raise UsageError(f"--port {a.port} is out of range", "pass a port from 1 to 65535")
         layers = serve.parse_layers(a.layers) if a.layers is not None else None
         host = serve.check_host(a.host)
-        settings, setting_notes = serve.dump_settings({"--max-pending-mb": a.max_pending_mb, "--final": a.final,
-                                                       "--drain-s": a.drain_s, "--max-wait-s": a.max_wait_s,
-                                                       "--dump-dtype": a.dump_dtype, "--rebuildable": a.rebuildable,
-                                                       "--dump-writers": a.dump_writers})
+        settings, setting_notes = serve.dump_settings(
+            {st.flag: getattr(a, st.flag[2:].replace("-", "_")) for st in serve.DUMP_SETTINGS})
         if a.cpu_demo is not None:
             if a.python:
                 raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",

@@ -75,6 +75,15 @@ DUMP_SETTINGS = (
     DumpSetting("--rebuildable", "EAGLE3_DUMP_REBUILDABLE", "store", "store|omit"),
     # "auto": the server's default (the CPUs its rank may use, at most 4; printed in its start line)
     DumpSetting("--dump-writers", "EAGLE3_DUMP_WRITERS", "auto", "threads"),
+    DumpSetting("--sink", "EAGLE3_DUMP_SINK", "file", "file|mooncake"),
+    # the Mooncake sink's (docs/online.md); no default: passed only when given
+    DumpSetting("--mooncake-master", "EAGLE3_DUMP_MOONCAKE_MASTER", "", "host:port"),
+    DumpSetting("--mooncake-metadata", "EAGLE3_DUMP_MOONCAKE_METADATA", "", "metadata"),
+    DumpSetting("--mooncake-protocol", "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "", "tcp|rdma"),
+    DumpSetting("--mooncake-device", "EAGLE3_DUMP_MOONCAKE_DEVICE", "", "text"),
+    DumpSetting("--mooncake-host", "EAGLE3_DUMP_MOONCAKE_HOST", "", "text"),
+    DumpSetting("--mooncake-segment-mb", "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "", "MiB"),
+    DumpSetting("--mooncake-buffer-mb", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "", "MiB"),
 )
 MAX_WRITERS = 64  # eagle3_capture.settings.MAX_WRITERS
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
@@ -125,6 +134,13 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
     threads = st.unit == "threads"
     if boolean:
         ok = value.lower() in _TRUE + _FALSE
+    elif st.unit == "host:port":
+        host, sep, port = value.rpartition(":")
+        ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    elif st.unit == "metadata":
+        ok = value == "P2PHANDSHAKE" or value.startswith(("http://", "etcd://"))
+    elif st.unit == "text":
+        ok = bool(value) and not any(c.isspace() for c in value)
     elif threads:
         ok = value.isdigit() and 1 <= int(value) <= MAX_WRITERS
     elif choices:
@@ -138,12 +154,17 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
         ok = math.isfinite(number) and number > 0
     if ok:
         return value
-    what = ("1 or 0" if boolean else " or ".join(choices) if choices else
-            f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else f"a positive finite number of {st.unit}")
-    example = "1 or 0" if boolean else what if choices else "e.g. 4" if threads else "e.g. " + st.default
+    what = ("1 or 0" if boolean else " or ".join(choices) if choices else {
+        "host:port": "host:port", "metadata": "http://host:port/metadata, etcd://... or P2PHANDSHAKE",
+        "text": "one word"}.get(st.unit) or (
+            f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else f"a positive finite number of {st.unit}"))
+    example = ("1 or 0" if boolean else what if choices else "e.g. 4" if threads else
+               {"host:port": "e.g. 127.0.0.1:50051", "metadata": "e.g. http://127.0.0.1:8080/metadata",
+                "text": "one word", "MiB": "e.g. 4096"}.get(st.unit) if not st.default else "e.g. " + st.default)
     if from_flag:
         raise UsageError(f"{st.flag} {raw!r} is not {what}",
                          f"pass e.g. {st.flag} 4" if threads else
+                         f"pass {st.flag} {example.removeprefix('e.g. ')}" if not st.default else
                          f"pass e.g. {st.flag} {st.default}" if not (boolean or choices) else
                          f"pass {st.flag} 1 or {st.flag} 0" if boolean else f"pass {st.flag} {example}")
     raise UsageError(f"{st.var}={raw!r} (from the environment) is not {what}",
@@ -166,10 +187,17 @@ def dump_settings(flags: dict, environ=None) -> tuple[dict, list]:
         elif environ.get(st.var, "").strip():
             env[st.var] = _check_setting(st, environ[st.var], False)
             used.append(f"{st.var}={env[st.var]} (from the environment)")
-        else:
+        elif st.default:
             if st.var == "EAGLE3_DUMP_DRAIN_S":
                 env[st.var] = st.default
             used.append(f"{st.var}={st.default} (default)")
+    mooncake = [st for st in DUMP_SETTINGS if st.var.startswith("EAGLE3_DUMP_MOONCAKE_") and st.var in env]
+    if env.get("EAGLE3_DUMP_SINK") == "mooncake" and "EAGLE3_DUMP_MOONCAKE_MASTER" not in env:
+        raise UsageError("--sink mooncake needs the store's master", "pass --mooncake-master HOST:PORT "
+                         "(and --mooncake-metadata http://HOST:PORT/metadata; docs/online.md)")
+    if mooncake and env.get("EAGLE3_DUMP_SINK") != "mooncake":
+        raise UsageError(f"{mooncake[0].flag} is set but the sink is file",
+                         "pass --sink mooncake, or leave the Mooncake settings out")
     return env, ["dump settings: " + ", ".join(used)]
 
 
