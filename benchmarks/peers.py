@@ -1,0 +1,1326 @@
+#!/usr/bin/env python3
+"""The same EAGLE-3 training dataset made four ways, side by side: this project and its peers.
+
+  python3 benchmarks/peers.py --cpu --out peers.json                       # CPU smoke (demo model)
+  PYTHONPATH=/tmp/site:src python3 benchmarks/peers.py --model DIR --out $OUT/peers.json   # one GPU
+
+Every method makes, from the same target, the same tokenized conversations and the same layers, a
+dataset SpecForge 0.2.0's reader loads (``specforge.data.preprocessing.build_offline_eagle3_dataset``:
+``*.ckpt`` files holding ``input_ids`` [T], ``loss_mask`` [T], ``hidden_state`` [1, T, H], the
+final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decoder layers 0, 1 and 2
+(HF hidden-state indices 1, 2, 3) in that order):
+
+- ``ours``: the patched SGLang server with the dump (``tools/serve.py``) and ``tools/extract.py
+  --format specforge``, run as a user runs them (one extract run over every conversation, in bucket
+  order; per-bucket times from the samples' completion times);
+- ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
+  lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
+  at the best of a few batch sizes tried first on a subset (the sweep is reported);
+- ``specforge``: SpecForge 0.2.0's own offline capture API
+  (``specforge.offline_capture.load_offline_eagle3_capture``, the SGLang backend its
+  ``prepare_hidden_states.py`` uses; the package has no other backend), against the unpatched
+  sglang that is installed; it pins sglang 0.5.14, and when it cannot run its refusal is reported;
+- ``sglang-json``: unpatched SGLang's own ``return_hidden_states`` over HTTP (JSON): one pass on a
+  plain server for the final state, one on an EAGLE-3 server (a draft naming the three layers, dummy
+  draft weights) for the aux states, upstream's only way to return them.
+
+Figures per method: dataset tokens/s (first request to last sample written; model load and server
+start reported apart), the same including start-up, GB per million tokens, the peak resident memory
+of the method's processes (and of the GPU, device-wide, over the baseline), tokens/s per prompt-length
+bucket, and each dataset's rows against a float32 transformers reference on a sample of conversations
+(per state: max abs error, and max relative row error |x_t - ref_t| / |ref_t|, the verdict's measure).
+Each method gets ``--method-s`` seconds of work, shared among the buckets (unused time passes on);
+what a method did not reach is reported "not measured", never estimated. ``--budget-s``: no method is
+started once the run has used it.
+
+Exit: 0 done; 1 a method's dataset failed its reference check, this project's method did not run, or
+--check failed; 2 usage error (one line, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+for _p in (SRC, REPO / "tests" / "extract_fixtures"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from eaglepatch.errors import UsageError  # noqa: E402
+
+METHODS = ("ours", "hf", "specforge", "sglang-json")
+AUX_HF = (1, 2, 3)  # HF hidden-state indices of the aux states: outputs of decoder layers 0, 1, 2
+T0 = time.monotonic()
+
+# Sizes per profile. GPU: ShareGPT-like lengths (log-normal around a median, clipped), >= 1000
+# conversations; hidden 7168 costs 57 KB per dataset token, so ~0.5 M tokens is ~28 GB per dataset
+# (each is deleted once measured, unless --keep-work).
+PROFILES = {
+    "cpu": dict(conversations=24, min_len=24, max_len=600, median=110, sigma=0.8, extract_max_len=1000,
+                buckets=[24, 64, 128, 256, 601], sample_per_bucket=2, tol=1e-3, method_s=90.0, budget_s=330.0,
+                concurrency=4, hf_budgets=[256, 1024], json_concurrency=2, dtype="float32"),
+    "gpu": dict(conversations=1000, min_len=100, max_len=4000, median=350, sigma=0.8, extract_max_len=4096,
+                buckets=[100, 250, 500, 1000, 2000, 4001], sample_per_bucket=1, tol=0.1, method_s=45.0,
+                budget_s=400.0, concurrency=32, hf_budgets=[8192, 32768, 65536], json_concurrency=8,
+                dtype="bfloat16"),
+}
+GPU_SAMPLE_MAX_LEN = 2000  # reference conversations on the GPU: the first of each bucket up to this length
+
+
+def say(msg: str) -> None:
+    print("[peers %5.0fs] %s" % (time.monotonic() - T0, msg), file=sys.stderr, flush=True)
+
+
+# ---- conversations -------------------------------------------------------------------------------
+
+def make_conversations(n: int, prof: dict, words: list, seed: int = 31) -> list:
+    """``n`` ShareGPT-form records whose rendered length (in the tinychat word-level tokenizer, about
+    one token per word plus two per turn) follows a log-normal around ``median``, clipped to
+    [min_len, max_len]; 1-4 exchanges, a system prompt in some."""
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n):
+        target = int(min(prof["max_len"], max(prof["min_len"], rng.lognormvariate(math.log(prof["median"]),
+                                                                                     prof["sigma"]))))
+        budget = target - 1
+        turns = []
+        if rng.random() < 0.3:
+            k = min(budget - 6, rng.randint(4, 20))
+            if k > 0:
+                turns.append(("system", k))
+                budget -= k + 2
+        pairs = rng.randint(1, 4)
+        while budget > 8 and pairs > 0:
+            share = budget if pairs == 1 else max(6, int(budget * rng.uniform(0.3, 0.7)))
+            share = min(share, budget)
+            u = max(2, int(share * rng.uniform(0.2, 0.6)))
+            a = max(1, share - u - 4)
+            turns += [("human", u), ("gpt", a)]
+            budget -= u + a + 4
+            pairs -= 1
+        if not turns or turns[-1][0] != "gpt":
+            turns += [("human", 2), ("gpt", 2)]
+        conv = [{"from": r, "value": " ".join(rng.choice(words) for _ in range(k))} for r, k in turns]
+        recs.append({"id": "peer-%04d" % i, "conversations": conv})
+    return recs
+
+
+def tokenizer_words(vocab_size: int) -> list:
+    from eaglepatch.serve import tinychat
+
+    return tinychat.WORDS + ["w%d" % i for i in range(vocab_size - len(tinychat.SPECIALS) - len(tinychat.WORDS))]
+
+
+def bucket_of(n: int, edges: list) -> int:
+    for j in range(len(edges) - 1):
+        if edges[j] <= n < edges[j + 1]:
+            return j
+    return len(edges) - 2 if n >= edges[-1] else 0
+
+
+# ---- processes and their memory --------------------------------------------------------------------
+
+def _proc_table() -> dict:
+    """pid -> (ppid, rss bytes) of every live process."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            rss = int((d / "statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        if fields[0] != "Z":
+            out[int(d.name)] = (int(fields[1]), rss)
+    return out
+
+
+def gpu_used_bytes() -> int | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                           capture_output=True, text=True, timeout=10)
+        return int(r.stdout.strip().splitlines()[0]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+class Sampler:
+    """Peak resident memory of the processes started for a method (and all their descendants), and
+    peak device memory in use over the baseline taken at start (nvidia-smi, device 0), every 0.5 s."""
+
+    def __init__(self, gpu: bool):
+        self.roots: set = set()
+        self.peak_rss = 0
+        self.gpu = gpu
+        self.base_gpu = gpu_used_bytes() if gpu else None
+        self.peak_gpu = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def add(self, pid: int) -> None:
+        self.roots.add(pid)
+
+    def _sample(self) -> None:
+        table = _proc_table()
+        kids: dict = {}
+        for pid, (ppid, _) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+        seen, todo = set(), [p for p in self.roots if p in table]
+        while todo:
+            p = todo.pop()
+            if p not in seen:
+                seen.add(p)
+                todo.extend(kids.get(p, []))
+        self.peak_rss = max(self.peak_rss, sum(table[p][1] for p in seen))
+        if self.gpu and self.base_gpu is not None:
+            used = gpu_used_bytes()
+            if used is not None:
+                self.peak_gpu = max(self.peak_gpu, used - self.base_gpu)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self._sample()
+            except Exception:  # a process that ended between reads
+                pass
+
+    def close(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        return {"peak_rss_bytes": self.peak_rss,
+                "peak_gpu_bytes": self.peak_gpu if self.gpu and self.base_gpu is not None else None}
+
+
+def start(cmd, log: Path, env=None, sampler: Sampler | None = None) -> subprocess.Popen:
+    fh = open(log, "a")
+    p = subprocess.Popen([str(c) for c in cmd], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+    fh.close()
+    if sampler:
+        sampler.add(p.pid)
+    return p
+
+
+def stop(p: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to the process group, SIGKILL after ``grace`` seconds (tools/serve.py drains the dump
+    and stops its server's own group on SIGTERM)."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_http(p: subprocess.Popen, url: str, log: Path, timeout: float) -> float:
+    """Seconds until ``url``/health_generate answers 200; raises NotReady (log tail) otherwise."""
+    import cpuserver
+    import requests
+
+    return cpuserver.wait_ready(p, url, log, log.stem, timeout=timeout,
+                                ready=lambda u: requests.get(u + "/health_generate", timeout=60).status_code == 200)
+
+
+def log_tail(log: Path, n: int = 1) -> str:
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    errs = [x for x in lines if re.search(r"(Error|Exception|error:)", x)]
+    return " | ".join((errs or lines)[-n:])[:400]
+
+
+# ---- the plan shared with the workers ------------------------------------------------------------
+
+def sample_rel(conv_id: str) -> str:
+    from eaglepatch.extract.writers import sample_rel as rel
+
+    return rel("specforge", conv_id)
+
+
+def save_sample(out: Path, conv_id: str, ids, mask, final, aux) -> int:
+    """One SpecForge .ckpt at ``out``/``sample_rel`` (written to a temporary name, then renamed). The
+    tensors are cloned: ``torch.save`` of a view writes its whole storage (a padded batch's)."""
+    import torch
+
+    path = out / sample_rel(conv_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("." + path.name + ".tmp")
+    torch.save({"input_ids": ids.to(torch.int64).clone(), "loss_mask": mask.to(torch.int64).clone(),
+                "hidden_state": final.clone().unsqueeze(0), "aux_hidden_state": aux.clone().unsqueeze(0)},
+               str(tmp))
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+class Deadlines:
+    """Per-bucket deadlines: each bucket gets the time left divided by the buckets left."""
+
+    def __init__(self, total_s: float, n: int):
+        self.end = time.monotonic() + total_s
+        self.left = n
+
+    def next(self) -> float:
+        d = time.monotonic() + max(0.0, self.end - time.monotonic()) / max(1, self.left)
+        self.left -= 1
+        return d
+
+
+def bucket_record(b: dict, done: list, t0: float, t1: float) -> dict:
+    toks = sum(n for _, n in done)
+    return {"bucket": b["name"], "samples_planned": len(b["convs"]), "samples_done": len(done), "tokens": toks,
+            "seconds": round(t1 - t0, 3), "tokens_per_s": round(toks / (t1 - t0), 1) if done and t1 > t0 else None}
+
+
+# ---- workers (run as `peers.py --worker NAME --plan FILE`) ------------------------------------------
+
+def _first(o):
+    return o[0] if isinstance(o, (tuple, list)) else o
+
+
+def worker_reference(plan: dict) -> dict:
+    import torch
+
+    from eaglepatch.gpucheck.reference import Reference
+
+    t = time.monotonic()
+    ref = Reference(Path(plan["model"]), device=plan["device"])
+    inputs = torch.load(plan["inputs"], weights_only=True)
+    out = {}
+    for cid in plan["sample_ids"]:
+        ids = inputs[cid]["input_ids"]
+        out[cid] = {"input_ids": ids, "loss_mask": inputs[cid]["loss_mask"], **ref.states(ids.tolist())}
+    torch.save(out, plan["reference"])
+    return {"seconds": round(time.monotonic() - t, 1), "samples": len(out)}
+
+
+def worker_hf(plan: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = plan["device"]
+    dtype = getattr(torch, plan["dtype"])
+    t0 = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(plan["model"], dtype=dtype)
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(plan["model"], torch_dtype=dtype)
+    base = model.model.to(dev).eval()
+    del model.lm_head  # the dataset needs no logits: the base model alone runs
+    seen = {}
+    for h in AUX_HF:
+        base.layers[h - 1].register_forward_hook(lambda m, a, o, h=h: seen.__setitem__(h, _first(o)))
+    inputs = torch.load(plan["inputs"], weights_only=True)
+    startup = time.monotonic() - t0
+    out = Path(plan["dataset"])
+
+    def batches(convs, budget):
+        cur, longest = [], 0
+        for c in sorted(convs, key=lambda c: c["n"]):
+            if cur and max(longest, c["n"]) * (len(cur) + 1) > budget:
+                yield cur
+                cur, longest = [], 0
+            cur.append(c)
+            longest = max(longest, c["n"])
+        if cur:
+            yield cur
+
+    @torch.no_grad()
+    def forward(group):
+        T = max(c["n"] for c in group)
+        ids = torch.zeros(len(group), T, dtype=torch.long)
+        att = torch.zeros(len(group), T, dtype=torch.long)
+        for r, c in enumerate(group):
+            x = inputs[c["id"]]["input_ids"]
+            ids[r, :len(x)] = x
+            att[r, :len(x)] = 1
+        seen.clear()
+        final = base(input_ids=ids.to(dev), attention_mask=att.to(dev), use_cache=False).last_hidden_state
+        return final, [seen[h] for h in AUX_HF]
+
+    def sync():
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    # the best batch size: each token budget on the same few batches of the middle bucket, no writes
+    OOM = getattr(torch, "OutOfMemoryError", RuntimeError)
+    sweep = []
+    mid = plan["buckets"][len(plan["buckets"]) // 2]["convs"] or plan["buckets"][0]["convs"]
+    probe = mid[: max(4, len(mid) // 4)]
+    for budget in plan["hf_budgets"]:
+        try:
+            forward(next(batches(probe, budget)))  # warm-up at this shape
+            sync()
+            t = time.monotonic()
+            n = 0
+            for g in batches(probe, budget):
+                forward(g)
+                n += sum(c["n"] for c in g)
+            sync()
+            sweep.append({"tokens_per_batch": budget, "tokens_per_s": round(n / (time.monotonic() - t), 1)})
+        except OOM as exc:
+            sweep.append({"tokens_per_batch": budget, "error": str(exc)[:120]})
+            if dev.startswith("cuda"):
+                torch.cuda.empty_cache()
+    ok = [s for s in sweep if "tokens_per_s" in s]
+    best = max(ok, key=lambda s: s["tokens_per_s"])["tokens_per_batch"] if ok else plan["hf_budgets"][0]
+    sweep_s = time.monotonic() - t0 - startup
+
+    dl = Deadlines(plan["method_s"], len(plan["buckets"]))
+    recs, total_bytes, split = [], 0, 0
+    w0 = time.monotonic()
+    for b in plan["buckets"]:
+        deadline = dl.next()
+        t = time.monotonic()
+        done = []
+        todo = list(batches(b["convs"], best))
+        while todo:
+            if time.monotonic() >= deadline:
+                break
+            g = todo.pop(0)
+            try:
+                final, aux = forward(g)
+            except OOM:  # long prompts at the sweep's budget: halve the batch and go on
+                seen.clear()
+                if dev.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                if len(g) == 1:
+                    raise
+                split += 1
+                todo[:0] = [g[:len(g) // 2], g[len(g) // 2:]]
+                continue
+            final, aux = final.cpu(), [a.cpu() for a in aux]
+            for r, c in enumerate(g):
+                n = c["n"]
+                x = inputs[c["id"]]
+                total_bytes += save_sample(out / b["name"], c["id"], x["input_ids"], x["loss_mask"], final[r, :n],
+                                           torch.cat([a[r, :n] for a in aux], dim=-1))
+                done.append((c["id"], n))
+        recs.append(bucket_record(b, done, t, time.monotonic()))
+    return {"startup_s": round(startup, 2), "batch_sweep": sweep, "batch_sweep_s": round(sweep_s, 2),
+            "tokens_per_batch": best, "batches_halved_after_oom": split, "work_s": round(time.monotonic() - w0, 3), "buckets": recs,
+            "device": dev, "dtype": plan["dtype"]}
+
+
+def worker_specforge(plan: dict) -> dict:
+    """SpecForge 0.2.0's offline capture API on the unpatched sglang first on PYTHONPATH."""
+    import importlib.metadata as md
+
+    import torch
+
+    info = {}
+    for pkg in ("specforge", "sglang"):
+        try:
+            info[pkg + "_version"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg + "_version"] = None
+    try:
+        import sglang
+
+        info["sglang_version"] = getattr(sglang, "__version__", info["sglang_version"])
+    except Exception as exc:
+        return dict(info, refused="sglang does not import (%s: %s)" % (type(exc).__name__, str(exc)[:200]))
+    t0 = time.monotonic()
+    try:
+        from specforge.distributed import init_distributed
+        from specforge.offline_capture import load_offline_eagle3_capture
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(plan["free_port"]))
+        init_distributed(tp_size=1)
+        kw = dict(plan["specforge_server_args"])
+        cap = load_offline_eagle3_capture(plan["model"], torch_dtype=getattr(torch, plan["dtype"]), **kw)
+        cap.set_capture_layers(plan["unpatched_draft_ids"])
+    except BaseException as exc:  # ImportError of a module sglang 0.5.14 has, a CUDA-only call, ...
+        import traceback
+
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = "%s:%d" % (Path(tb[-1].filename).name, tb[-1].lineno) if tb else "?"
+        return dict(info, refused="%s: %s (at %s)" % (type(exc).__name__, str(exc)[:240], where),
+                    seconds_to_refusal=round(time.monotonic() - t0, 2))
+    startup = time.monotonic() - t0
+    inputs = torch.load(plan["inputs"], weights_only=True)
+    out = Path(plan["dataset"])
+    dl = Deadlines(plan["method_s"], len(plan["buckets"]))
+    recs = []
+    w0 = time.monotonic()
+    for b in plan["buckets"]:
+        deadline = dl.next()
+        t = time.monotonic()
+        done = []
+        for c in b["convs"]:  # one request per call: its rows are split per request, padding would be real tokens
+            if time.monotonic() >= deadline:
+                break
+            x = inputs[c["id"]]
+            ids = x["input_ids"].view(1, -1)
+            got = cap.capture(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=x["loss_mask"].view(1, -1))
+            save_sample(out / b["name"], c["id"], x["input_ids"], x["loss_mask"], got.last_hidden_states[0].cpu(),
+                        got.hidden_states[0].cpu())
+            done.append((c["id"], c["n"]))
+        recs.append(bucket_record(b, done, t, time.monotonic()))
+    return dict(info, startup_s=round(startup, 2), work_s=round(time.monotonic() - w0, 3), buckets=recs)
+
+
+def _rows(meta: dict, n: int):
+    """The prompt rows of a /generate answer's ``meta_info["hidden_states"]``."""
+    hs = meta.get("hidden_states")
+    if not hs:
+        raise ValueError("no hidden_states in the answer")
+    first = hs[0]
+    rows = first if first and isinstance(first[0], list) else hs
+    if len(rows) < n:
+        raise ValueError("hidden_states holds %d rows for a %d-token prompt" % (len(rows), n))
+    return rows[:n]
+
+
+def worker_json(plan: dict) -> dict:
+    """The client of sglang-json: one pass over the buckets against ``plan["url"]``; ``final`` keeps
+    each prompt's rows in a scratch file, ``aux`` joins them with the aux rows into the dataset."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    import requests
+    import torch
+
+    dtype = getattr(torch, plan["dtype"])
+    inputs = torch.load(plan["inputs"], weights_only=True)
+    scratch, out, which = Path(plan["scratch"]), Path(plan["dataset"]), plan["pass"]
+    local = threading.local()  # a requests.Session per client thread
+    json_bytes = [0]
+    lock = threading.Lock()
+    state = {"deadline": 0.0, "open": None}
+
+    def one(c):
+        x = inputs[c["id"]]
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        left = state["deadline"] - time.monotonic()
+        r = local.session.post(plan["url"] + "/generate", timeout=(10, max(1.0, left + 5)), json={
+            "input_ids": x["input_ids"].tolist(), "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        r.raise_for_status()
+        with lock:
+            json_bytes[0] += len(r.content)
+        rows = torch.tensor(_rows(r.json()["meta_info"], c["n"]), dtype=torch.float32).to(dtype)
+        name = sample_rel(c["id"]).rsplit("/", 1)[1] + ".pt"
+        with lock:  # written only while its bucket is open: an answer after the bucket's time is dropped
+            if state["open"] != c["bucket"]:
+                return None
+            if which == "final":
+                scratch.mkdir(parents=True, exist_ok=True)
+                torch.save(rows, str(scratch / name))
+            else:
+                final = torch.load(str(scratch / name), weights_only=True)
+                save_sample(out / c["bucket"], c["id"], x["input_ids"], x["loss_mask"], final, rows)
+                (scratch / name).unlink()
+        return c["id"], c["n"]
+
+    dl = Deadlines(plan["method_s"], len(plan["buckets"]))
+    recs, errors, abandoned = [], [], 0
+    w0 = time.monotonic()
+    for b in plan["buckets"]:
+        deadline = dl.next()
+        state["deadline"], state["open"] = deadline, b["name"]
+        t = time.monotonic()
+        done = []
+        todo = [dict(c, bucket=b["name"]) for c in b["convs"]
+                if which == "final" or (scratch / (sample_rel(c["id"]).rsplit("/", 1)[1] + ".pt")).is_file()]
+        it = iter(todo)
+        running = set()
+        # a pool per bucket: requests still running at the deadline are abandoned (their answers are
+        # not written), and the next bucket does not queue behind them
+        pool = ThreadPoolExecutor(plan["json_concurrency"])
+        while True:
+            while len(running) < plan["json_concurrency"] and time.monotonic() < deadline:
+                c = next(it, None)
+                if c is None:
+                    break
+                running.add(pool.submit(one, c))
+            if not running:
+                break
+            fin, running = wait(running, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            for f in fin:
+                try:
+                    f.result()
+                except Exception as exc:
+                    errors.append("%s: %s" % (type(exc).__name__, str(exc)[:200]))
+            if time.monotonic() >= deadline and running:
+                abandoned += len(running)
+                break
+        with lock:
+            state["open"] = None
+        t1 = time.monotonic()
+        pool.shutdown(wait=False, cancel_futures=True)
+        # what this bucket wrote, from the files (final: the scratch rows; aux: the dataset's samples)
+        for c in todo:
+            name = sample_rel(c["id"]).rsplit("/", 1)[1] + ".pt"
+            if (scratch / name).is_file() if which == "final" else (out / b["name"] / sample_rel(c["id"])).is_file():
+                done.append((c["id"], c["n"]))
+        rec = bucket_record(b, done, t, t1)
+        rec["samples_planned"] = len(todo)
+        recs.append(rec)
+    return {"work_s": round(time.monotonic() - w0, 3), "buckets": recs, "errors": errors[:5],
+            "error_count": len(errors), "json_bytes": json_bytes[0], "requests_abandoned_at_deadline": abandoned}
+
+
+WORKERS = {"reference": worker_reference, "hf": worker_hf, "specforge": worker_specforge, "json": worker_json}
+
+
+def run_worker(name: str, plan_file: Path) -> int:
+    plan = json.loads(plan_file.read_text())
+    res = WORKERS[name](plan)
+    Path(plan["result"]).write_text(json.dumps(res, indent=2) + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # threads of abandoned requests (sglang-json) are not waited for
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+class Run:
+    def __init__(self, a, prof: dict):
+        self.a, self.prof = a, prof
+        self.gpu = not a.cpu
+        self.work = Path(a.work).absolute() if a.work else Path(tempfile.mkdtemp(prefix="eaglepatch-peers-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {}
+        self.env_py = sys.executable
+
+    # -- set-up --
+    def prepare(self) -> None:
+        import torch
+
+        from eaglepatch.extract.data import load_conversations
+        from eaglepatch.extract.tokenize import ChatTokenizer
+
+        w = self.work
+        if self.gpu:
+            self.model, self.tokenizer = self.gpu_model()
+            self.release = self.site_release()
+        else:
+            say("preparing the CPU demo (tools/serve.py --cpu-demo --print): model, tokenizer, patched tree")
+            r = subprocess.run([self.env_py, str(REPO / "tools" / "serve.py"), "--cpu-demo", str(w / "demo"),
+                                "--layers=" + ",".join(map(str, self.dump_ids("0.5.9"))), "--print"],
+                               cwd=REPO, capture_output=True, text=True, timeout=1800)
+            if r.returncode != 0:
+                raise RuntimeError("tools/serve.py --cpu-demo --print failed: " + r.stderr[-1500:])
+            info = json.loads((w / "demo" / "serve.json").read_text())
+            self.model = self.tokenizer = Path(info["model"])
+            self.release = "0.5.9"
+        cfg = json.loads((self.model / "config.json").read_text())
+        self.num_layers, self.hidden, self.vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+        if self.num_layers < 4:
+            raise UsageError("--model has %d layers; the benchmark reads the outputs of layers 0, 1, 2" % self.num_layers,
+                             "pass a model with at least 4 decoder layers")
+        n = self.a.conversations or self.prof["conversations"]
+        recs = make_conversations(n, self.prof, tokenizer_words(self.vocab))
+        (w / "data").mkdir(exist_ok=True)
+        allf = w / "data" / "all.jsonl"
+        allf.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        tok = ChatTokenizer(self.tokenizer)
+        ml = self.prof["extract_max_len"]
+        inputs, convs = {}, []
+        for c in load_conversations(allf):
+            e = tok.encode(c.messages, ml)
+            inputs[c.id] = {"input_ids": torch.tensor(e.input_ids, dtype=torch.int64),
+                            "loss_mask": torch.tensor(e.loss_mask, dtype=torch.int64)}
+            convs.append({"id": c.id, "n": len(e.input_ids)})
+        torch.save(inputs, str(w / "inputs.pt"))
+        edges = self.prof["buckets"]
+        self.buckets = []
+        for j in range(len(edges) - 1):
+            mine = [c for c in convs if bucket_of(c["n"], edges) == j]
+            name = "b%d-%d-%d" % (j, edges[j], edges[j + 1] - 1)
+            self.buckets.append({"name": name, "lo": edges[j], "hi": edges[j + 1] - 1, "convs": mine})
+        self.buckets = [b for b in self.buckets if b["convs"]]
+        by_id = {r["id"]: r for r in recs}
+        (w / "data" / "ordered.jsonl").write_text(
+            "".join(json.dumps(by_id[c["id"]]) + "\n" for b in self.buckets for c in b["convs"]))
+        k = self.prof["sample_per_bucket"]
+        cap = GPU_SAMPLE_MAX_LEN if self.gpu else 10 ** 9
+        self.sample_ids = [c["id"] for b in self.buckets for c in b["convs"][:k] if c["n"] <= cap]
+        self.tokens_total = sum(c["n"] for c in convs)
+        self.results["conversations"] = {
+            "count": len(convs), "tokens": self.tokens_total, "min_tokens": min(c["n"] for c in convs),
+            "max_tokens": max(c["n"] for c in convs), "median_tokens": sorted(c["n"] for c in convs)[len(convs) // 2],
+            "buckets": [{"bucket": b["name"], "conversations": len(b["convs"]), "tokens": sum(c["n"] for c in b["convs"])}
+                        for b in self.buckets],
+            "generator": "make_conversations (seeded, ShareGPT form)", "reference_sample": self.sample_ids}
+        say("%d conversations, %d tokens (%d..%d), buckets %s; reference sample %d conversations"
+            % (len(convs), self.tokens_total, self.results["conversations"]["min_tokens"],
+               self.results["conversations"]["max_tokens"],
+               ", ".join("%s:%d" % (b["name"], len(b["convs"])) for b in self.buckets), len(self.sample_ids)))
+
+    def dump_ids(self, release: str, unpatched: bool = False) -> list:
+        from eaglepatch import conventions
+
+        rule = conventions.release_rule(release, unpatched=unpatched, patches_root=REPO / "patches")
+        ids = conventions.ids_for(rule, list(AUX_HF))
+        if ids is None:
+            raise UsageError("sglang %s cannot name HF indices %s" % (release, list(AUX_HF)), "use another release")
+        return ids
+
+    def site_release(self) -> str:
+        import importlib.metadata as md
+        import importlib.util
+
+        spec = importlib.util.find_spec("sglang")
+        if spec is None:
+            raise UsageError("no sglang on this python's path", "run with PYTHONPATH=/tmp/site:src (docs/gpu.md)")
+        self.site = Path(self.a.site or Path(spec.origin).resolve().parent.parent)
+        try:
+            return md.version("sglang")
+        except md.PackageNotFoundError:
+            text = (self.site / "sglang" / "version.py").read_text()
+            return re.search(r"__version__\s*=\s*['\"]([^'\"]+)", text).group(1)
+
+    def gpu_model(self):
+        m = Path(self.a.model).absolute()
+        if not (m / "config.json").is_file():
+            from eaglepatch.gpucheck import models
+            from eaglepatch.gpucheck.reference import build_checkpoint
+
+            cfg = dict(models.THROUGHPUT_MODEL, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
+            say("building the target at %s: DeepSeek-V3 widths (hidden 7168), 4 layers, 8 experts top-2, seeded "
+                "weights shaped as the GPU check's, drawn on the CPU (4.1 G values)" % m)
+            build_checkpoint(m, cfg)
+        tok = m
+        if not (m / "tokenizer_config.json").is_file():
+            from eaglepatch.serve import tinychat
+
+            tok = self.work / "tokenizer"
+            vocab = json.loads((m / "config.json").read_text())["vocab_size"]
+            if not (tok / "tokenizer_config.json").is_file():
+                tinychat.build_tokenizer(tok, vocab_size=vocab)
+        return m, tok
+
+    def plan(self, name: str, **kw) -> Path:
+        import cpuserver
+
+        d = self.work / name
+        d.mkdir(parents=True, exist_ok=True)
+        p = {"model": str(self.model), "tokenizer": str(self.tokenizer), "inputs": str(self.work / "inputs.pt"),
+             "device": "cuda" if self.gpu else "cpu", "dtype": self.prof["dtype"],
+             "buckets": [{"name": b["name"], "convs": b["convs"]} for b in self.buckets],
+             "method_s": self.method_s(), "hf_budgets": self.prof["hf_budgets"], "sample_ids": self.sample_ids,
+             "reference": str(self.work / "reference.pt"), "dataset": str(d / "dataset"), "result": str(d / "result.json"),
+             "free_port": cpuserver.free_port(), "json_concurrency": self.prof["json_concurrency"]}
+        p.update(kw)
+        f = d / ("plan-%s.json" % kw.get("pass", name))
+        f.write_text(json.dumps(p, indent=2))
+        Path(p["result"]).unlink(missing_ok=True)
+        return f
+
+    def wait_s(self) -> float:
+        """How long a server start or a worker may take: never far past the budget (a GPU call has a
+        hard limit), at least a minute."""
+        return max(60.0, min(900.0, (self.a.budget_s or self.prof["budget_s"]) + 150 - (time.monotonic() - T0)))
+
+    def method_s(self) -> float:
+        left = (self.a.budget_s or self.prof["budget_s"]) - (time.monotonic() - T0) - 20
+        return max(5.0, min(self.a.method_s or self.prof["method_s"], left))
+
+    def worker(self, name: str, plan_file: Path, env: dict, sampler: Sampler | None, timeout: float) -> dict:
+        log = plan_file.parent / ("worker-%s.log" % plan_file.stem)
+        p = start([self.env_py, str(Path(__file__).resolve()), "--worker", name, "--plan", str(plan_file)], log,
+                  env=env, sampler=sampler)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(p, grace=5)
+            return {"failed": "worker %s ran past %.0f s; log %s: %s" % (name, timeout, log, log_tail(log))}
+        res = Path(json.loads(plan_file.read_text())["result"])
+        if p.returncode != 0 or not res.is_file():
+            return {"failed": "worker %s exited %s: %s" % (name, p.returncode, log_tail(log, 2))}
+        return json.loads(res.read_text())
+
+    def base_env(self, tree: Path | None = None, cpu_stubs: bool = True) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
+        paths = [str(SRC)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        if tree is not None:
+            paths.insert(0, str(tree))
+            if not self.gpu and cpu_stubs:
+                from eaglepatch.smoke import STUBS
+
+                paths.insert(1, str(STUBS))
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        if self.gpu:
+            from eaglepatch.gpucheck.check import MULTICAST_OFF
+
+            for k, v in MULTICAST_OFF.items():
+                env.setdefault(k, v)
+        else:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        return env
+
+    def upstream_tree(self) -> Path:
+        """The unpatched sglang the peers run: on the GPU the installed one (None: first on the path);
+        on CPU upstream 0.5.9 plus only the series' test-only smoke patch (torch_native DeepSeek
+        attention routed to MLA: upstream's MHA prefill there is silently wrong on CPU, a CPU-only
+        upstream bug unrelated to hidden states), none of the series' product patches."""
+        if self.gpu:
+            return None
+        dest = self.work / "upstream"
+        if not (dest / "sglang").is_dir():
+            from eaglepatch.fetch import unpacked_release
+            from eaglepatch.smoke.tree import patched_tree
+
+            patched_tree(unpacked_release("0.5.9", quiet=True), REPO / "patches" / "sglang-0.5.9", dest, smoke=True,
+                         product=False)
+        return dest
+
+    def server_flags(self, port: int) -> list:
+        if not self.gpu:
+            from eaglepatch.serve import cpu_flags
+
+            return cpu_flags(self.model, self.tokenizer, "127.0.0.1", port)
+        return ["--model-path", str(self.model), "--tokenizer-path", str(self.tokenizer), "--host", "127.0.0.1",
+                "--port", str(port), *self.gpu_engine_flags()]
+
+    def gpu_engine_flags(self) -> list:
+        return ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph",
+                "--context-length", str(self.prof["extract_max_len"] + 512), "--chunked-prefill-size", "8192",
+                "--mem-fraction-static", "0.6", "--random-seed", "0", "--grammar-backend", "none"]
+
+    # -- methods --
+    def method_ours(self, s: Sampler) -> dict:
+        import cpuserver
+
+        d = self.work / "ours"
+        d.mkdir(exist_ok=True)
+        port = cpuserver.free_port()
+        url = "http://127.0.0.1:%d" % port
+        log = d / "server.log"
+        ids = self.dump_ids(self.release)
+        serve = [self.env_py, REPO / "tools" / "serve.py"]
+        if self.gpu:
+            from eaglepatch.gpucheck.patched_files import lay_patched_files
+
+            files = Path(self.a.patched_files or REPO / ".gpu-patched")
+            pp = lay_patched_files(files, self.site, self.work / "patched")
+            dumps = self.work / "dumps"
+            serve += ["--model-path", self.model, "--dump-dir", dumps, "--layers=" + ",".join(map(str, ids)),
+                      "--sglang", pp, "--series", REPO / "patches" / ("sglang-" + self.release), "--port", port,
+                      "--python", self.env_py, "--", "--tokenizer-path", self.tokenizer, *self.gpu_engine_flags()]
+        else:
+            dumps = self.work / "demo" / "dumps"
+            serve += ["--cpu-demo", self.work / "demo", "--layers=" + ",".join(map(str, ids)), "--port", port]
+        env = self.base_env()
+        t0 = time.monotonic()
+        p = start(serve, log, env=env, sampler=s)
+        try:
+            startup = wait_http(p, url, log, self.wait_s())
+        except Exception:
+            stop(p)
+            return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
+        say("ours: server ready in %.0f s (%s)" % (startup, url))
+        out = d / "dataset"
+        w0, wall0 = time.monotonic(), time.time()
+        cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
+               "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
+               "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
+               "--concurrency", self.prof["concurrency"], "--no-progress"]
+        xlog = d / "extract.log"
+        first = None  # when extract.py, its imports and tokenizing done, sends its first request
+        try:
+            x = start(cmd, xlog, env=env, sampler=s)
+            deadline = w0 + self.method_s()
+            while x.poll() is None and time.monotonic() < deadline:
+                if first is None and "extracting " in xlog.read_text(errors="replace"):
+                    first = time.time()
+                time.sleep(0.1)
+            if x.poll() is None:
+                stop(x, grace=10)
+        finally:
+            stop(p)
+        client_startup = (first - wall0) if first else 0.0
+        # per bucket, from the samples' completion times (the data file is in bucket order; with
+        # --concurrency requests overlap at a bucket's edges)
+        recs, prev = [], first or wall0
+        for b in self.buckets:
+            done = [(c["id"], c["n"], (out / sample_rel(c["id"])).stat().st_mtime)
+                    for c in b["convs"] if (out / sample_rel(c["id"])).is_file()]
+            end = max([m for _, _, m in done], default=prev)
+            recs.append(bucket_record(b, [(i, n) for i, n, _ in done], prev, max(end, prev)))
+            prev = max(end, prev)
+        if x.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
+            return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(d / "extract.log", 2))}
+        try:  # extract's own figure: first request to the manifest
+            extract_wall = json.loads((out / "manifest.json").read_text())["last_run"]["wall_s"]
+        except (OSError, ValueError, KeyError, TypeError):
+            extract_wall = None
+        return {"startup_s": round(startup + client_startup, 2), "server_startup_s": round(startup, 2),
+                "client_startup_s": round(client_startup, 2), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+                "buckets": recs, "extract_exit": x.returncode, "extract_own_wall_s": extract_wall, "bucket_times": "from the sample files' modification times",
+                "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
+                          % (self.release, ",".join(map(str, ids))), "start_to_ready_s": round(time.monotonic() - t0, 1)}
+
+    def method_hf(self, s: Sampler) -> dict:
+        return self.worker("hf", self.plan("hf"), self.base_env(), s, self.method_s() + self.wait_s())
+
+    def method_specforge(self, s: Sampler) -> dict:
+        tree = self.upstream_tree()
+        dev = "cuda" if self.gpu else "cpu"
+        kw = {"tokenizer_path": str(self.tokenizer), "device": dev, "mem_fraction_static": 0.6 if self.gpu else 0.5,
+              "context_length": self.prof["extract_max_len"] + 512, "disable_radix_cache": True}
+        if self.gpu:
+            kw["attention_backend"] = "triton"
+        else:
+            kw.update(attention_backend="torch_native", max_total_tokens=4096)
+        plan = self.plan("specforge", specforge_server_args=kw,
+                         unpatched_draft_ids=self.dump_ids(self.release, unpatched=True))
+        res = self.worker("specforge", plan, self.base_env(tree), s, self.method_s() + self.wait_s())
+        if "refused" in res:
+            res["refused"] += " (SpecForge 0.2.0 requires sglang==0.5.14; installed: %s)" % res.get("sglang_version")
+        res["backend"] = ("SGLang (specforge.offline_capture, the only backend SpecForge 0.2.0 ships; its "
+                          "prepare_hidden_states.py uses it) on the installed unpatched sglang %s; SpecForge pins "
+                          "sglang==0.5.14" % self.release)
+        return res
+
+    def method_sglang_json(self, s: Sampler) -> dict:
+        import cpuserver
+
+        tree = self.upstream_tree()
+        env = self.base_env(tree)
+        d = self.work / "sglang-json"
+        d.mkdir(exist_ok=True)
+        draft = d / "draft"
+        draft.mkdir(exist_ok=True)
+        ids = self.dump_ids(self.release, unpatched=True)
+        if self.gpu:
+            from eaglepatch.gpucheck.models import draft_config
+
+            cfg = draft_config(json.loads((self.model / "config.json").read_text()), ids)
+        else:
+            from eaglepatch.smoke.tinyconfig import draft_config
+
+            cfg = draft_config(ids)
+        (draft / "config.json").write_text(json.dumps(cfg, indent=2))
+        spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+                "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "1",
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+        passes = {}
+        total_start = 0.0
+        for which, extra in (("final", []), ("aux", spec)):
+            port = cpuserver.free_port()
+            url = "http://127.0.0.1:%d" % port
+            log = d / ("server-%s.log" % which)
+            cmd = [self.env_py, "-m", "sglang.launch_server", *self.server_flags(port), "--enable-return-hidden-states",
+                   *extra]
+            p = start(cmd, log, env=env, sampler=s)
+            try:
+                try:
+                    st = wait_http(p, url, log, self.wait_s())
+                except Exception:
+                    passes[which] = {"refused": "the unpatched %s server did not start: %s" % (
+                        "EAGLE-3 (--speculative-algorithm EAGLE3)" if extra else "plain", log_tail(log, 2))}
+                    break
+                total_start += st
+                say("sglang-json: %s-pass server ready in %.0f s" % (which, st))
+                plan = self.plan("sglang-json", url=url, scratch=str(d / "scratch"), **{"pass": which})
+                res = self.worker("json", plan, self.base_env(), s, self.method_s() + self.wait_s())
+                res["startup_s"] = round(st, 2)
+                passes[which] = res
+                if "failed" in res:
+                    break
+            finally:
+                stop(p)
+        out = {"passes": passes, "server_flags": "unpatched sglang %s, --enable-return-hidden-states; aux pass: EAGLE-3 "
+                                                 "draft ids %s (dummy weights)" % (self.release, ids)}
+        bad = [w for w in ("final", "aux") if w not in passes or "refused" in passes[w] or "failed" in passes[w]]
+        if bad:
+            w = bad[0]
+            why = (passes.get(w) or {}).get("refused") or (passes.get(w) or {}).get("failed") or "not run"
+            out["refused" if "failed" not in (passes.get(w) or {}) else "failed"] = "%s pass: %s" % (w, why)
+            fp = passes.get("final") or {}
+            if fp.get("buckets"):  # what the final pass did measure: its figures and its rows against the reference
+                toks = sum(b["tokens"] for b in fp["buckets"])
+                secs = sum(b["seconds"] for b in fp["buckets"])
+                fp["tokens_per_s"] = round(toks / secs, 1) if toks and secs else None
+                for b in fp["buckets"]:
+                    if not b["samples_done"]:
+                        b["tokens_per_s"] = "not measured"
+                fp["reference"] = check_final_rows(d / "scratch", self.work / "reference.pt", self.prof["tol"])
+            return out
+        # the dataset's buckets: a sample exists once both passes have it; time = both passes
+        recs = []
+        for bf, ba in zip(passes["final"]["buckets"], passes["aux"]["buckets"]):
+            r = dict(ba)
+            r["samples_planned"] = bf["samples_planned"]
+            r["seconds"] = round(bf["seconds"] + ba["seconds"], 3)
+            r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1) if r["samples_done"] and r["seconds"] else None
+            recs.append(r)
+        out.update(startup_s=round(total_start, 2), work_s=round(passes["final"]["work_s"] + passes["aux"]["work_s"], 3),
+                   buckets=recs, json_bytes=passes["final"]["json_bytes"] + passes["aux"]["json_bytes"])
+        return out
+
+    # -- checks --
+    def finish_method(self, name: str, res: dict, mem: dict, wall: float) -> dict:
+        r = {"method": name, **{k: v for k, v in res.items() if k not in ("buckets",)}, **mem,
+             "wall_s_including_startup": round(wall, 1)}
+        if "refused" in res or "failed" in res:
+            r["status"] = "refused" if "refused" in res else "failed"
+            return r
+        recs = res.get("buckets", [])
+        r["buckets"] = recs
+        done = sum(b["samples_done"] for b in recs)
+        toks = sum(b["tokens"] for b in recs)
+        secs = sum(b["seconds"] for b in recs)
+        ds = self.work / ("ours" if name == "ours" else name) / "dataset"
+        size = sum(p.stat().st_size for p in ds.rglob("*.ckpt")) if ds.is_dir() else 0
+        r.update(status="measured", samples_planned=sum(len(b["convs"]) for b in self.buckets), samples_done=done,
+                 complete=done == sum(len(b["convs"]) for b in self.buckets), tokens_done=toks,
+                 tokens_per_s=round(toks / secs, 1) if secs and toks else None,
+                 tokens_per_s_including_startup=round(toks / wall, 1) if wall and toks else None,
+                 dataset_bytes=size, gb_per_million_tokens=round(size / 1e9 / (toks / 1e6), 3) if toks else None,
+                 dataset=str(ds))
+        for b in recs:
+            if not b["samples_done"]:
+                b["tokens_per_s"] = "not measured"
+        r["reader"] = reader_check(ds, done, self.prof["extract_max_len"])
+        r["reference"] = check_dataset(ds, self.work / "reference.pt", self.prof["tol"])
+        return r
+
+    def write(self, partial: bool) -> None:
+        out = Path(self.a.out)
+        self.results["partial"] = partial
+        self.results["elapsed_s"] = round(time.monotonic() - T0, 1)
+        tmp = out.with_name("." + out.name + ".tmp")
+        tmp.write_text(json.dumps(self.results, indent=2) + "\n")
+        os.replace(tmp, out)
+
+    def run(self) -> int:
+        import platform
+
+        import importlib.metadata as md
+
+        def version(pkg):
+            try:
+                return md.version(pkg)
+            except md.PackageNotFoundError:
+                return None
+
+        self.results.update(benchmark="peers", profile="gpu" if self.gpu else "cpu", machine={
+            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "versions": {p: version(p) for p in ("torch", "transformers", "specforge", "safetensors")}},
+            argv=sys.argv[1:],
+            note=None if self.gpu else "CPU smoke: a 4-layer hidden-256 model on a CPU; figures prove the "
+                                       "plumbing, not performance", methods={})
+        self.prepare()
+        self.results.update(model=str(self.model), sglang=self.release, aux_hf_indices=list(AUX_HF),
+                            layers={"aux": "outputs of decoder layers 0, 1, 2 (HF hidden-state indices 1, 2, 3)",
+                                    "hidden_state": "final, after the model's last norm"},
+                            tolerance={"max_row_rel": self.prof["tol"]}, budget_s=self.a.budget_s or self.prof["budget_s"])
+        if time.monotonic() - T0 < self.results["budget_s"]:  # else no method will start: no reference needed
+            say("float32 reference of %d conversations (transformers, %s)" % (len(self.sample_ids),
+                                                                               "cuda" if self.gpu else "cpu"))
+            ref = self.worker("reference", self.plan("reference"), self.base_env(), None, 1200)
+            if "failed" in ref:
+                raise RuntimeError("the float32 reference failed: " + ref["failed"])
+            self.results["reference_run"] = ref
+        self.write(True)
+        rc = 0
+        for name in self.methods:
+            budget = self.a.budget_s or self.prof["budget_s"]
+            if time.monotonic() - T0 >= budget:
+                self.results["methods"][name] = {"method": name, "status": "not measured",
+                                                 "reason": "--budget-s %g spent before it started" % budget}
+                say("%s: not measured (budget spent)" % name)
+                continue
+            say("%s: starting (%.0f s of work at most)" % (name, self.method_s()))
+            s = Sampler(self.gpu)
+            t = time.monotonic()
+            try:
+                res = getattr(self, "method_" + name.replace("-", "_"))(s)
+            except Exception as exc:
+                res = {"failed": "%s: %s" % (type(exc).__name__, str(exc)[:300])}
+            mem = s.close()
+            r = self.finish_method(name, res, mem, time.monotonic() - t)
+            self.results["methods"][name] = r
+            if r["status"] == "measured":
+                say("%s: %d/%d samples, %s tokens/s, %s GB per M tokens, reference %s (max row error %s)"
+                    % (name, r["samples_done"], r["samples_planned"], r["tokens_per_s"], r["gb_per_million_tokens"],
+                       r["reference"]["verdict"], r["reference"].get("max_row_rel")))
+                if r["reference"]["verdict"] == "fail":
+                    rc = 1
+            else:
+                say("%s: %s: %s" % (name, r["status"], res.get("refused") or res.get("failed")))
+                if name == "ours":
+                    rc = 1  # the project's own method must run
+            if not self.a.keep_work:  # datasets of hidden 7168 are tens of GB: one at a time on the disk
+                for sub in ("dataset", "scratch"):
+                    shutil.rmtree(self.work / name / sub, ignore_errors=True)
+                shutil.rmtree(self.work / "dumps", ignore_errors=True)
+            self.write(True)
+        self.summarize()
+        self.results["plot"] = plot(self.results, Path(self.a.out).with_suffix(".png"))
+        self.write(False)
+        say("wrote %s" % self.a.out)
+        return rc
+
+    def summarize(self) -> None:
+        m = self.results["methods"]
+        ok = {k: v for k, v in m.items() if v.get("status") == "measured" and v.get("tokens_per_s")}
+        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k != "ours"}
+        s = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in ok.items()}}
+        if "ours" in ok and peers:
+            best = max(peers, key=peers.get)
+            s["fastest_peer"] = best
+            s["ours_over_fastest_peer"] = round(ok["ours"]["tokens_per_s"] / peers[best], 3)
+            per = {}
+            for b in ok["ours"]["buckets"]:
+                theirs = [x["tokens_per_s"] for k, v in ok.items() if k != "ours" for x in v["buckets"]
+                          if x["bucket"] == b["bucket"] and isinstance(x["tokens_per_s"], (int, float))]
+                if isinstance(b["tokens_per_s"], (int, float)) and theirs:
+                    per[b["bucket"]] = round(b["tokens_per_s"] / max(theirs), 3)
+            s["ours_over_fastest_peer_per_bucket"] = per
+            if self.gpu:
+                s["goal_5x_met"] = s["ours_over_fastest_peer"] >= 5
+        self.results["summary"] = s
+
+
+def reader_check(ds: Path, expected: int, max_len: int) -> dict:
+    """SpecForge's own reader on the dataset: how many samples it finds, and its first sample's shapes."""
+    try:
+        from specforge.data.preprocessing import build_offline_eagle3_dataset
+    except Exception as exc:
+        return {"loaded": None, "why": "specforge not importable here (%s)" % type(exc).__name__}
+    try:
+        d = build_offline_eagle3_dataset(str(ds), max_len=max_len)
+        n = len(d)
+        first = d[0] if n else {}
+        return {"loaded": True, "samples": n, "matches": n == expected,
+                "first": {k: list(v.shape) for k, v in first.items() if hasattr(v, "shape")}}
+    except Exception as exc:
+        return {"loaded": False, "why": "%s: %s" % (type(exc).__name__, str(exc)[:200])}
+
+
+def check_dataset(ds: Path, ref_file: Path, tol: float) -> dict:
+    """A dataset's sample rows against the float32 reference: input ids and loss mask equal, and per
+    state (aux layers, final) the max abs error and the max relative row error; verdict by the latter."""
+    import torch
+
+    ref = torch.load(str(ref_file), weights_only=True)
+    per, worst, worst_abs, missing = {}, 0.0, 0.0, []
+    bad = []
+    for cid, r in ref.items():
+        hits = sorted(Path(ds).glob("**/" + sample_rel(cid)))
+        if not hits:
+            missing.append(cid)
+            continue
+        d = torch.load(str(hits[0]), weights_only=True)
+        if not torch.equal(d["input_ids"], r["input_ids"]) or not torch.equal(d["loss_mask"].to(torch.int64),
+                                                                              r["loss_mask"].to(torch.int64)):
+            bad.append("%s: input_ids or loss_mask differ" % cid)
+            continue
+        aux = d["aux_hidden_state"][0].float()
+        fin = d["hidden_state"][0].float()
+        H = fin.shape[-1]
+        if aux.shape[-1] != H * len(AUX_HF) or aux.shape[0] != r["input_ids"].numel():
+            bad.append("%s: aux_hidden_state shape %s" % (cid, list(aux.shape)))
+            continue
+        states = {"aux.hf%d" % h: (aux[:, i * H:(i + 1) * H], r["layer.%d" % (h - 1)]) for i, h in enumerate(AUX_HF)}
+        states["final"] = (fin, r["final"])
+        for name, (x, y) in states.items():
+            err = (x - y).abs()
+            rel = float(((x - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).max())
+            a = float(err.max())
+            e = per.setdefault(name, {"max_abs": 0.0, "max_row_rel": 0.0})
+            e["max_abs"], e["max_row_rel"] = max(e["max_abs"], a), max(e["max_row_rel"], rel)
+            worst, worst_abs = max(worst, rel), max(worst_abs, a)
+    checked = len(ref) - len(missing) - len(bad)
+    if bad:
+        verdict = "fail"
+    elif not checked:
+        verdict = "not checked"
+    else:
+        verdict = "pass" if worst <= tol else "fail"
+    return {"verdict": verdict, "tolerance_row_rel": tol, "checked": checked, "missing": missing, "problems": bad,
+            "max_row_rel": round(worst, 7), "max_abs": round(worst_abs, 7),
+            "states": {k: {kk: round(vv, 7) for kk, vv in v.items()} for k, v in per.items()}}
+
+
+def check_final_rows(scratch: Path, ref_file: Path, tol: float) -> dict:
+    """The final-state rows a JSON pass kept (``scratch``/<sample name>.pt) against the reference."""
+    import torch
+
+    ref = torch.load(str(ref_file), weights_only=True)
+    worst = worst_abs = 0.0
+    checked = 0
+    for cid, r in ref.items():
+        f = scratch / (sample_rel(cid).rsplit("/", 1)[1] + ".pt")
+        if not f.is_file():
+            continue
+        x, y = torch.load(str(f), weights_only=True).float(), r["final"]
+        if x.shape != y.shape:
+            return {"verdict": "fail", "problems": ["%s: final rows of shape %s" % (cid, list(x.shape))]}
+        worst = max(worst, float(((x - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).max()))
+        worst_abs = max(worst_abs, float((x - y).abs().max()))
+        checked += 1
+    verdict = "not checked" if not checked else ("pass" if worst <= tol else "fail")
+    return {"verdict": verdict, "checked": checked, "state": "final", "max_row_rel": round(worst, 7),
+            "max_abs": round(worst_abs, 7), "tolerance_row_rel": tol}
+
+
+def plot(results: dict, png: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return {"written": False, "why": "matplotlib not installed"}
+    ms = [(k, v) for k, v in results["methods"].items() if v.get("status") == "measured"]
+    if not ms:
+        return {"written": False, "why": "no method measured"}
+    names = [b["bucket"] for b in results["conversations"]["buckets"]]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(ms)
+    for i, (k, v) in enumerate(ms):
+        ys = {b["bucket"]: b["tokens_per_s"] for b in v["buckets"]}
+        vals = [ys.get(n) if isinstance(ys.get(n), (int, float)) else 0 for n in names]
+        ax.bar([j + i * width for j in range(len(names))], vals, width, label=k)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
+    ax.set_xticklabels([n.split("-", 1)[1] + " tok" for n in names])
+    ax.set_yscale("log")
+    ax.set_ylabel("dataset tokens/s")
+    ax.set_title("EAGLE-3 dataset, tokens/s per prompt length (%s)" % (
+        results["profile"] if results["profile"] == "gpu" else "CPU smoke: not a performance figure"))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(str(png), dpi=120)
+    return {"written": True, "path": str(png)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="peers.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke: the CPU demo's tiny model, small sizes")
+    ap.add_argument("--model", help="GPU: the target's directory (built there, DeepSeek-V3 widths, when it has no "
+                                    "config.json)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
+    ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
+    ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 330, gpu 400)")
+    ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
+    ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
+    ap.add_argument("--work", help="working directory (default: a new temporary one, removed at the end)")
+    ap.add_argument("--keep-work", action="store_true", help="keep the working directory and every dataset")
+    ap.add_argument("--site", help="GPU: the site directory holding the installed sglang (default: where it is found)")
+    ap.add_argument("--patched-files", help="GPU: the series' patched files (default .gpu-patched; docs/gpu.md)")
+    ap.add_argument("--plot", metavar="RESULTS", help="only draw the PNG of an earlier run's JSON (beside it; needs "
+                                                      "matplotlib, not torch)")
+    ap.add_argument("--check", metavar="DATASET", help="only check DATASET against --reference (exit 1 if it fails)")
+    ap.add_argument("--reference", help="with --check: a reference.pt of an earlier run (its --work)")
+    ap.add_argument("--tol", type=float, help="with --check: the max relative row error (default the CPU profile's)")
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--plan", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return run_worker(a.worker, Path(a.plan))
+    try:
+        if a.plot:
+            if not Path(a.plot).is_file():
+                raise UsageError("--plot %s: no such file" % a.plot, "pass the JSON an earlier run wrote with --out")
+            got = plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(".png"))
+            print(json.dumps(got))
+            return 0 if got["written"] else 1
+        if a.check:
+            if not a.reference or not Path(a.reference).is_file() or not Path(a.check).is_dir():
+                raise UsageError("--check needs a dataset directory and --reference FILE", "pass both, e.g. "
+                                 "--check WORK/hf/dataset --reference WORK/reference.pt")
+            res = check_dataset(Path(a.check), Path(a.reference), a.tol if a.tol is not None else PROFILES["cpu"]["tol"])
+            if a.out:
+                Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+            print(json.dumps(res, indent=2))
+            return 0 if res["verdict"] == "pass" else 1
+        if a.cpu == bool(a.model):
+            raise UsageError("pass exactly one of --cpu and --model DIR", "--cpu for the CPU smoke, --model DIR on a GPU")
+        if not a.out:
+            raise UsageError("--out is required", "pass --out results.json")
+        out = Path(a.out)
+        if not out.parent.is_dir() or out.is_dir():
+            raise UsageError("--out %s: its directory does not exist (or it is a directory)" % out,
+                             "pass a file path in an existing directory")
+        methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise UsageError("--methods %r: unknown %s" % (a.methods, unknown or "(empty)"),
+                             "pass a comma list of " + ",".join(METHODS))
+        for flag in ("budget_s", "method_s"):
+            if getattr(a, flag) is not None and getattr(a, flag) <= 0:
+                raise UsageError("--%s must be positive" % flag.replace("_", "-"), "pass seconds > 0")
+        if a.conversations is not None and a.conversations < 1:
+            raise UsageError("--conversations must be >= 1", "pass a positive count")
+        if a.model:
+            import importlib.util
+
+            if importlib.util.find_spec("torch") is None:
+                raise UsageError("torch is not importable", "run with PYTHONPATH=/tmp/site:src (docs/gpu.md)")
+            pf = Path(a.patched_files or REPO / ".gpu-patched")
+            if "ours" in methods and not (pf / "patched-files.json").is_file():
+                raise UsageError("%s holds no patched files of the series (patched-files.json)" % pf,
+                                 "make them here with python3 tools/gpucheck.py --make-patched-files --series "
+                                 "patches/sglang-0.5.17 and carry .gpu-patched, or pass --patched-files DIR")
+            if Path(a.model).exists() and not Path(a.model).is_dir():
+                raise UsageError("--model %s is a file" % a.model, "pass a model directory (or a new one to build)")
+        else:
+            inner = os.environ.get("EAGLEPATCH_PEERS_INNER")
+            import importlib.util
+
+            if not inner and importlib.util.find_spec("torch") is None:
+                from eaglepatch.cpuenv import ensure_env
+
+                py = ensure_env()
+                return subprocess.call([str(py), str(Path(__file__).resolve()), *(argv or sys.argv[1:])],
+                                       env=dict(os.environ, EAGLEPATCH_PEERS_INNER="1"))
+    except UsageError as exc:
+        print(exc.line(), file=sys.stderr)
+        return 2
+    from eaglepatch import shm
+
+    prof = dict(PROFILES["gpu" if a.model else "cpu"])
+    r = Run(a, prof)
+    r.methods = methods
+    before = shm.snapshot()
+    try:
+        return r.run()
+    except UsageError as exc:
+        print(exc.line(), file=sys.stderr)
+        return 2
+    finally:
+        if not a.keep_work and not a.work:
+            shutil.rmtree(r.work, ignore_errors=True)
+        gone = shm.sweep(before)  # semaphores of servers that died (a crashed start, a SIGKILL)
+        if gone:
+            say("removed %d semaphore(s) that dead server processes left in /dev/shm" % len(gone))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
