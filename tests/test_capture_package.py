@@ -809,7 +809,7 @@ def test_files_are_fsynced_before_and_after_the_rename_with_names_unique_across_
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     for host in ("node-a", "node-b"):  # two replicas writing into one shared directory
-        monkeypatch.setattr(dump_mod, "HOST", host)
+        monkeypatch.setattr(sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".sinks"], "HOST", host)  # the file sink names its temporaries
         w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
         ids, cap, fin = _states([3], [1])
         w.submit(_Batch(ids, [3], rids=[f"request-on-{host}"]), cap, fin)

@@ -3,7 +3,7 @@ once, each as durably as with one thread, the flush waits for every one of them,
 files never race, a forward's host rows go back only once every file cut from them is written, and
 a drain's ledger names the files still being written.
 
-The real ``DumpWriter`` of the overlay on CPU tensors; ``_fsync`` is wrapped (the real fsync still
+The real ``DumpWriter`` of the overlay on CPU tensors; the file sink's ``_fsync`` is wrapped (the real fsync still
 runs) only to see how many commits overlap and to hold them at the disk for as long as a test needs."""
 
 import os
@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from test_capture_package import _Batch, _idx, _states, dump_mod  # noqa: E402
 
 commits = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".commits"]
+sinks = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".sinks"]
 
 
 class _Disk:
@@ -31,7 +32,7 @@ class _Disk:
     holds every fsync of a file (not of the directory) until it is opened."""
 
     def __init__(self, monkeypatch, hold_s: float = 0.0):
-        self.real = dump_mod._fsync
+        self.real = sinks._fsync
         self.lock = threading.Lock()
         self.now = 0
         self.most = 0
@@ -39,7 +40,7 @@ class _Disk:
         self.hold_s = hold_s
         self.gate = threading.Event()
         self.gate.set()
-        monkeypatch.setattr(dump_mod, "_fsync", self)
+        monkeypatch.setattr(sinks, "_fsync", self)  # the file sink's
 
     def __call__(self, path):
         if os.path.isdir(path):
