@@ -71,6 +71,7 @@ def main(argv=None) -> int:
                          tolerance=float(a.tolerance), device=a.device)
         # everything a run can be refused for, before the environment is entered or anything loaded
         check.check_settings(i)
+        guard.release_semantics(a.release, unpatched=a.unpatched)
         out = check_output_file(a.out, "--out")
         png = out.with_suffix(".png")
         check_output_file(png, "--out's PNG")
@@ -81,17 +82,16 @@ def main(argv=None) -> int:
         check.draft_config(a.draft, tcfg)
         guard.read_draft(a.draft)
         guard.read_dataset(a.data)
-        guard.release_semantics(a.release, unpatched=a.unpatched)
         if a.served:
             check.read_served(a.served, a.steps)
         elif a.states is None:
             raise UsageError("nothing to compare the prediction with", "pass --states DIR (the held-out conversations' "
                              "dump files) or --served FILE (a GPU serving run's figures)")
         if a.device == "cpu" and os.environ.get("EAGLEPATCH_CHECK_ENV") != "1":
-            try:
-                import specforge  # noqa: F401
-                import torch  # noqa: F401
-            except ImportError:  # run in the CPU environment (torch, transformers, SpecForge 0.2.0)
+            import importlib.util
+
+            if not all(importlib.util.find_spec(m) for m in ("torch", "specforge")):
+                # run in the CPU environment (torch, transformers, SpecForge 0.2.0)
                 from eaglepatch import cpuenv
 
                 try:

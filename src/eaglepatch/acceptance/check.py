@@ -270,63 +270,79 @@ def figures(metas: list, steps: int) -> dict:
 
 class Replayer:
     """The draft built from its directory (``train.DraftRun`` with the trained weights), replaying
-    samples: the data's own, or ones whose aux states are a reading's slots read from dump files."""
+    samples: the data's own, or ones whose aux states are a reading's slots read from dump files.
+    Samples and dumps are read one at a time as the replay goes (a real target's states do not
+    fit in memory at once)."""
 
     def __init__(self, i: Inputs, cfg: dict):
         from . import train
 
         self.i = i
-        self.run = train.DraftRun(Path(i.target), cfg, i.steps, i.device)
-        self.loaded = self.run.load_weights(Path(i.draft))
         self.data_files = train.sample_files(Path(i.data))
         if not self.data_files:
             raise UsageError(f"--data {i.data} holds no sample (*.ckpt)", "pass a specforge-format dataset directory "
                              "written by tools/extract.py")
-        self._samples = [train.read_sample(f) for f in self.data_files]
         self._dumps = dump_index(i.states) if i.states else None
-        self._states = {}
+        self._held = {}
+        self.run = train.DraftRun(Path(i.target), cfg, i.steps, i.device)
+        self.loaded = self.run.load_weights(Path(i.draft))
 
-    def replay(self, samples: list) -> dict:
+    def replay(self, samples) -> dict:
         return figures(self.run.chain_replay(samples, None, self.i.steps, spans=answer_spans), self.i.steps)
 
     def predicted(self) -> dict:
-        return self.replay(self._samples)
+        return self.replay(self.data_files)
 
-    def _dump_states(self, ids: tuple) -> dict | None:
-        from ..storage import Rebuilder
-        from .storage_check import read_states
+    def _dump_of(self, ids: tuple) -> Path | None:
+        p = self._dumps.get(ids)
+        if p is None:  # a sample cut at max_len: the dump of the whole conversation starts with its ids
+            p = next((q for k, q in self._dumps.items() if k[:len(ids)] == ids), None)
+        return p
 
-        if ids not in self._states:
-            p = self._dumps.get(ids)
-            if p is None:  # a sample cut at max_len: the dump of the whole conversation starts with its ids
-                p = next((q for k, q in self._dumps.items() if k[:len(ids)] == ids), None)
-            if p is None:
-                self._states[ids] = None
-            else:
-                if not hasattr(self, "_rebuilder"):
-                    self._rebuilder = Rebuilder(Path(self.i.target))
-                self._states[ids] = read_states(p, self._rebuilder)
-        return self._states[ids]
+    def _holds(self, p: Path) -> set:
+        """The states a dump file yields (its metadata: every dumped layer, and the final state when
+        it was dumped; states a compact file left out are rebuilt by the reader)."""
+        from .storage_check import header
 
-    def reading_samples(self, slots: list) -> tuple[list, str | None]:
-        """The data's samples with their aux states replaced by ``slots`` from the dump files, the
-        target (post-norm final) from the dumps too; (samples, why not) when a state is missing."""
+        if p not in self._held:
+            meta = header(p)[1]
+            ids = json.loads(meta.get("eagle3_layer_ids") or "[]")
+            self._held[p] = {f"layer.{k}" for k in ids} | ({FINAL} if meta.get("final") == "post_norm" else set())
+        return self._held[p]
+
+    def reading_samples(self, slots: list) -> tuple[object, str | None]:
+        """(samples, None): the data's samples with their aux states replaced by ``slots`` and the
+        target (post-norm final) read from the dump files, yielded one at a time; (None, why not)
+        when a dump or a state is missing (found from the files' metadata before any replay)."""
         import torch
 
-        out = []
-        for s in self._samples:
-            ids = tuple(s["input_ids"][0].tolist())
-            st = self._dump_states(ids)
-            if st is None:
-                return [], f"no dump file holds the conversation of {len(ids)} tokens starting {list(ids[:6])}"
-            need = [state_key(h) for h in slots] + [FINAL]
-            lack = [k for k in need if k not in st]
+        from . import train
+
+        need = [state_key(h) for h in slots] + [FINAL]
+        pairs = []
+        for f in self.data_files:
+            ids = tuple(torch.load(f, map_location="cpu", weights_only=True, mmap=True)["input_ids"][:2048].tolist())
+            p = self._dump_of(ids)
+            if p is None:
+                return None, f"no dump file holds the conversation of {len(ids)} tokens starting {list(ids[:6])}"
+            lack = [k for k in need if k not in self._holds(p)]
             if lack:
-                return [], f"the dump files hold no {', '.join(lack)} (dumped: {', '.join(sorted(st))})"
-            T = len(ids)
-            aux = torch.cat([st[state_key(h)][:T] for h in slots], -1)
-            out.append(dict(s, hidden_state=aux[None], target=st[FINAL][:T][None]))
-        return out, None
+                return None, f"the dump files hold no {', '.join(lack)} (dumped: {', '.join(sorted(self._holds(p)))})"
+            pairs.append((f, p))
+
+        def gen():
+            from ..storage import Rebuilder
+            from .storage_check import read_states
+
+            rebuilder = Rebuilder(Path(self.i.target))
+            for f, p in pairs:
+                s = train.read_sample(f)
+                st = read_states(p, rebuilder)
+                T = s["input_ids"].shape[1]
+                aux = torch.cat([st[state_key(h)][:T] for h in slots], -1)
+                yield dict(s, hidden_state=aux[None], target=st[FINAL][:T][None])
+
+        return gen(), None
 
 
 def _close(a: dict, b: dict) -> float | None:
@@ -365,8 +381,9 @@ def diagnose(rs: list, gap_ok: bool, n: int, tol: float) -> dict:
                    % (tol, "" if near is None else " (nearest: %s, %.3f off)" % (near["names"][0], near["minus_observed"])))
     else:
         cause, text = relation(trained["slots"], fed["slots"], n)
-        if cause != "none" and len(fed["names"]) > 1:  # the other mix-ups that feed the same states
-            text += " (the same states as: %s)" % "; ".join(fed["names"][1:])
+        same = [nm for k, nm in zip(fed["kinds"][1:], fed["names"][1:]) if k != "config"]
+        if cause != "none" and "as_trained" not in fed["kinds"] and same:  # other mix-ups that feed these states
+            text += " (the same states as: %s)" % "; ".join(same)
         out.update(cause=cause, text=text)
     return out
 
@@ -390,6 +407,9 @@ def check(i: Inputs, say=print) -> dict:
     """Every step in turn (see the module docstring); the result the report is written from."""
     from .. import conventions, guard
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message="flash_attn is not found")  # SpecForge's; the replay runs sdpa
     tcfg = target_config(i.target)
     dcfg = draft_config(i.draft, tcfg)
     n = tcfg["num_hidden_layers"]
@@ -410,39 +430,48 @@ def check(i: Inputs, say=print) -> dict:
            "target": {"num_hidden_layers": n, "hidden_size": tcfg["hidden_size"]},
            "guard": {"ok": gv.ok, "served_hf": gv.served_hf, "lines": gv.lines, "reading": sem.source},
            "data": {"hf": data.hf, "layer_ids": data.layer_ids, "format": data.dataset_format}}
-    say("guard: " + ("OK" if gv.ok else "MISMATCH") + " (%s): data HF %s, draft served HF %s"
-        % (sem.source, data.hf, gv.served_hf))
     rep = Replayer(i, dcfg)
     res["draft"] = {"config_ids": draft.layer_ids, "family": draft.family, "weights": rep.loaded}
-    pred = rep.predicted()
-    pred["how"] = ("the draft's own TTT forward over the held-out data (%d samples), greedy chain acceptance"
-                   % len(rep.data_files))
-    res["predicted"] = pred
-    say("predicted: accept length %.3f, per position %s (chain at the answer lengths %s)"
-        % (pred["accept_length"], pred["per_position"], pred["chain_at_answer_lengths"]))
     config_hf = gv.served_hf if draft.family == guard.EAGLE_CONFIG else None
     series_rule = conventions.release_rule(i.release) if not i.unpatched else sem.rule
     try:
         upstream_rule = conventions.release_rule(i.release, unpatched=True)
     except UsageError:
         upstream_rule = sem.rule
+    # which readings the dump files can give, from their metadata: refused before any replay when
+    # the one the release feeds the draft is not among them (and no --served figures stand in)
     rs = readings(data.hf, n, config_hf, upstream_rule, series_rule, i.release) if i.states else []
-    for r in rs:
-        samples, why = rep.reading_samples(r["slots"])
+    todo = {}
+    for k, r in enumerate(rs):
         r["hf"] = [slot_name(s) for s in r["slots"]]
+        samples, why = rep.reading_samples(r["slots"])
         if why:
             r["not_replayed"] = why
-            continue
-        r.update(rep.replay(samples))
-        r["minus_predicted"] = _close(r, pred)
+        else:
+            todo[k] = samples
+    cfg_r = next((r for r in rs if "config" in r["kinds"]), None)
+    if served is None and (cfg_r is None or cfg_r.get("not_replayed")):
+        why = (cfg_r or {}).get("not_replayed") or "it reads the draft's config as no layers the target has"
+        raise UsageError(f"the draft cannot be replayed on what sglang {i.release} feeds it ({why})",
+                         "dump the layers it is fed and the final state (tools/serve.py --layers, --final 1) or "
+                         "pass --served FILE")
+    pred = rep.predicted()
+    if pred["accept_length"] is None:
+        raise UsageError(f"--data {i.data} holds no answer of two tokens or more (loss-masked runs) to replay",
+                         "pass held-out conversations with assistant answers")
+    pred["how"] = ("the draft's own TTT forward over the held-out data (%d samples), greedy chain acceptance"
+                   % len(rep.data_files))
+    res["predicted"] = pred
+    say("guard: " + ("OK" if gv.ok else "MISMATCH") + " (%s): data HF %s, draft served HF %s"
+        % (sem.source, data.hf, gv.served_hf))
+    say("predicted: accept length %.3f, per position %s (chain at the answer lengths %s)"
+        % (pred["accept_length"], pred["per_position"], pred["chain_at_answer_lengths"]))
+    for k, samples in todo.items():
+        rs[k].update(rep.replay(samples))
+        rs[k]["minus_predicted"] = _close(rs[k], pred)
     if served is not None:
         observed = dict(served, kind="served")
     else:
-        cfg_r = next((r for r in rs if "config" in r["kinds"]), None)
-        if cfg_r is None or cfg_r.get("not_replayed") or config_hf is None:
-            why = (cfg_r or {}).get("not_replayed") or "the release reads the draft's config as no layers it can replay"
-            raise UsageError(f"the draft cannot be replayed on what sglang {i.release} feeds it ({why})",
-                             "dump every layer the readings need (tools/serve.py --layers) or pass --served FILE")
         observed = {k: cfg_r.get(k) for k in ("accept_length", "per_position", "at_least", "requests", "verify_ct",
                                                "tokens_after_prefill")}
         observed.update(kind="replayed", how=REPLAYED, hf=cfg_r["hf"])
