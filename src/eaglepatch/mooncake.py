@@ -110,7 +110,7 @@ class Master:
                 "EAGLE3_DUMP_MOONCAKE_METADATA": self.metadata, "EAGLE3_DUMP_MOONCAKE_HOST": "127.0.0.1",
                 "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB": "256", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB": "64"}
 
-    def start(self, timeout: float = 60.0) -> "Master":
+    def start(self, timeout: float = 120.0) -> "Master":
         args = [str(self.binary), f"--port={self.port}", "--enable_http_metadata_server=true",
                 f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1"]
         if self.kv_lease_ms is not None:

@@ -18,9 +18,11 @@ recorded (None: nothing there), which the writer compares before it writes again
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Dict, Optional
 
@@ -177,8 +179,15 @@ class MooncakeSink:
     def fail(self, key: str, why: str) -> None:
         """Put the marker a reader finds instead of the object, so it fails at once with the reason
         rather than waiting (best effort: a store that takes nothing takes no marker either)."""
-        try:
-            self.store.upsert(key + ERROR_SUFFIX, json.dumps({"error": why[:4096]}).encode("utf-8"))
-        except Exception:  # the request is already failed and named; the marker is a courtesy
-            pass
+        body = json.dumps({"error": why[:4096]}).encode("utf-8")
+        for attempt in range(3):
+            try:
+                code = self.store.upsert(key + ERROR_SUFFIX, body)
+            except Exception as exc:  # the request is already failed and named; the marker is a courtesy
+                code = repr(exc)
+            if code == 0:
+                return
+            time.sleep(0.05 * (attempt + 1))
+        logging.getLogger(__name__).error("the error marker of %s could not be put (%s): its readers wait "
+                                          "for it until their timeout", key, code)
 
