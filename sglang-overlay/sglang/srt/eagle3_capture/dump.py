@@ -38,7 +38,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import stat
 import struct
 import threading
@@ -68,7 +67,7 @@ from .settings import (
     text_config,
 )
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
-from .sinks import FileSink, MooncakeSink, SinkError
+from .sinks import FILE_MODE, HOST, FileSink, MooncakeSink, SinkError, _fsync
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
 from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
@@ -76,7 +75,6 @@ from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
 logger = logging.getLogger(__name__)
 
 FORMAT = "eagle3-dump/1"
-FILE_MODE = 0o644  # dump files: a shared dump directory's readers may run as other users
 ABANDONED_KEPT = 4096  # dropped chunked requests whose later chunks are still skipped
 UNWRITTEN_KEPT = 100000  # requests named in the unwritten ledger at most
 STATES_KEPT = 65536  # requests whose file's state a response can still be told
@@ -127,7 +125,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 __all__ = ["DumpWriter", "prompt_key", "request_key", "start_dump"]
-HOST = socket.gethostname()
 
 
 @dataclass
@@ -779,14 +776,6 @@ class DumpWriter:
             self._sigterm = None
             logger.info("%s: %s; %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()),
                         self.staging.summary())
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _numel(shape) -> int:

@@ -32,8 +32,8 @@ ALIGN = 64  # byte alignment of each tensor in a Mooncake object (hs-connectors'
 MANIFEST_VERSION = 1
 META_SUFFIX = ":meta"
 ERROR_SUFFIX = ":error"  # a failed commit's marker: {"error": why} (hs-connectors' readers check it first)
-FILE_MODE = 0o644
-HOST = socket.gethostname()
+FILE_MODE = 0o644  # dump files and the stop ledger: a shared directory's readers may run as other users
+HOST = socket.gethostname()  # in temporary and ledger names: replicas on several hosts share a directory
 
 
 def _fsync(path: str) -> None:
