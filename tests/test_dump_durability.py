@@ -6,6 +6,7 @@ The same paths inside a real SGLang server and Engine: tests/test_dump_stops.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -250,10 +251,18 @@ def _signalled_child(tmp_path, dump: Path, drain: float):
     code = CHILD.format(src=str(REPO / "src"), dump=str(dump), drain=drain)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    assert proc.stdout.readline().strip() == "submitted", proc.stderr.read()
-    started = time.monotonic()
-    os.killpg(proc.pid, signal.SIGTERM)  # what systemd, Slurm, container runtimes and serve.py do
-    proc.wait(timeout=60)
+    try:
+        line = proc.stdout.readline().strip()
+        if line != "submitted":
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"the child said {line!r} before 'submitted': {proc.stderr.read()[-2000:]}")
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)  # what systemd, Slurm, container runtimes and serve.py do
+        proc.wait(timeout=60)
+    except BaseException:  # never leave the child behind (it would sleep for 10 minutes)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return proc, time.monotonic() - started
 
 
