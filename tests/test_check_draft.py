@@ -117,8 +117,8 @@ def build(work: Path, say=print) -> dict:
 
 def toy_key() -> str:
     """What the toy inputs are made from: the sglang 0.5.9 series (the data server), the project's
-    code (but the check itself), tools/extract.py, the target, this module's build, the settings and
-    the environment. The cache holds inputs of this key only."""
+    code (but the check itself: check.py, serve_check.py), tools/extract.py, the target, this module's
+    build, the settings and the environment. The cache holds inputs of this key only."""
     import hashlib
     import inspect
 
@@ -126,7 +126,7 @@ def toy_key() -> str:
     files = sorted((REPO / "patches" / "sglang-0.5.9").rglob("*")) + sorted((REPO / "src" / "eaglepatch").rglob("*.py"))
     files += [REPO / "tools" / "extract.py"] + sorted(TOY_TARGET.iterdir())
     for f in files:
-        if f.is_file() and f.name != "check.py":
+        if f.is_file() and f.name not in ("check.py", "serve_check.py"):  # the check itself makes no input
             h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
     for fn in (build, _with_final_last):
         h.update(inspect.getsource(fn).encode())
@@ -278,6 +278,7 @@ def test_served_figures_are_compared(toy, checked, tmp_path):
     (["--steps", "0"], "draft steps per verify"),
     (["--release", "9.9.9"], "9.9.9"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--prompt-answer-tokens", "-1"], "--prompt-answer-tokens -1"),
 ])
 def test_usage_errors(tmp_path, extra, says):
     """Refused before anything is loaded: one line (error: ...; fix), exit 2, no report, no PNG."""
@@ -300,14 +301,22 @@ def test_usage_errors_on_inputs(toy, tmp_path):
     base = ["--target", str(TOY_TARGET), "--data", toy["heldout"], "--out", str(tmp_path / "r.json")]
     bad = tmp_path / "served.json"
     bad.write_text(json.dumps({"per_position": [1, 1, 1]}))
+    good = tmp_path / "served-ok.json"
+    good.write_text(json.dumps({"accept_length": 3.5}))
+    correct = ["--draft", toy["drafts"]["correct"]]
     for extra, says in ((["--draft", str(TOY_TARGET), "--states", toy["states"]], "target model's config"),
-                        (["--draft", toy["drafts"]["correct"]], "nothing to compare"),
-                        (["--draft", toy["drafts"]["correct"], "--served", str(bad)], "accept_length")):
+                        (correct, "nothing to compare"),
+                        (correct + ["--served", str(bad)], "accept_length"),
+                        (correct + ["--served", str(good), "--serve"], "both give served figures"),
+                        (correct + ["--states", toy["states"], "--site", str(tmp_path)], "settings of --serve"),
+                        (correct + ["--states", toy["states"], "--lossless"], "--lossless compares"),
+                        # a file without the answers' counts cannot say whether decoding was lossless
+                        (correct + ["--served", str(good), "--lossless"], "answers_equal_to_data")):
         p = subprocess.run([sys.executable, str(TOOL), *base, *extra], capture_output=True, text=True, timeout=120)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
         assert says in lines[0], lines
-        assert sorted(x.name for x in tmp_path.iterdir()) == ["served.json"], list(tmp_path.iterdir())
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["served-ok.json", "served.json"], list(tmp_path.iterdir())
 
 
 def _without_layer(src: Path, dest: Path, k: int) -> None:
@@ -397,3 +406,168 @@ def test_figures_count_each_position():
     assert f["accept_length"] == round((8 + 2) / 4, 4), f
     assert f["per_position"] == [round(3 / 4, 4), round(1 / 2, 4), 1.0], f
     assert f["at_least"] == [0.75, 0.25, 0.25], f
+
+
+# ---- --serve: what can be checked without a GPU ----------------------------------------------------------
+
+def test_serve_is_refused_without_a_gpu(toy, tmp_path):
+    """--serve on a machine without CUDA: one line naming the reason (sglang's EAGLE-3 decoding runs
+    CUDA and Triton kernels) and what to do instead, exit 2, nothing written (no report, PNG, served
+    figures or server log), no server started."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: --serve is not refused here")
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(TOOL), "--target", str(TOY_TARGET), "--draft", toy["drafts"]["correct"],
+                        "--data", toy["heldout"], "--states", toy["states"], "--release", "0.5.9", "--out", str(out),
+                        "--serve"], capture_output=True, text=True, timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --serve needs a CUDA GPU"), p.stderr
+    assert "Triton" in lines[0] and "--states DIR" in lines[0] and "--served FILE" in lines[0], lines
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_serving_tree_is_the_release_asked_for(release_059):
+    """The sglang --serve would start is checked before anything is loaded: its release must be
+    --release, and it must carry the series unless --unpatched (and not carry it with
+    --unpatched). Real trees: the unpacked 0.5.9 wheel and the patched 0.5.9 tree the CPU data server
+    runs."""
+    from eaglepatch.acceptance.serve_check import parse_server_args, serving_tree
+    from eaglepatch.errors import UsageError
+    from eaglepatch.serve.demo import cached_tree
+
+    patched = cached_tree(say=lambda m: None)
+    assert serving_tree("0.5.9", False, sglang_parent=patched)[0] == patched
+    assert serving_tree("0.5.9", True, site=release_059)[0] == release_059
+    for kw, says in ((dict(release="0.5.9", unpatched=False, sglang_parent=release_059), "is unpatched"),
+                     (dict(release="0.5.9", unpatched=True, sglang_parent=patched), "is patched"),
+                     (dict(release="0.5.17", unpatched=True, site=release_059), "is 0.5.9, not --release 0.5.17"),
+                     (dict(release="0.5.9", unpatched=False, patched_files=release_059), "no --site")):
+        with pytest.raises(UsageError) as e:
+            serving_tree(**kw)
+        assert says in e.value.line(), (kw, e.value.line())
+    assert parse_server_args("--mem-fraction-static 0.5 --cuda-graph-bs-decode 1 2") == [
+        "--mem-fraction-static", "0.5", "--cuda-graph-bs-decode", "1", "2"]
+    for text, says in (("--port 1", "pass --port instead"), ("--speculative-num-steps=5", "pass --steps instead"),
+                       ("--model-path x", "pass --target instead"), ("'--dtype", "quote it")):
+        with pytest.raises(UsageError) as e:
+            parse_server_args(text)
+        assert says in e.value.line(), (text, e.value.line())
+
+
+def test_served_requests_are_the_replayed_ones(toy):
+    """--serve sends one request per held-out answer, the ones the prediction replays
+    (``check.request_spans``). With --prompt-answer-tokens 1 they are exactly the toy's data: each
+    prompt is the one the patched CPU server was given when it made the data (the copy language's
+    first answer token, the symbol to copy from, is the user's), and each answer the target's
+    greedy continuation; with 0 the answer starts at that symbol."""
+    from eaglepatch.acceptance import train
+    from eaglepatch.acceptance.serve_check import requests_of
+
+    greedy = {tuple(g["prompt_ids"]): g["continuation"]
+              for g in json.loads((Path(toy["heldout"]).parent / "greedy.json").read_text())}
+    files = train.sample_files(Path(toy["heldout"]))
+    reqs = requests_of(files, 1)
+    assert len(reqs) == len(files) == TOY_SETTINGS["heldout_prompts"], len(reqs)
+    assert all(greedy.get(tuple(r["prompt"])) == r["answer"] for r in reqs), reqs[0]
+    assert all(r["max_new_tokens"] == len(r["answer"]) == TOY_SETTINGS["answer_len"] for r in reqs), reqs[0]
+    whole = requests_of(files, 0)
+    assert [r["prompt"] + r["answer"][:1] for r in whole] == [r["prompt"] for r in reqs], whole[0]
+    assert [r["answer"][1:] for r in whole] == [r["answer"] for r in reqs]
+
+
+def test_served_figures_from_meta_info():
+    """The figures --serve writes from sglang's responses: accept length sum(C-1)/sum(V) over
+    completion_tokens and spec_verify_ct; per position from the summed spec_correct_drafts_histogram
+    (index a: verifies that accepted a draft tokens); the answers equal to the data's, with where each
+    other one first differs. Responses without spec_verify_ct (no speculative decoding) or without a
+    verify are refused. The responses are written here in sglang 0.5.17's meta_info fields: this
+    tests the arithmetic, not a server."""
+    from eaglepatch.acceptance.serve_check import served_figures
+    from eaglepatch.errors import RefusedError
+
+    reqs = [{"prompt": [1], "max_new_tokens": 9, "answer": list(range(9))},
+            {"prompt": [2], "max_new_tokens": 5, "answer": list(range(5))}]
+    outs = [{"output_ids": list(range(9)), "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3,
+                                                         "spec_correct_drafts_histogram": [0, 1, 0, 2]}},
+            {"output_ids": [0, 1, 7, 3, 4], "meta_info": {"completion_tokens": 5, "spec_verify_ct": 2,
+                                                          "spec_correct_drafts_histogram": [1, 0, 1]}}]
+    f = served_figures(outs, reqs, 3, "test")
+    assert f["accept_length"] == round((8 + 4) / 5, 4) and f["verify_ct"] == 5 and f["requests"] == 2, f
+    # verifies accepting at least 0..3 drafts: 5, 4, 3, 2
+    assert f["at_least"] == [0.8, 0.6, 0.4] and f["per_position"] == [0.8, 0.75, round(2 / 3, 4)], f
+    assert f["answers_equal_to_data"] == 1 and f["requests_compared"] == 2, f
+    assert f["first_difference_at"] == [{"request": 1, "sample": None, "at": 2}], f
+    outs[1]["meta_info"].pop("spec_correct_drafts_histogram")
+    g = served_figures(outs, reqs, 3, "test")
+    assert g["per_position"] is None and "no spec_correct_drafts_histogram" in g["per_position_how"], g
+    for meta, says in (({"completion_tokens": 5}, "did not decode speculatively"),
+                       ({"completion_tokens": 5, "spec_verify_ct": 0}, None)):
+        bad = [dict(o, meta_info=dict(meta)) for o in outs]
+        with pytest.raises(RefusedError) as e:
+            served_figures(bad, reqs, 3, "test")
+        assert says is None or says in e.value.line(), e.value.line()
+    assert "verified no draft token" in e.value.line()
+
+
+def test_served_file_round_trip_and_lossless(toy, checked, tmp_path):
+    """What --serve writes is what --served reads, and --lossless judges it. The correct draft with
+    --prompt-answer-tokens 1 (replayed) predicts over exactly the requests --serve would send (the
+    same count and tokens); a figures file written by ``served_figures`` from responses that accept
+    what that prediction says, one answer changed, is then read back with --served --lossless: the
+    accept length passes, the changed answer fails the check (exit 1, named), and with every answer
+    equal it passes. The responses are made here from the data's answers: no server ran."""
+    from eaglepatch.acceptance import train
+    from eaglepatch.acceptance.serve_check import requests_of, served_figures, write_served
+
+    p, r = _check(toy, tmp_path / "k1", "correct", "heldout", "--prompt-answer-tokens", "1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    reqs = requests_of(train.sample_files(Path(toy["heldout"])), 1)
+    pred = r["predicted"]
+    assert pred["requests"] == len(reqs) and pred["tokens_after_prefill"] == sum(
+        q["max_new_tokens"] - 1 for q in reqs), (pred, len(reqs))
+    assert r["inputs"]["prompt_answer_tokens"] == 1
+    # a verify count per request that gives the predicted accept length over the whole set
+    total_v = round(pred["tokens_after_prefill"] / pred["accept_length"])
+    vs = [total_v // len(reqs) + (k < total_v % len(reqs)) for k in range(len(reqs))]
+    for name, changed, code in (("one-changed", 1, 1), ("lossless", 0, 0)):
+        outs = [{"output_ids": list(q["answer"]), "meta_info": {"completion_tokens": q["max_new_tokens"],
+                                                                  "spec_verify_ct": v}} for q, v in zip(reqs, vs)]
+        if changed:
+            outs[3]["output_ids"][5] += 1
+        f = write_served(served_figures(outs, reqs, 3, "made by the test from the data's answers"),
+                         tmp_path / f"{name}.served.json")
+        q, s = _check(toy, tmp_path / name, "correct", "heldout", "--prompt-answer-tokens", "1", "--served", str(f),
+                      "--lossless")
+        assert q.returncode == code, (name, q.stderr[-2000:])
+        assert s["within_tolerance"] and s["observed"]["kind"] == "served", (s["observed"], pred)
+        assert s["observed"]["answers_equal_to_data"] == len(reqs) - changed, s["observed"]
+        last = q.stderr.strip().splitlines()[-1]
+        if changed:
+            assert last.startswith("failed: lossless: 1 of 32 served answers differ") and "[5]" in last, last
+        else:
+            assert last.startswith("passed: served") and "32 of 32 served answers equal" in last, last
+
+
+def test_gpu_proof_builds_the_postnorm_data_as_the_cpu_toy(toy, tmp_path):
+    """benchmarks/check_draft_gpu.py builds its post-norm draft's data with ``check.with_final_last``;
+    on the toy's [0, 2, 4] held-out extraction it gives, file by file and tensor by tensor, the
+    post-norm held-out data this module's build made with ``_with_final_last``: the GPU proof's case
+    (c) is this test's case (c)."""
+    import torch
+
+    from eaglepatch.acceptance.check import with_final_last
+
+    src = Path(toy["heldout"]).parent / "ds-heldout@last"
+    with_final_last(src, tmp_path / "post")
+    want = Path(toy["heldout_postnorm"])
+    names = sorted(p.relative_to(want) for p in want.rglob("*.ckpt"))
+    assert names and names == sorted(p.relative_to(tmp_path / "post") for p in (tmp_path / "post").rglob("*.ckpt"))
+    for n in names:
+        a = torch.load(tmp_path / "post" / n, weights_only=True)
+        b = torch.load(want / n, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), n
+    d = torch.load(tmp_path / "post" / names[0], weights_only=True)
+    H = d["hidden_state"].shape[-1]
+    assert torch.equal(d["aux_hidden_state"][..., -H:], d["hidden_state"])  # the last slot is the final state

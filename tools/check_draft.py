@@ -3,7 +3,7 @@
 this release, and if not, which layer mix-up explains it?
 
   python3 tools/check_draft.py --target TARGET --draft DRAFT --data HELDOUT --states DUMPS \
-      --release 0.5.17 --out REPORT.json [--served SERVED.json]
+      --release 0.5.17 --out REPORT.json [--served SERVED.json | --serve [--site SITE --patched-files DIR]]
 
 TARGET: the checkpoint the draft was trained for (config.json, model.safetensors.index.json: the LM
 head and embedding come from it). DRAFT: the draft directory (config.json with
@@ -13,16 +13,22 @@ DUMPS: the dump files of the same conversations (tools/extract.py --keep-dumps a
 dumping every layer the readings need, with the final state). Steps: guard (the draft's config
 against the data's layers on --release); the prediction (the draft's own forward over HELDOUT,
 greedy chain acceptance per position, and the chain at the answer lengths); the observed figures
-(--served: a GPU serving run's; without it the draft is replayed on the states --release feeds it
-by its config, read from DUMPS, and reported as replayed: no server loads a draft here); the
-diagnosis (the draft replayed on each reading a layer mix-up produces: as trained, each aux layer
-one deeper or shallower, upstream's capture-index convention, the last slot's pre-norm and post-norm
-states swapped; which reading the prediction and the observed figures match). Writes REPORT.json and
-a PNG beside it (REPORT.png) of the per-position acceptance, predicted vs observed (the report says
-when no PNG could be made). Runs in the CPU environment (tools/acceptance.py --cpu's) by itself.
+(--serve: the draft served on this GPU by sglang --release, with the series unless --unpatched, with
+EAGLE-3 and these settings, one greedy request per held-out answer, the accept length read from the
+responses' meta_info and written to --served-out, REPORT.served.json by default, in the format
+--served reads; --served: such a file; without either the draft is replayed on the states --release
+feeds it by its config, read from DUMPS, and reported as replayed: no server loads a draft then);
+the diagnosis (the draft replayed on each reading a layer mix-up produces: as trained, each aux
+layer one deeper or shallower, upstream's capture-index convention, the last slot's pre-norm and
+post-norm states swapped; which reading the prediction and the observed figures match). Writes
+REPORT.json and a PNG beside it (REPORT.png) of the per-position acceptance, predicted vs observed
+(the report says when no PNG could be made). Without --serve it runs in the CPU environment
+(tools/acceptance.py --cpu's) by itself; --serve needs a CUDA GPU (sglang's EAGLE-3 decoding runs
+CUDA and Triton kernels) and is refused without one.
 
-Exit: 0 guard passes and the observed accept length is within --tolerance of the predicted, 1 it is
-not or guard fails (the diagnosis on the last line), 2 usage error (one line, nothing written).
+Exit: 0 guard passes and the observed accept length is within --tolerance of the predicted (with
+--lossless, every served answer equals the data's too), 1 it is not or guard fails (the diagnosis on
+the last line), or the server failed, 2 usage error (one line, nothing written).
 """
 import json
 import os
@@ -43,16 +49,40 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, type=Path, help="held-out dataset (tools/extract.py --format specforge)")
     ap.add_argument("--states", type=Path, help="the held-out conversations' dump files (every layer the readings "
                                                "need, and the final state): the replays read them")
-    ap.add_argument("--served", type=Path, help="a GPU serving run's figures (JSON: accept_length, per_position); "
-                                               "without it the observed figures are the replay on --states")
+    ap.add_argument("--served", type=Path, help="a GPU serving run's figures (JSON: accept_length, per_position; "
+                                               "--serve writes them); without it or --serve the observed figures "
+                                               "are the replay on --states")
     ap.add_argument("--release", default="0.5.17", help="the sglang release that serves the draft")
     ap.add_argument("--unpatched", action="store_true", help="the release without the series serves it")
     ap.add_argument("--steps", type=int, default=3, help="--speculative-num-steps")
     ap.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (the replay models 1: a chain)")
     ap.add_argument("--draft-tokens", type=int, help="--speculative-num-draft-tokens (default: steps + 1)")
     ap.add_argument("--tolerance", type=float, default=0.15, help="|observed - predicted| accept length that passes")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the draft replays")
+    ap.add_argument("--prompt-answer-tokens", type=int, default=0, metavar="K",
+                    help="the first K tokens of each answer go with its prompt (served) and are not predicted: "
+                         "answers that start with tokens the user gave (the acceptance toy's copy answers start "
+                         "with the symbol to copy from)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="where the draft replays (default: cuda with --serve, "
+                                                             "else cpu)")
     ap.add_argument("--out", required=True, type=Path, help="the JSON report (the PNG goes beside it, .png)")
+    g = ap.add_argument_group("serving on this GPU (--serve)")
+    g.add_argument("--serve", action="store_true", help="serve the draft with sglang --release and EAGLE-3 on this "
+                                                       "GPU, one greedy request per held-out answer")
+    g.add_argument("--site", type=Path, help="the release's site directory (sh .gpu-bundle/unpack.sh SITE); without "
+                                            "it and --sglang-parent, the sglang this Python imports")
+    g.add_argument("--patched-files", type=Path, help="the series' patched files, laid over a copy of --site's sglang "
+                                                     "(python3 tools/gpucheck.py --make-patched-files)")
+    g.add_argument("--sglang-parent", type=Path, help="a directory holding the sglang package to serve with")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--tp-size)")
+    g.add_argument("--port", type=int, default=30000, help="the server's port on 127.0.0.1")
+    g.add_argument("--server-args", help="more sglang.launch_server flags, one string (e.g. '--mem-fraction-static "
+                                         "0.8 --context-length 8192')")
+    g.add_argument("--serve-timeout-s", type=float, default=900.0, help="seconds for the server's start and every "
+                                                                        "request")
+    g.add_argument("--served-out", type=Path, help="where the served figures go (default: REPORT.served.json)")
+    g.add_argument("--lossless", action="store_true",
+                   help="every served answer must equal the held-out data's (data that are the target's greedy output "
+                        "on this release, as tools/acceptance.py makes them), else exit 1")
 
     def error(message):
         raise UsageError(message, "see tools/check_draft.py --help")
@@ -68,7 +98,8 @@ def main(argv=None) -> int:
         i = check.Inputs(target=a.target, draft=a.draft, data=a.data, states=a.states, served=a.served,
                          release=a.release, unpatched=a.unpatched, steps=a.steps, topk=a.topk,
                          draft_tokens=a.steps + 1 if a.draft_tokens is None else a.draft_tokens,
-                         tolerance=float(a.tolerance), device=a.device)
+                         tolerance=float(a.tolerance), device=a.device or ("cuda" if a.serve else "cpu"),
+                         prompt_answer_tokens=a.prompt_answer_tokens, lossless=a.lossless)
         # everything a run can be refused for, before the environment is entered or anything loaded
         check.check_settings(i)
         guard.release_semantics(a.release, unpatched=a.unpatched)
@@ -77,48 +108,94 @@ def main(argv=None) -> int:
         check_output_file(png, "--out's PNG")
         for flag, p in (("--target", a.target), ("--draft", a.draft), ("--data", a.data), ("--states", a.states)):
             if p is not None and not p.is_dir():
-                raise UsageError(f"{flag} {p} is not a directory", f"pass {flag} a directory (tools/check_draft.py --help)")
+                raise UsageError(f"{flag} {p} is not a directory",
+                                 f"pass {flag} a directory (tools/check_draft.py --help)")
         tcfg = check.target_config(a.target)
         check.draft_config(a.draft, tcfg)
         guard.read_draft(a.draft)
         guard.read_dataset(a.data)
+        if a.serve and a.served:
+            raise UsageError("--serve and --served both give served figures", "pass one of them")
+        given = [f for f, v in (("--site", a.site), ("--patched-files", a.patched_files),
+                                ("--sglang-parent", a.sglang_parent), ("--server-args", a.server_args),
+                                ("--served-out", a.served_out)) if v is not None]
+        if given and not a.serve:
+            raise UsageError(f"{', '.join(given)}: settings of --serve, which is not given",
+                             "add --serve, or drop them")
+        if a.lossless and not (a.serve or a.served):
+            raise UsageError("--lossless compares served answers with the held-out data's, and nothing is served",
+                             "add --serve (GPU) or --served FILE, or drop --lossless")
         if a.served:
-            check.read_served(a.served, a.steps)
-        elif a.states is None:
+            check.read_served(a.served, a.steps, a.lossless)
+        elif a.states is None and not a.serve:
             raise UsageError("nothing to compare the prediction with", "pass --states DIR (the held-out conversations' "
-                             "dump files) or --served FILE (a GPU serving run's figures)")
-        if a.device == "cpu" and os.environ.get("EAGLEPATCH_CHECK_ENV") != "1":
-            import importlib.util
+                             "dump files), --served FILE (a GPU serving run's figures) or --serve (serve it on "
+                             "the GPU)")
+        plan = None
+        if a.serve:
+            from eaglepatch.acceptance import serve_check
 
-            if not all(importlib.util.find_spec(m) for m in ("torch", "specforge")):
-                # run in the CPU environment (torch, transformers, SpecForge 0.2.0)
-                from eaglepatch import cpuenv
-
-                try:
-                    py = cpuenv.ensure_env()
-                except RuntimeError as exc:
-                    raise UsageError(f"the CPU environment could not be built ({' '.join(str(exc).split())[:200]})",
-                                     "fix what the log names and rerun") from None
-                import subprocess
-
-                env = dict(os.environ, EAGLEPATCH_CHECK_ENV="1", PYTHONPATH=os.pathsep.join(
-                    [str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-                return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
-        res = check.check(i, say=lambda m: print(m, file=sys.stderr, flush=True))
+            served_out = check_output_file(a.served_out or out.with_suffix(".served.json"), "--served-out")
+            log = check_output_file(out.with_suffix(".server.log"), "--out's server log")
+            if served_out in (out, png, log):
+                raise UsageError(f"--served-out {served_out} is the report, its PNG or its server log",
+                                 "pass --served-out another file")
+            plan = serve_check.plan(a.release, a.unpatched, a.site, a.patched_files, a.sglang_parent, a.tp, a.port,
+                                    a.server_args, a.serve_timeout_s, served_out, log)
         try:
-            res["png"] = {"path": str(png), "drawn_with": check.plot(res, png)}
-        except ImportError:
-            res["png"] = {"path": None, "why": "no PNG: neither matplotlib nor PIL is installed in this environment"}
-        code, line = check.outcome(res)
-        res.update(exit=code, verdict=line)
-        from eaglepatch.outputs import write_atomic
-
-        write_atomic(out, json.dumps(res, indent=2) + "\n", "--out")
-        print(summary(res))
-        print(line, file=sys.stderr)
-        return code
+            return run_check(i, argv, out, png, plan)
+        finally:
+            if plan is not None:
+                plan.cleanup()
 
     return run_main(body)
+
+
+def run_check(i, argv, out: Path, png: Path, plan) -> int:
+    """The checked run: re-run in the CPU environment when a CPU replay lacks torch or SpecForge
+    here; else ``check.check`` (serving as ``plan`` says, after the prediction), the report, the
+    PNG and the outcome."""
+    from eaglepatch.acceptance import check
+
+    if i.device == "cpu" and os.environ.get("EAGLEPATCH_CHECK_ENV") != "1":
+        import importlib.util
+
+        if not all(importlib.util.find_spec(m) for m in ("torch", "specforge")):
+            # run in the CPU environment (torch, transformers, SpecForge 0.2.0)
+            from eaglepatch import cpuenv
+
+            try:
+                py = cpuenv.ensure_env()
+            except RuntimeError as exc:
+                raise UsageError(f"the CPU environment could not be built ({' '.join(str(exc).split())[:200]})",
+                                 "fix what the log names and rerun") from None
+            import subprocess
+
+            env = dict(os.environ, EAGLEPATCH_CHECK_ENV="1", PYTHONPATH=os.pathsep.join(
+                [str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+            return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
+
+    def say(m):
+        print(m, file=sys.stderr, flush=True)
+
+    serving = None
+    if plan is not None:
+        from eaglepatch.acceptance import serve_check
+
+        serving = serve_check.Serving(plan, i, say)
+    res = check.check(i, say=say, serving=serving)
+    try:
+        res["png"] = {"path": str(png), "drawn_with": check.plot(res, png)}
+    except ImportError:
+        res["png"] = {"path": None, "why": "no PNG: neither matplotlib nor PIL is installed in this environment"}
+    code, line = check.outcome(res)
+    res.update(exit=code, verdict=line)
+    from eaglepatch.outputs import write_atomic
+
+    write_atomic(out, json.dumps(res, indent=2) + "\n", "--out")
+    print(summary(res))
+    print(line, file=sys.stderr)
+    return code
 
 
 def summary(res: dict) -> str:
@@ -134,6 +211,9 @@ def summary(res: dict) -> str:
                 "/".join(r["kinds"]), r["hf"], r["accept_length"], fmt(r["per_position"])))
         else:
             lines.append("  reading %-20s %s: not replayed (%s)" % ("/".join(r["kinds"]), r["hf"], r["not_replayed"]))
+    if o.get("answers_equal_to_data") is not None:
+        lines.append("served answers equal to the held-out data's: %d of %d" % (o["answers_equal_to_data"],
+                                                                               o["requests_compared"]))
     lines.append("diagnosis: " + res["diagnosis"]["text"])
     return "\n".join(lines)
 

@@ -13,9 +13,12 @@ or the figures of a GPU serving run (``--served``).
    equals the target's next token and every token before it was accepted): per-position accept
    rates, the accept length over the data's answers, and the chain prediction at those answer
    lengths (``language.chain_accept_length_at``).
-3. **observed**: ``--served``'s figures, or, without them, the draft replayed on the states the
-   release feeds it by its config (guard's served HF indices) read from the dump files, reported
-   as ``replayed``: no server loaded the draft.
+3. **observed**: ``--served``'s figures; or the draft served on the GPU (``--serve``:
+   ``serve_check.Serving``, given to ``check`` as ``serving``: its server starts once every input
+   is checked, runs while the prediction is made, and its figures, written in ``--served``'s
+   format, are read back from that file); or, without either, the draft replayed on the states
+   the release feeds it by its config (guard's served HF indices) read from the dump files,
+   reported as ``replayed``: no server loaded the draft.
 4. **diagnosis**: the draft replayed on the states of each reading a layer mix-up produces from the
    data's layers (as trained; each aux layer one deeper or one shallower; upstream's capture-index
    convention; the last slot's pre-norm and post-norm states swapped), and which of them the
@@ -23,7 +26,8 @@ or the figures of a GPU serving run (``--served``).
    it is fed, and the mix-up between them.
 
 Exit (``outcome``): 0 guard passes and the observed accept length is within the tolerance of the
-predicted; 1 otherwise, with the diagnosis.
+predicted (and, with ``lossless``, every served answer equals the held-out data's); 1 otherwise,
+with the diagnosis.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ class Inputs:
     draft_tokens: int = 4
     tolerance: float = TOLERANCE
     device: str = "cpu"
+    # the first K tokens of each answer go with its prompt (served) and are no generated token
+    # (predicted): answers that start with tokens the user gave (``request_spans``)
+    prompt_answer_tokens: int = 0
+    # every served answer must equal the held-out data's (data that are the target's greedy output)
+    lossless: bool = False
 
 
 # ---- inputs, checked before anything is loaded or written ------------------------------------------
@@ -82,6 +91,10 @@ def check_settings(i: Inputs) -> None:
                          f"predicted here)")
     if not (isinstance(i.tolerance, float) and math.isfinite(i.tolerance) and i.tolerance > 0):
         raise UsageError(f"--tolerance {i.tolerance}: not a positive number", f"pass e.g. --tolerance {TOLERANCE}")
+    if not isinstance(i.prompt_answer_tokens, int) or not 0 <= i.prompt_answer_tokens <= 64:
+        raise UsageError(f"--prompt-answer-tokens {i.prompt_answer_tokens}: 0 to 64 tokens of each answer sent with "
+                         f"its prompt", "pass 0 (answers generated whole) or the length of the part the user gave, "
+                         "e.g. 1")
 
 
 def target_config(target: Path) -> dict:
@@ -117,10 +130,18 @@ def draft_config(draft: Path, target: dict) -> dict:
     return cfg
 
 
-def read_served(path: Path, steps: int) -> dict:
+# what a served-figures file may add (``serve_check.served_figures`` writes them all), kept in the
+# report's ``observed`` as given
+SERVED_EXTRA = ("at_least", "verify_ct", "tokens_after_prefill", "per_position_how", "answers_equal_to_data",
+                "requests_compared", "first_difference_at", "server")
+
+
+def read_served(path: Path, steps: int, lossless: bool = False) -> dict:
     """A GPU serving run's figures: ``accept_length`` (sum(C-1)/sum(V) over the responses'
     meta_info) and optionally ``per_position`` (the rate of each draft position given the ones
-    before it accepted, ``steps`` numbers), ``requests``, ``how``."""
+    before it accepted, ``steps`` numbers), ``requests``, ``how``, and ``SERVED_EXTRA``.
+    ``lossless``: the file must say how many served answers equal the data's
+    (``answers_equal_to_data`` of ``requests_compared``, as ``--serve`` writes it)."""
     fix = ('write it as {"accept_length": 3.1, "per_position": [0.9, 0.8, 0.7], "requests": 128, "how": "served ..."}'
            " (docs/check-draft.md)")
     d = _json(path, "--served", fix)
@@ -131,8 +152,16 @@ def read_served(path: Path, steps: int) -> dict:
     if pp is not None and (not isinstance(pp, list) or len(pp) != steps or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in pp)):
         raise UsageError(f"--served {path}: per_position is not {steps} rates from 0 to 1", fix)
-    return {"accept_length": float(a), "per_position": pp, "requests": d.get("requests"),
-            "how": str(d.get("how") or f"served (figures from {path})"), "source": str(path)}
+    eq, n = d.get("answers_equal_to_data"), d.get("requests_compared")
+    counts = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (eq, n)) and eq <= n
+    if (eq is not None or n is not None or lossless) and not counts:
+        raise UsageError(f"--served {path}: answers_equal_to_data {eq!r} of requests_compared {n!r} are not two "
+                         f"counts (the served answers equal to the held-out data's, of those compared)",
+                         "write both (tools/check_draft.py --serve does), or drop --lossless")
+    out = {"accept_length": float(a), "per_position": pp, "requests": d.get("requests"),
+           "how": str(d.get("how") or f"served (figures from {path})"), "source": str(path)}
+    out.update({k: d[k] for k in SERVED_EXTRA if k in d})
+    return out
 
 
 def dump_index(states: Path) -> dict:
@@ -154,6 +183,24 @@ def dump_index(states: Path) -> dict:
 
 
 # ---- readings ---------------------------------------------------------------------------------------
+
+def with_final_last(src: Path, dest: Path) -> None:
+    """Copy the specforge dataset ``src`` to ``dest`` with each sample's last aux slot replaced by its
+    post-norm final state (``hidden_state``): what a trainer that took the post-norm state for 'the
+    last layer' writes. The GPU proof (``benchmarks/check_draft_gpu.py``) builds its post-norm
+    draft's data with it, as ``tests/test_check_draft.py`` builds the CPU toy's (a test there checks
+    the two constructions give the same files)."""
+    import shutil
+
+    import torch
+
+    shutil.copytree(src, dest)
+    for p in sorted(Path(dest).rglob("*.ckpt")):
+        d = torch.load(p, map_location="cpu", weights_only=True)
+        H = d["hidden_state"].shape[-1]
+        d["aux_hidden_state"][..., -H:] = d["hidden_state"]
+        torch.save(d, p)
+
 
 def slot_name(h) -> str:
     """A reading's slot: HF index h (0 = embedding output, N = the last layer before the norm) or FINAL."""
@@ -243,6 +290,18 @@ def answer_spans(ids: list, loss_mask: list) -> list:
     return out
 
 
+def request_spans(ids: list, loss_mask: list, prompt_answer_tokens: int = 0) -> list:
+    """The requests a sample's answers make, (P, T) each: prompt ids[:P], generated ids[P:T] (the
+    first of them by the prefill). With ``prompt_answer_tokens`` K the first K tokens of each
+    answer (``answer_spans``) go with the prompt: answers that start with tokens the user gave (the
+    acceptance run's copy language starts each answer with the symbol to copy from; its data
+    server was prompted with it). The prediction replays exactly these requests and ``--serve``
+    sends exactly these (``serve_check.requests_of``); an answer left with fewer than two
+    generated tokens is dropped by both."""
+    k = prompt_answer_tokens
+    return [(P + k, T) for P, T in answer_spans(ids, loss_mask) if T - P - k >= 2]
+
+
 def figures(metas: list, steps: int) -> dict:
     """The chain figures of replayed requests (``chain_replay``'s metas): accept length
     sum(C-1)/sum(V); per position k the rate of draft token k accepted given tokens 1..k-1 were
@@ -288,7 +347,9 @@ class Replayer:
         self.loaded = self.run.load_weights(Path(i.draft))
 
     def replay(self, samples) -> dict:
-        return figures(self.run.chain_replay(samples, None, self.i.steps, spans=answer_spans), self.i.steps)
+        k = self.i.prompt_answer_tokens
+        return figures(self.run.chain_replay(samples, None, self.i.steps,
+                                             spans=lambda ids, mask: request_spans(ids, mask, k)), self.i.steps)
 
     def predicted(self) -> dict:
         return self.replay(self.data_files)
@@ -398,13 +459,32 @@ def outcome(res: dict) -> tuple[int, str]:
     head = "%s %.3f vs predicted %.3f" % (res["observed"]["kind"], o, p)
     if not res["within_tolerance"]:
         bad.append("%s: differs by %.3f > %s; %s" % (head, abs(o - p), res["tolerance"], res["diagnosis"]["text"]))
+    ob = res["observed"]
+    eq, n = ob.get("answers_equal_to_data"), ob.get("requests_compared")
+    same = "" if eq is None else "; %d of %d served answers equal the held-out data's" % (eq, n)
+    if res["inputs"].get("lossless") and eq is not None and eq < n:
+        firsts = sorted(d["at"] for d in ob.get("first_difference_at") or [])[:5]
+        bad.append("lossless: %d of %d served answers differ from the held-out data's, which are the target's greedy "
+                   "output (speculative decoding changed them; first differences at answer tokens %s)"
+                   % (n - eq, n, firsts))
     if bad:
-        return 1, "failed: " + "; ".join(bad)
-    return 0, "passed: %s (within %s)" % (head, res["tolerance"])
+        return 1, "failed: " + "; ".join(bad) + ("" if "lossless" in bad[-1] else same)
+    return 0, "passed: %s (within %s)%s" % (head, res["tolerance"], same)
 
 
-def check(i: Inputs, say=print) -> dict:
-    """Every step in turn (see the module docstring); the result the report is written from."""
+def check(i: Inputs, say=print, serving=None) -> dict:
+    """Every step in turn (see the module docstring); the result the report is written from.
+    ``serving`` (``serve_check.Serving``): started once the inputs are checked and the draft's
+    weights loaded (its server starts while the prediction runs), finished after the prediction
+    (the path of the figures it wrote, read back as ``--served``'s are), stopped whatever happens."""
+    try:
+        return _check(i, say, serving)
+    finally:
+        if serving is not None:
+            serving.stop()
+
+
+def _check(i: Inputs, say, serving) -> dict:
     from .. import conventions, guard
 
     import warnings
@@ -418,11 +498,16 @@ def check(i: Inputs, say=print) -> dict:
     if data.dataset_format not in (None, "specforge"):
         raise UsageError(f"--data {i.data} is a {data.dataset_format} dataset; the replay reads specforge-format "
                          f"samples", "extract the held-out conversations with tools/extract.py --format specforge")
-    served = read_served(i.served, i.steps) if i.served else None
-    if served is None and i.states is None:
+    if i.served and serving is not None:
+        raise UsageError("--serve and --served both give served figures", "pass one of them")
+    served = read_served(i.served, i.steps, i.lossless) if i.served else None
+    if served is None and serving is None and i.states is None:
         raise UsageError("nothing to compare the prediction with", "pass --states DIR (the held-out conversations' "
-                         "dump files: the draft is replayed on what the release feeds it) or --served FILE (a GPU "
-                         "serving run's figures)")
+                         "dump files: the draft is replayed on what the release feeds it), --served FILE (a GPU "
+                         "serving run's figures) or --serve (serve it on the GPU)")
+    if i.lossless and served is None and serving is None:
+        raise UsageError("--lossless compares served answers with the held-out data's, and nothing is served",
+                         "add --serve (GPU) or --served FILE, or drop --lossless")
     sem = guard.release_semantics(i.release, unpatched=i.unpatched)
     guard.check_storage(draft, data)
     gv = guard.check(draft, data, sem)
@@ -431,6 +516,8 @@ def check(i: Inputs, say=print) -> dict:
            "guard": {"ok": gv.ok, "served_hf": gv.served_hf, "lines": gv.lines, "reading": sem.source},
            "data": {"hf": data.hf, "layer_ids": data.layer_ids, "format": data.dataset_format}}
     rep = Replayer(i, dcfg)
+    if serving is not None:  # the inputs are checked and the draft's weights fit: the server starts
+        serving.start()      # while the readings are checked and the prediction runs
     res["draft"] = {"config_ids": draft.layer_ids, "family": draft.family, "weights": rep.loaded}
     config_hf = gv.served_hf if draft.family == guard.EAGLE_CONFIG else None
     series_rule = conventions.release_rule(i.release) if not i.unpatched else sem.rule
@@ -450,7 +537,7 @@ def check(i: Inputs, say=print) -> dict:
         else:
             todo[k] = samples
     cfg_r = next((r for r in rs if "config" in r["kinds"]), None)
-    if served is None and (cfg_r is None or cfg_r.get("not_replayed")):
+    if served is None and serving is None and (cfg_r is None or cfg_r.get("not_replayed")):
         why = (cfg_r or {}).get("not_replayed") or "it reads the draft's config as no layers the target has"
         raise UsageError(f"the draft cannot be replayed on what sglang {i.release} feeds it ({why})",
                          "dump the layers it is fed and the final state (tools/serve.py --layers, --final 1) or "
@@ -466,6 +553,8 @@ def check(i: Inputs, say=print) -> dict:
         % (sem.source, data.hf, gv.served_hf))
     say("predicted: accept length %.3f, per position %s (chain at the answer lengths %s)"
         % (pred["accept_length"], pred["per_position"], pred["chain_at_answer_lengths"]))
+    if serving is not None:
+        served = read_served(serving.finish(), i.steps, i.lossless)
     for k, samples in todo.items():
         rs[k].update(rep.replay(samples))
         rs[k]["minus_predicted"] = _close(rs[k], pred)
