@@ -926,6 +926,10 @@ class Run:
         spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
                 "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "1",
                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+        if self.gpu:  # the draft's KV pool is sized by the target's token count: on the H200 the MLA target's
+            # (about 576 values a token a layer) made the draft's MHA pool ask for 173 GiB; 256K tokens hold
+            # the json concurrency's prompts many times over
+            spec += ["--max-total-tokens", "262144"]
         passes = {}
         total_start = 0.0
         for which, extra in (("final", []), ("aux", spec)):

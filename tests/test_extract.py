@@ -396,6 +396,11 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     left = {x.stem for x in server.dump_dir.glob("*.safetensors")}
     assert not left & {r["key"] for r in recs}
     assert "summary: 24 extracted" in p.stderr
+    # where the time went: every stage of every sample is timed (the server's forward is in generate)
+    st = man["last_run"]["stage_seconds"]
+    assert set(st) == {"tokenize", "generate", "wait_for_file", "read_validate", "write", "record"}, st
+    assert st["generate"] > 0 and st["read_validate"] > 0 and st["write"] > 0, st
+    assert "time per stage, summed over the 4 workers" in p.stderr
     FIGURES["specforge"] = {"max_abs_diff_vs_hf": worst, "wall_s": round(p.wall, 2), "tokens": man["tokens"],
                             "summary": [x for x in p.stderr.splitlines() if x.startswith("summary:")][0]}
 

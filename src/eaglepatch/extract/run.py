@@ -68,6 +68,7 @@ from .writers import (Layout, publish_speculators, resolve_layout, restart_with,
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
 _LISTS = ("eagle3_layer_ids", "hf_hidden_state_indices")
+STAGES = ("tokenize", "generate", "wait_for_file", "read_validate", "write", "record")
 UNUSED_KEEP_S = 24 * 3600  # a request without its file is looked for this long (a server may write it late)
 
 
@@ -119,6 +120,15 @@ class Extractor:
         self.reading: str | None = None  # the dataset's layer-id reading (its first dump's), once known
         # what rebuilds the states a compact dump leaves out: --model's weights, read on first use
         self.rebuilder = Rebuilder(opts.model)
+        # seconds spent per stage, summed over the worker threads (``record`` on the main thread): where
+        # a slow run's time goes
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+
+    def _spent(self, stage: str, since: float) -> float:
+        now = time.monotonic()
+        with self.lock:
+            self.stage_s[stage] += now - since
+        return now
 
     def serve_hint(self) -> str:
         """How to start the patched server with the dump on for this run (its flag form)."""
@@ -226,7 +236,9 @@ class Extractor:
 
         def finish_one(x: Outcome) -> None:
             outcomes.append(x)
+            t = time.monotonic()
             self.record(x, inp)
+            self._spent("record", t)
             if x.status == "ok":
                 tokens[0] += x.tokens
             elif x.status == "failed":
@@ -270,7 +282,9 @@ class Extractor:
     def process(self, conv, inp: Inputs, client: SGLangClient, probe: int | None = None) -> Outcome:
         o = self.o
         out = Outcome(conv.id, conv.index, conv.fingerprint, "failed")
+        t = time.monotonic()
         enc = self.tokenize(conv, inp, out)
+        self._spent("tokenize", t)
         if enc is None:
             return out
         ids, mask = enc.input_ids, enc.loss_mask
@@ -291,18 +305,22 @@ class Extractor:
             if last:
                 self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
                 continue
+            t = time.monotonic()
             try:
                 dump = self.validate(path, ids, out.rid, inp.cfg, url)
             except dumps_mod.BadDump as exc:
+                self._spent("read_validate", t)
                 last = f"bad dump from {url}: {exc}"
                 with self.lock:
                     self.bad_dumps += 1
                 self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
                 dumps_mod.remove_quietly(path)
                 continue
+            t = self._spent("read_validate", t)
             self.write(conv, dump, mask, out)
             if not o.keep_dumps:
                 dumps_mod.remove_quietly(path)
+            self._spent("write", t)
             with self.lock:
                 self.unused.discard(out.rid)
             return out
@@ -336,11 +354,14 @@ class Extractor:
         only, and stop the run if it fails."""
         o = self.o
         dumps_mod.remove_quietly(path)  # never read a file of an earlier try (a bad one, or a late write)
+        t = time.monotonic()
         try:
             answer, i = client.generate(ids, rid=rid, server=probe)
         except RequestError as exc:
+            self._spent("generate", t)
             return f"server refused the request: {exc}", False, ""
         except TransientError as exc:
+            self._spent("generate", t)
             if probe is not None or not client.alive():
                 who = (f"the server at {client.urls[probe or 0]} stopped answering"
                        if probe is not None or len(client.urls) == 1
@@ -348,13 +369,15 @@ class Extractor:
                 raise Fatal(f"{who} ({exc})",
                             "look at the server logs, restart them and rerun (done samples are kept)") from None
             return f"/generate failed: {exc}", True, ""
-        answered, url = time.monotonic(), client.urls[i]
+        answered, url = self._spent("generate", t), client.urls[i]
         problems = []
         if probe is not None or not path.exists():
             try:
                 problems = client.flush(i, answered)
             except NoFlush as exc:
                 raise Fatal(*self.no_flush(exc, ids, path)) from None
+            finally:
+                self._spent("wait_for_file", answered)
         if path.exists():
             return "", False, url
         said = (answer.get("meta_info") or {}).get("id") if isinstance(answer, dict) else None
@@ -504,7 +527,9 @@ class Extractor:
                     "bad_dumps_rejected": self.bad_dumps, "request_retries": retried, "stale_samples_removed": removed,
                     "unused_dumps_removed": {"earlier_runs": self.earlier_removed, "this_run": unused},
                     "servers": [{"url": u, "answered": n, "put_aside": a, "flushes": f}
-                                for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)]}
+                                for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)],
+                    "stage_seconds": {k: round(v, 3) for k, v in self.stage_s.items()},
+                    "concurrency": o.concurrency}
         man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
         if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
             if o.format == "speculators":
@@ -521,6 +546,9 @@ class Extractor:
             f"{len(inp.convs) - len(inp.pending)} already done; {len(skipped)} skipped (no assistant tokens); "
             f"{len(failed)} failed; {self.bad_dumps} bad dumps rejected; {retried} request retries; "
             f"dataset: {man['samples']} samples, {man['tokens']} tokens")
+        if outcomes:
+            self.log(f"time per stage, summed over the {o.concurrency} workers (record: the main thread): " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.stage_s.items()) + f"; {sum(client.flushes)} flushes")
         if len(client.urls) > 1 and outcomes:
             self.log("requests answered per server: " + ", ".join(
                 f"{u} {n}" + (f" (put aside {a}x)" if a else "")
