@@ -132,6 +132,62 @@ def test_the_flush_waits_for_the_files_being_written(tmp_path, monkeypatch):
     w.close()
 
 
+class _HeldKeys(_Disk):
+    """The watch above, holding at the disk only the files whose key is in ``keys``."""
+
+    def __init__(self, monkeypatch, keys):
+        super().__init__(monkeypatch)
+        self.keys = set(keys)
+        self.key_gate = threading.Event()
+
+        self.arrived = []  # the keys of the files that reached the disk, held or not
+
+    def __call__(self, path):
+        if not os.path.isdir(path):
+            with self.lock:
+                self.arrived.append(os.path.basename(path).split(".")[1])
+        if any(f".{k}." in os.path.basename(path) for k in self.keys):
+            self.key_gate.wait()
+        return super().__call__(path)
+
+
+def test_a_flush_holds_up_neither_the_forwards_after_it_nor_waits_for_them(tmp_path, monkeypatch):
+    """A flush while files are at the disk: the forwards submitted after it are gathered and reach
+    the disk while it waits (it used to stop the gathering thread until every writer was idle, so
+    under a client that flushes often the dump and the forward behind it went in lock-step), and it
+    answers once the files before it are written, although the later ones are still held."""
+    before = [f"f0-r{i}" for i in range(3)]
+    after = [f"f1-r{i}" for i in range(3)]
+    disk = _HeldKeys(monkeypatch, [dump_mod.request_key(r) for r in after])
+    disk.gate.clear()  # every file held at first
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 22, {}, writers=8)
+    want = _forwards(w, 1, 3, [1])
+    assert set(want) == set(before)
+    answer = {}
+    flusher = threading.Thread(target=lambda: answer.update(w.flush_report(60)))
+    flusher.start()
+    time.sleep(0.2)
+    ids, cap, fin = _states([4, 5, 6], [1], seed=7)
+    w.submit(_Batch(ids, [4, 5, 6], rids=after), cap, fin)
+    later = {dump_mod.request_key(r) for r in after}
+    deadline = time.monotonic() + 10
+    while not later & set(disk.arrived) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # (a thread commits its keys in order, so a later file whose thread holds an earlier one waits
+    # there; the rids here spread so that at least one has a thread of its own)
+    assert later & set(disk.arrived), "no file of the forward after the flush reached the disk while it waited"
+    assert flusher.is_alive() and not answer  # the files before it are still held
+    disk.gate.set()  # the files before the flush go through; the later ones stay held
+    flusher.join(30)
+    assert not flusher.is_alive(), "the flush waited for the forwards submitted after it"
+    assert answer["flushed"] and answer["written"] == 3, answer
+    assert all(w.state(r) == "written" for r in before)
+    assert all(w.state(r) == "queued" for r in after), [w.state(r) for r in after]
+    disk.key_gate.set()
+    assert w.flush_report(30)["written"] == 6
+    w.close()
+
+
 def test_a_request_prefilled_again_is_written_once_whatever_the_threads(tmp_path, monkeypatch):
     """A retracted request prefilled again while its first file is still at the disk: both go to
     the same writer thread, so the second sees the first and keeps it."""

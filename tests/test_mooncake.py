@@ -3,8 +3,12 @@ localhost, the overlay's real ``DumpWriter`` putting each request's states into 
 the readers: the project's ``eaglepatch.mooncake.StoreReader`` (the same ``Dump`` the request's
 file gives) and hs-connectors' own ``MooncakeHiddenStatesStore.get_sample`` on the manifest the
 answer carries. Faults: a master that cannot be reached refuses the settings; a store too small
-for an object fails that request by name; a master killed mid-run fails the requests it could not
-take, and nothing is reported written that is not readable.
+for an object fails that request by name; a store filled by objects nobody read refuses later
+requests by name and loses none it reported written (the sink pins them; unpinned, the master's
+eviction takes some, which the test shows), and takes requests again once readers delete; objects
+nobody deletes expire after EAGLE3_DUMP_MOONCAKE_TTL_S and say so; a master killed mid-run and
+restarted fails the requests it could not take, names the objects it forgot, and takes the later
+ones, which both readers read; nothing whose state is written is unreadable.
 
 The store's package is the CPU wheel installed beside the test environment
 (``eaglepatch.mooncake.ensure_site``; Debian's libibverbs1 comes from eaglepatch.sysdeps)."""
@@ -45,19 +49,55 @@ def site():
     return d
 
 
+_SINKS = []
+
+
+def _close_sinks():
+    while _SINKS:
+        _SINKS.pop().close()
+
+
+@pytest.fixture(autouse=True)
+def _sinks_closed():
+    """Each test's sinks stop their sweeper at its end (it would go on asking a stopped master)."""
+    yield
+    _close_sinks()
+
+
 @pytest.fixture
 def master(site, tmp_path):
     with mooncake.Master(site, tmp_path / "master.log") as m:
         yield m
+        _close_sinks()
 
 
-def _writer(directory, master=None, writers=2, layout=None, segment_mb=None):
+def _writer(directory, master=None, writers=2, layout=None, segment_mb=None, ttl_s=None):
     env = master.env() if master is not None else {}
     if segment_mb is not None:
         env["EAGLE3_DUMP_MOONCAKE_SEGMENT_MB"] = str(segment_mb)
+    if ttl_s is not None:
+        env["EAGLE3_DUMP_MOONCAKE_TTL_S"] = str(ttl_s)
     sink = sinks.MooncakeSink(settings.MooncakeSettings.from_env(env)) if master is not None else None
+    if sink is not None:
+        _SINKS.append(sink)
     return dump_mod.DumpWriter(str(directory), _idx(LAYERS), True, 1 << 22, dict(META), writers=writers,
                                layout=layout, sink=sink)
+
+
+def _theirs(master, buffer_mb=64):
+    """hs-connectors' own Mooncake reader."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    return MooncakeHiddenStatesStore(MooncakeStoreConfig(
+        local_hostname="127.0.0.1", metadata_server=master.metadata, master_server_address=master.address,
+        global_segment_size=0, local_buffer_size=buffer_mb << 20)).setup()
+
+
+def _until(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(every)
 
 
 def _submit(writers, n_forwards=3, per=4, seed=0):
@@ -135,10 +175,16 @@ def test_settings_refuse_what_cannot_work(site, tmp_path):
     refused({"EAGLE3_DUMP_MOONCAKE_MASTER": "127.0.0.1:1"}, "set but EAGLE3_DUMP_SINK is 'file'")
     refused({"EAGLE3_DUMP_SINK": "mooncake", "EAGLE3_DUMP_MOONCAKE_MASTER": "127.0.0.1:1",
              "EAGLE3_DUMP_MOONCAKE_METADATA": "P2PHANDSHAKE"}, "MOONCAKE_MASTER='127.0.0.1:1' cannot be reached")
-    with mooncake.Master(site, tmp_path / "m.log") as m:
+    refused({"EAGLE3_DUMP_SINK": "mooncake", "EAGLE3_DUMP_MOONCAKE_MASTER": "127.0.0.1:1",
+             "EAGLE3_DUMP_MOONCAKE_TTL_S": "0"}, "EAGLE3_DUMP_MOONCAKE_TTL_S='0' must be a positive finite number "
+                                                 "of seconds")
+    # two masters at once on one host (each on its own free ports, its metrics server's too)
+    with mooncake.Master(site, tmp_path / "m.log") as m, mooncake.Master(site, tmp_path / "m2.log") as m2:
         s = settings.DumpSettings.from_env(dict(m.env(), EAGLE3_DUMP_DIR=str(tmp_path)))
         s.mooncake.check_reachable()  # both ports answer
-        assert (s.sink, s.mooncake.master, s.mooncake.segment_bytes) == ("mooncake", m.address, 256 << 20)
+        assert (s.sink, s.mooncake.master, s.mooncake.segment_bytes, s.mooncake.ttl_s) == (
+            "mooncake", m.address, 256 << 20, 600.0)
+        assert m2.proc.poll() is None and m.proc.poll() is None
 
 
 def test_a_store_too_small_fails_the_request_by_name(master, tmp_path):
@@ -172,22 +218,189 @@ def test_a_store_too_small_fails_the_request_by_name(master, tmp_path):
     w.close()
 
 
-def test_a_master_killed_mid_run_fails_those_requests_and_reports_nothing_unreadable(site, tmp_path):
+def test_a_master_restarted_mid_run_names_what_it_lost_and_later_requests_are_read(site, tmp_path):
+    """The master killed mid-run, then started again on the same address. The requests while it is
+    down fail by name (state, ledger, flush report) and at once (a call to an absent master takes
+    ~4.3 s to fail: the sink tries none while it is out), and their error markers are put once it
+    answers again. The objects written before are gone with the old
+    master (it held the only record of them): the sink notices (its sentinel object is not listed),
+    counts them, their state says gone, and both readers raise the reason from an error marker. The
+    sink's store client mounts its memory with the new master by itself (about 1 s, measured), so
+    the requests after that are written and read back, by both readers and by a reader connected
+    before the restart, equal to the file sink's files. Nothing whose state is written is unreadable."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "f").mkdir()
+    (tmp_path / "m").mkdir()
     m = mooncake.Master(site, tmp_path / "master.log").start()
     try:
-        w = _writer(tmp_path, m)
-        before = _submit([w], n_forwards=1, seed=1)
-        assert w.flush_report(30)["written"] == len(before)
+        wf, w = _writer(tmp_path / "f"), _writer(tmp_path / "m", m)
+        early = mooncake.StoreReader(m.address, m.metadata)  # a reader connected before the restart
+        before = _submit([wf, w], n_forwards=1, seed=1)
+        assert wf.flush_report(30)["written"] == w.flush_report(30)["written"] == len(before)
+        assert _same(early.tensors(w.handle(before[0]))[0],
+                     load_file(str(tmp_path / "f" / (w.handle(before[0])["key"] + ".safetensors"))))
         m.stop(kill=True)
-        during = _submit([w], n_forwards=1, seed=2)
+        during = _submit([wf, w], n_forwards=1, seed=2)
+        started = time.monotonic()
         r = w.flush_report(120)
-        assert r["flushed"] and r["written"] == len(before), r
+        assert time.monotonic() - started < 15, "the requests during the outage were not failed at once"
+        assert r["flushed"] and (r["written"], r["failed"]) == (len(before), len(during)), r
         for rid in during:
-            assert w.state(rid).startswith("failed: the write failed"), (rid, w.state(rid))
+            assert w.state(rid).startswith("failed: the write failed: the Mooncake store refused the object"), \
+                (rid, w.state(rid))
+            assert "did not answer" in w.state(rid) and rid in w.unwritten
+        m.start()  # the same ports
+        _until(lambda: w.sink.counts()["master_restarts"] == 1, 60, "the sink noticing the restarted master")
+        after = _submit([wf, w], n_forwards=2, seed=3)
+        assert wf.flush_report(60)["flushed"]
+        r = w.flush_report(60)
+        assert (r["written"], r["failed"], r["gone_at_restart"], r["master_restarts"]) == (
+            len(before) + len(after), len(during), len(before), 1), r
+        ours, theirs = mooncake.StoreReader(m.address, m.metadata), _theirs(m)
+        for rid in after:
+            h = w.handle(rid)
+            assert w.state(rid) == "written", (rid, w.state(rid))
+            file = load_file(str(tmp_path / "f" / (h["key"] + ".safetensors")))
+            assert _same(ours.tensors(h)[0], file), rid
+            assert _same(theirs.get_sample(h["manifest"], timeout=5), file), rid
+            # a client connected before the restart reconnects by itself within seconds (4.3 s per try)
+            assert _same(early.tensors(h, timeout=30)[0], file), rid
+        for rid in before:
+            h = w.handle(rid)
+            assert w.state(rid).startswith("gone: the Mooncake master"), (rid, w.state(rid))
+            with pytest.raises(mooncake.StoreError, match="restarted after it was written"):
+                ours.tensors(h)
+            with pytest.raises(Exception, match="restarted after it was written"):
+                theirs.get_sample(h["manifest"], timeout=5)
+        for rid in during:  # their markers were put once the master answered again
+            with pytest.raises(mooncake.StoreError, match="did not answer"):
+                ours.tensors(w.handle(rid))
+            with pytest.raises(Exception, match="did not answer"):
+                theirs.get_sample({"version": 1, "handle": w.handle(rid)["key"], "tensors": {},
+                                   "metadata": {"total_aligned_bytes": 0}}, timeout=5)  # no manifest was answered
+        for rid in before + during + after:  # what says written reads
+            if w.state(rid) == "written":
+                ours.tensors(w.handle(rid))
+        wf.close()
         w.close()
     finally:
+        _close_sinks()  # before the master stops: a call to an absent master takes ~4.3 s
         m.stop(kill=True)
     time.sleep(0.1)
+
+
+def _submit_big(writers, n: int, tokens: int = 1000, seed: int = 0) -> list:
+    """``n`` requests of ``tokens`` tokens, hidden 64 (about 1 MiB an object at 1000), one a forward."""
+    rids = []
+    for i in range(n):
+        ids, cap, fin = _states([tokens], LAYERS, hidden=64, seed=seed + i)
+        rid = f"big{seed}-{i}"
+        for w in writers:
+            w.submit(_Batch(ids, [tokens], rids=[rid]), cap, fin)
+        rids.append(rid)
+    return rids
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned-loses-written-objects"])
+def test_a_store_filled_by_unread_objects_refuses_later_requests_and_loses_none(site, tmp_path, monkeypatch, pinned):
+    """16 MiB of store and 24 requests of about 1 MiB that nobody reads: the requests that do not fit
+    fail by name, and every object reported written is still there, equal to its file, for both
+    readers (the sink hard-pins its objects: Mooncake's eviction never takes them). Once a reader
+    has read and deleted some, later requests are written again. With the pin off (the sink as it
+    was), the master's eviction (90% used: ~5% of the unleased objects go) removes objects already
+    reported written, which this test sees: the case that the pin prevents."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(sinks, "HARD_PIN", pinned)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "m").mkdir()
+    # short leases: an object is not shielded from eviction by the lease a look at it grants
+    with mooncake.Master(site, tmp_path / "master.log", kv_lease_ms=500) as m:
+        wf, w = _writer(tmp_path / "f"), _writer(tmp_path / "m", m, segment_mb=16)
+        rids = _submit_big([wf, w], 24)
+        assert wf.flush_report(120)["written"] == len(rids)
+        r = w.flush_report(120)
+        written = [rid for rid in rids if w.state(rid) == "written"]
+        refused = [rid for rid in rids if w.state(rid).startswith(
+            "failed: the write failed: the Mooncake store refused the object")]
+        assert len(written) + len(refused) == len(rids) and written and refused, [w.state(x) for x in rids]
+        assert (r["written"], r["failed"]) == (len(written), len(refused)), r
+        assert all("no room" in w.state(rid) for rid in refused), w.state(refused[0])
+        time.sleep(3)  # the master's eviction runs every 10 ms; leases are 0.5 s
+        ours = mooncake.StoreReader(m.address, m.metadata)
+
+        def file(rid):
+            return load_file(str(tmp_path / "f" / (w.handle(rid)["key"] + ".safetensors")))
+
+        lost = []
+        for rid in written:
+            try:
+                got = ours.tensors(w.handle(rid))[0]
+            except mooncake.StoreError:
+                lost.append(rid)
+                continue
+            assert _same(got, file(rid)), rid
+        if not pinned:
+            assert lost, "no object reported written was evicted: this test could not see the loss it guards"
+            _close_sinks()
+            return
+        assert lost == []
+        theirs = _theirs(m, buffer_mb=16)
+        for rid in written:
+            assert _same(theirs.get_sample(w.handle(rid)["manifest"], timeout=5), file(rid)), rid
+        for rid in written[:6]:  # a consumer reads and deletes: room again
+            ours.tensors(w.handle(rid), delete=True)
+        more = _submit_big([wf, w], 4, seed=100)
+        assert wf.flush_report(60)["flushed"] and w.flush_report(60)["flushed"]
+        assert [w.state(rid) for rid in more] == ["written"] * 4, [w.state(rid) for rid in more]
+        for rid in more:
+            assert _same(ours.tensors(w.handle(rid))[0], file(rid)), rid
+        wf.close()
+        w.close()
+        _close_sinks()
+
+
+def test_objects_nobody_deletes_expire_and_say_so(site, tmp_path, caplog):
+    """EAGLE3_DUMP_MOONCAKE_TTL_S=4 and four objects: one read and deleted by our reader
+    (``load(..., delete=True)``), one read by hs-connectors and deleted with its ``delete_sample``
+    (which leaves our manifest), two never read. The two unread are removed by the writing rank,
+    counted (flush report) and logged; their state says expired and both readers raise the reason.
+    The consumed two are not counted; the manifest hs-connectors left is removed too; the markers go
+    after another time to live: nothing of the run is left in the store."""
+    import logging
+
+    with mooncake.Master(site, tmp_path / "master.log", kv_lease_ms=500) as m:
+        w = _writer(tmp_path, m, ttl_s=4)
+        rids = _submit([w], n_forwards=1, per=4, seed=7)
+        assert w.flush_report(30)["written"] == 4
+        ours, theirs = mooncake.StoreReader(m.address, m.metadata), _theirs(m)
+        assert ours.load(w.handle(rids[0]), delete=True).layers.keys() == {f"layer.{k}" for k in LAYERS}
+        with pytest.raises(mooncake.StoreError, match="no object"):
+            ours.tensors(w.handle(rids[0]))
+        h1 = w.handle(rids[1])
+        assert theirs.get_sample(h1["manifest"], timeout=5)["input_ids"].numel() > 0
+        theirs.delete_sample(h1["key"])
+        with caplog.at_level(logging.WARNING, logger=sinks.__name__):
+            _until(lambda: w.sink.counts()["expired"] == 2, 30, "the expiry of the two unread objects")
+            for rid in rids[2:]:  # at once: their markers live one time to live too
+                h = w.handle(rid)
+                assert w.state(rid).startswith(
+                    "gone: expired: nobody deleted it within EAGLE3_DUMP_MOONCAKE_TTL_S=4 s"), w.state(rid)
+                with pytest.raises(mooncake.StoreError, match="expired: nobody deleted it"):
+                    ours.tensors(h)
+                with pytest.raises(Exception, match="expired: nobody deleted it"):
+                    theirs.get_sample(h["manifest"], timeout=1)
+            time.sleep(3 * sinks.SWEEP_S)
+        r = w.flush_report(30)
+        assert (r["written"], r["expired"]) == (4, 2), r
+        assert "removed 2 objects nobody deleted within EAGLE3_DUMP_MOONCAKE_TTL_S=4 s" in caplog.text, caplog.text
+        assert [w.state(rid) for rid in rids[:2]] == ["written", "written"]
+        keys = [w.handle(rid)["key"] + suffix for rid in rids for suffix in ("", ":meta", ":error")]
+        # every look grants a 0.5 s lease that defers a removal: look every 2 s
+        _until(lambda: [k for k in keys if ours.store.is_exist(k) != 0] == [], 30, "the store emptying", every=2)
+        w.close()
+        _close_sinks()
 
 
 # ---- through a real sglang.Engine (CPU, sglang 0.5.9 with the series) ----------------------------

@@ -110,7 +110,9 @@ def main(argv=None) -> int:
                        ("--mooncake-host", "this node's address the store's other clients reach (default 127.0.0.1)"),
                        ("--mooncake-segment-mb", "MiB of memory this server gives the store; its objects live "
                                                  "there (default 4096)"),
-                       ("--mooncake-buffer-mb", "MiB of the store client's transfer buffer (default 2048)")):
+                       ("--mooncake-buffer-mb", "MiB of the store client's transfer buffer (default 2048)"),
+                       ("--mooncake-ttl-s", "seconds after its commit that an object no reader deleted is removed "
+                                            "by the server, logged and counted (default 600)")):
         var = "EAGLE3_DUMP_" + flag[2:].upper().replace("-", "_")
         ap.add_argument(flag, metavar=flag[len("--mooncake-"):].upper().replace("-", "_"),
                         help=f"{var}: {what} (default: ${var})")

@@ -92,7 +92,8 @@ class Master:
     def __init__(self, site: Path, log: Path, kv_lease_ms: int | None = None):
         self.binary = Path(site) / "mooncake" / "mooncake_master"
         self.log = Path(log)
-        self.port, self.http_port = _free_port(), _free_port()
+        # its admin/metrics server too: on its default (0.0.0.0:9003) a second master on the host ends at start
+        self.port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         self.kv_lease_ms = kv_lease_ms
         self.proc: subprocess.Popen | None = None
 
@@ -112,7 +113,8 @@ class Master:
 
     def start(self, timeout: float = 120.0) -> "Master":
         args = [str(self.binary), f"--port={self.port}", "--enable_http_metadata_server=true",
-                f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1"]
+                f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1"]
         if self.kv_lease_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.kv_lease_ms}")
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +159,7 @@ class StoreReader:
                  buffer_mb: int = 64):
         from mooncake.store import MooncakeDistributedStore
 
+        self.master = master
         self.store = MooncakeDistributedStore()
         code = self.store.setup(local_host, metadata, 0, buffer_mb << 20, protocol, "", master)
         if code != 0:
@@ -167,16 +170,20 @@ class StoreReader:
         seconds for it to appear (the answer may come before the object is in the store)."""
         key = handle["key"] if isinstance(handle, dict) else str(handle)
         deadline = time.monotonic() + timeout
-        while self.store.is_exist(key + META_SUFFIX) != 1:
+        while (code := self.store.is_exist(key + META_SUFFIX)) != 1:
             if self.store.is_exist(key + ERROR_SUFFIX) == 1:
                 raw = bytes(self.store.get(key + ERROR_SUFFIX))
                 try:
                     why = json.loads(raw.decode("utf-8"))["error"]
                 except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                     why = raw[:200]
-                raise StoreError(f"the server could not put {key}: {why}")
+                raise StoreError(f"the server could not put {key}, or removed it: {why}")
+            if time.monotonic() >= deadline and code < 0:  # a master restarted: this client reconnects in seconds
+                raise StoreError(f"the Mooncake master {self.master} did not answer (code {code}) for {key}; wait "
+                                 f"for it (a longer timeout) or check that it runs")
             if time.monotonic() >= deadline:
-                raise StoreError(f"no object {key} in the store (not yet written, failed, or deleted)")
+                raise StoreError(f"no object {key} in the store (not yet written, failed, deleted, expired, or lost "
+                                 f"at a restart of the master)")
             time.sleep(0.02)
         raw = bytes(self.store.get(key + META_SUFFIX))
         if not raw:  # listed by the master, its memory gone: the client that held it stopped
@@ -191,8 +198,10 @@ class StoreReader:
                              f"this reader knows version {MANIFEST_VERSION}")
         return man
 
-    def tensors(self, handle, timeout: float = 0.0) -> tuple:
-        """({name: tensor}, file metadata) of a handle or key."""
+    def tensors(self, handle, timeout: float = 0.0, delete: bool = False) -> tuple:
+        """({name: tensor}, file metadata) of a handle or key; ``delete``: then remove the object
+        (``delete``), as a consumer that reads each request once should (the server removes what
+        nobody deleted only after ``EAGLE3_DUMP_MOONCAKE_TTL_S``)."""
         import torch
 
         man = self.manifest(handle, timeout)
@@ -205,6 +214,9 @@ class StoreReader:
             got = self.store.get_into(key, buf.data_ptr(), total)
         finally:
             self.store.unregister_buffer(buf.data_ptr())
+        if got < 0:  # the manifest was there, the data is not (removed, expired, or lost since)
+            raise StoreError(f"the object {key} has a manifest but its data could not be read (code {got}: deleted, "
+                             f"expired or lost after its manifest was read); nothing returned")
         if got != total:
             raise StoreError(f"the object {key} gave {got} bytes, its manifest says {total}")
         out = {}
@@ -215,18 +227,22 @@ class StoreReader:
                 raise StoreError(f"{key}: tensor {name} ends at byte {end}, past the object's {total}")
             out[name] = buf[int(spec["offset"]):end].view(dtype).view(tuple(spec["shape"])).clone()
         meta = {k: v for k, v in man["metadata"].items() if k != "total_aligned_bytes"}
+        if delete:
+            self.delete(key)
         return out, meta
 
-    def load(self, handle, rebuilder=None, timeout: float = 0.0):
-        """The ``extract.dumps.Dump`` of a handle or key: what the same request's file gives."""
+    def load(self, handle, rebuilder=None, timeout: float = 0.0, delete: bool = False):
+        """The ``extract.dumps.Dump`` of a handle or key: what the same request's file gives;
+        ``delete``: the object is removed once read."""
         from .extract.dumps import decode
 
-        tensors, meta = self.tensors(handle, timeout)
+        tensors, meta = self.tensors(handle, timeout, delete=delete)
         return decode(Path("mooncake:" + meta.get("key", "?")), meta, tensors, rebuilder)
 
     def delete(self, handle) -> None:
         """Remove a request's object and manifest (the manifest first: a reader never finds a
-        manifest without its data)."""
+        manifest without its data), and its error marker. Forced: this reader's own look at the
+        object gave it a lease (Mooncake refuses a plain removal under one for its ``default_kv_lease_ttl``)."""
         key = handle["key"] if isinstance(handle, dict) else str(handle)
         for k in (key + META_SUFFIX, key, key + ERROR_SUFFIX):
             self.store.remove(k, force=True)

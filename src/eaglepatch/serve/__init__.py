@@ -84,6 +84,7 @@ DUMP_SETTINGS = (
     DumpSetting("--mooncake-host", "EAGLE3_DUMP_MOONCAKE_HOST", "", "text"),
     DumpSetting("--mooncake-segment-mb", "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "", "MiB"),
     DumpSetting("--mooncake-buffer-mb", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "", "MiB"),
+    DumpSetting("--mooncake-ttl-s", "EAGLE3_DUMP_MOONCAKE_TTL_S", "", "seconds"),
 )
 MAX_WRITERS = 64  # eagle3_capture.settings.MAX_WRITERS
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
@@ -160,7 +161,7 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
             f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else f"a positive finite number of {st.unit}"))
     example = ("1 or 0" if boolean else what if choices else "e.g. 4" if threads else
                {"host:port": "e.g. 127.0.0.1:50051", "metadata": "e.g. http://127.0.0.1:8080/metadata",
-                "text": "one word", "MiB": "e.g. 4096"}.get(st.unit) if not st.default else "e.g. " + st.default)
+                "text": "one word", "MiB": "e.g. 4096", "seconds": "e.g. 600"}.get(st.unit) if not st.default else "e.g. " + st.default)
     if from_flag:
         raise UsageError(f"{st.flag} {raw!r} is not {what}",
                          f"pass e.g. {st.flag} 4" if threads else

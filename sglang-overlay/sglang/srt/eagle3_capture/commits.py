@@ -8,7 +8,9 @@ the whole file or none); only different files overlap. Files are spread over the
 every file of one key goes to the same thread, in submission order, so the writes of one request
 (a retracted request prefilled again) never race each other.
 
-``wait_idle`` is the flush: it returns once every commit submitted before it is done. ``pending``
+``when_done`` is the flush: it sets an event once every commit submitted before it is done,
+without holding up the caller (the thread that gathers forwards goes on while a flush waits, so a
+flush never stalls the dump's pipeline or the forward behind it). ``pending``
 names the commits not yet done (the stop ledger lists them). The thread count comes from
 ``EAGLE3_DUMP_WRITERS`` or, by default, from the CPUs this process may run on (``default_writers``).
 """
@@ -20,7 +22,7 @@ import os
 import queue
 import threading
 import zlib
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class CommitPool:
         self._pending: Dict[int, object] = {}  # ticket -> item, submitted and not done
         self._keys: Dict[str, int] = {}  # key -> commits of it not done
         self._ticket = 0
+        self._waiters: List[tuple] = []  # (ticket, event): set once no commit up to ticket is pending
         self._queues: List["queue.Queue"] = [queue.Queue() for _ in range(n)]
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"{name}-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]
@@ -85,7 +88,28 @@ class CommitPool:
                         self._keys[key] = left
                     else:
                         del self._keys[key]
+                    if self._waiters:
+                        self._wake_waiters()
                     self._cond.notify_all()
+
+    def _wake_waiters(self) -> None:
+        """Set the events of the flushes whose commits are all done (``_cond`` held). Tickets are
+        inserted in increasing order, so the first pending one is the oldest."""
+        oldest = next(iter(self._pending), None)
+        keep = []
+        for ticket, event in self._waiters:
+            if oldest is None or oldest > ticket:
+                event.set()
+            else:
+                keep.append((ticket, event))
+        self._waiters = keep
+
+    def when_done(self, event: threading.Event) -> None:
+        """Set ``event`` once every commit submitted so far is done (at once when none is pending);
+        returns at once."""
+        with self._cond:
+            self._waiters.append((self._ticket, event))
+            self._wake_waiters()
 
     def busy(self, key: str) -> bool:
         """Whether a commit of ``key`` is submitted and not done."""
@@ -96,11 +120,6 @@ class CommitPool:
         """The items of the commits not done, in submission order."""
         with self._cond:
             return [self._pending[t] for t in sorted(self._pending)]
-
-    def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every commit submitted so far is done; False when ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self) -> None:
         """Finish what is queued, then stop the threads."""

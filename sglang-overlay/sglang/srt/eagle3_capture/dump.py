@@ -415,9 +415,11 @@ class DumpWriter:
     def state(self, rid: str) -> str:
         """What became of a request's file: ``queued`` (handed to the writer: a flush waits for
         it), ``written``, ``kept`` (this very request's file was there already), ``not dumped:
-        <why>``, ``failed: <why>``, or ``unknown`` (no prefill of it reached this writer)."""
+        <why>``, ``failed: <why>``, ``gone: <why>`` (written to a store, then expired or lost there,
+        ``sinks``), or ``unknown`` (no prefill of it reached this writer)."""
         with self._states_lock:
-            return self._states.get(str(rid), "unknown")
+            got = self._states.get(str(rid), "unknown")
+        return (got == "written" and self.sink.gone(request_key(str(rid)))) or got  # expired, or lost in a store
 
     # ---- writer thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -426,9 +428,8 @@ class DumpWriter:
             if job is None:
                 self._queue.task_done()
                 return
-            if isinstance(job, threading.Event):  # a flush: every job before it is written
-                self._pool.wait_idle()
-                job.set()
+            if isinstance(job, threading.Event):  # a flush: set once every job before it is written
+                self._pool.when_done(job)  # this thread goes on gathering the forwards after it
                 self._queue.task_done()
                 continue
             if self._stopping:  # a drain gave up: what is left stays unwritten (named in its ledger)
@@ -636,7 +637,7 @@ class DumpWriter:
     def counts(self) -> Dict[str, int]:
         return {"written": self.written, "failed": self.failed, "dropped": self.dropped,
                 "skipped": self.skipped, "probes": self.probes, "warmup": self.warmup,
-                "reprefilled": self.reprefilled, "pending_chunked": len(self._partials)}
+                "reprefilled": self.reprefilled, "pending_chunked": len(self._partials), **self.sink.counts()}
 
     def flush(self) -> None:
         """Wait until every submitted forward is written, failed, or held as a partial request."""

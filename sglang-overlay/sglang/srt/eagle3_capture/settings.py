@@ -33,16 +33,18 @@ ENV_MC_DEVICE = "EAGLE3_DUMP_MOONCAKE_DEVICE"  # RDMA device names (rdma only)
 ENV_MC_HOST = "EAGLE3_DUMP_MOONCAKE_HOST"  # this node's address the store's peers reach
 ENV_MC_SEGMENT_MB = "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB"  # memory this client gives the store
 ENV_MC_BUFFER_MB = "EAGLE3_DUMP_MOONCAKE_BUFFER_MB"  # this client's transfer buffer
+ENV_MC_TTL_S = "EAGLE3_DUMP_MOONCAKE_TTL_S"  # an object nobody deleted is removed this long after its commit
 MOONCAKE_VARS = (ENV_MC_MASTER, ENV_MC_METADATA, ENV_MC_PROTOCOL, ENV_MC_DEVICE, ENV_MC_HOST, ENV_MC_SEGMENT_MB,
-                 ENV_MC_BUFFER_MB)
+                 ENV_MC_BUFFER_MB, ENV_MC_TTL_S)
 DEFAULT_MC_SEGMENT_MB = 4096
 DEFAULT_MC_BUFFER_MB = 2048
+DEFAULT_MC_TTL_S = 600.0
 REACH_TIMEOUT_S = 5.0
 DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
              "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS",
              "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER", "EAGLE3_DUMP_MOONCAKE_METADATA",
              "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "EAGLE3_DUMP_MOONCAKE_DEVICE", "EAGLE3_DUMP_MOONCAKE_HOST",
-             "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB")
+             "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "EAGLE3_DUMP_MOONCAKE_TTL_S")
 # SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
 # waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
 DEFAULT_DRAIN_S = 20.0
@@ -186,6 +188,7 @@ class MooncakeSettings:
     local_host: str = "127.0.0.1"
     segment_bytes: int = DEFAULT_MC_SEGMENT_MB << 20
     buffer_bytes: int = DEFAULT_MC_BUFFER_MB << 20
+    ttl_s: float = DEFAULT_MC_TTL_S  # objects not deleted by then are removed by the writing rank (sinks.py)
 
     @classmethod
     def from_env(cls, env) -> "MooncakeSettings":
@@ -201,7 +204,8 @@ class MooncakeSettings:
         return cls(master, metadata, _choice(env, ENV_MC_PROTOCOL, ("tcp", "rdma")),
                    env.get(ENV_MC_DEVICE, "").strip(), env.get(ENV_MC_HOST, "").strip() or "127.0.0.1",
                    int(_positive(env, ENV_MC_SEGMENT_MB, DEFAULT_MC_SEGMENT_MB, "MiB") * (1 << 20)),
-                   int(_positive(env, ENV_MC_BUFFER_MB, DEFAULT_MC_BUFFER_MB, "MiB") * (1 << 20)))
+                   int(_positive(env, ENV_MC_BUFFER_MB, DEFAULT_MC_BUFFER_MB, "MiB") * (1 << 20)),
+                   _positive(env, ENV_MC_TTL_S, DEFAULT_MC_TTL_S, "seconds"))
 
     def check_reachable(self) -> None:
         """The master (and an http metadata server) accept a connection, or the launch ends."""

@@ -13,6 +13,11 @@ recorded (None: nothing there), which the writer compares before it writes again
   layout hs-connectors' ``MooncakeHiddenStatesStore.get_sample`` reads; the meta object is put
   after the data, so a reader that finds it finds the data whole (each put is atomic). The
   writing rank only connects (``mooncake.store.MooncakeDistributedStore``, imported at start).
+  Every object is hard pinned (Mooncake's eviction would drop objects reported written: a full
+  store refuses puts instead, and those requests fail by name); a thread removes what no reader
+  deleted ``EAGLE3_DUMP_MOONCAKE_TTL_S`` after its commit, fails requests at once while the
+  master does not answer, and, through a sentinel object, notices a restarted master and names
+  the objects it no longer has (``gone``, ``counts``; docs/online.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Dict, Optional
 
 import torch
@@ -62,6 +68,10 @@ def manifest(key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str
     specs, total = pack(tensors)
     return {"version": MANIFEST_VERSION, "handle": key, "tensors": specs,
             "metadata": dict(metadata, total_aligned_bytes=total)}
+
+
+# Mooncake's error codes (mooncake-store/include/types.h)
+NO_ROOM, NOT_FOUND, RPC_FAIL, RPC_TIMEOUT = -200, -704, -900, -901  # NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, RPC_*
 
 
 class SinkError(RuntimeError):
@@ -105,19 +115,44 @@ class FileSink:
     def fail(self, key: str, why: str) -> None:
         """Nothing to mark: a missing file and the stop ledger say it."""
 
+    def gone(self, key: str) -> Optional[str]:
+        """A written file stays until someone removes it."""
+        return None
 
-def _store_error(what: str, key: str, code) -> SinkError:
-    return SinkError(f"the Mooncake store refused {what} of {key} (code {code}; a full store: raise "
-                     f"EAGLE3_DUMP_MOONCAKE_SEGMENT_MB on the store's clients or consume and delete objects)")
+    def counts(self) -> Dict[str, int]:
+        return {}
+
+
+def _store_error(what: str, key: str, code, master: str = "") -> SinkError:
+    if code == NO_ROOM:
+        why = ("no room: the store is full of objects nobody deleted; have readers delete what they read, lower "
+               "EAGLE3_DUMP_MOONCAKE_TTL_S, or give the store more memory (EAGLE3_DUMP_MOONCAKE_SEGMENT_MB)")
+    elif code in (RPC_FAIL, RPC_TIMEOUT):
+        why = f"the master {master} did not answer: it is down or unreachable; later requests go on when it is back"
+    else:
+        why = "see the master's log"
+    return SinkError(f"the Mooncake store refused {what} of {key} (code {code}: {why})")
+
+
+logger = logging.getLogger(__name__)
+
+# Every object the sink puts is hard pinned: Mooncake's eviction (the master frees ~5% of the unleased
+# objects once its memory is 90% used, or when a put finds no room) never takes one a reader has not
+# deleted; a full store refuses new puts instead, and those requests fail by name.
+HARD_PIN = True
+SWEEP_S = 1.0  # how often the sink checks its master (a restart) and removes what is past its time to live
+TRACKED_MAX = 1 << 18  # objects the sink remembers for expiry and for a master's restart (oldest forgotten)
+MARKED_MAX = 4096  # at a master's restart, error markers for at most this many of the newest objects gone
 
 
 class MooncakeSink:
     name = "mooncake"
 
     def __init__(self, cfg):
-        """``cfg``: ``settings.MooncakeSettings``. Connects now (the writer's start)."""
+        """``cfg``: ``settings.MooncakeSettings``. Connects now (the writer's start), puts this
+        sink's sentinel object and starts the thread that watches the master and expires objects."""
         try:
-            from mooncake.store import MooncakeDistributedStore
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
             raise SinkError(f"EAGLE3_DUMP_SINK=mooncake but the mooncake package cannot be imported ({exc}); "
                             f"pip install mooncake-transfer-engine (CUDA) or mooncake-transfer-engine-non-cuda, "
@@ -130,7 +165,28 @@ class MooncakeSink:
             raise SinkError(f"EAGLE3_DUMP_SINK=mooncake: connecting to the master {cfg.master} (metadata "
                             f"{cfg.metadata_server}, {cfg.protocol}) failed with code {code}; check "
                             f"EAGLE3_DUMP_MOONCAKE_MASTER and EAGLE3_DUMP_MOONCAKE_METADATA")
+        self._pin = ReplicateConfig()
+        self._pin.with_hard_pin = HARD_PIN
         self._local = threading.local()  # each writer thread's registered staging buffer
+        self._lock = threading.Lock()  # the records below: writer threads and the sweeper
+        self._objects: "OrderedDict[str, float]" = OrderedDict()  # key -> its commit (monotonic), oldest first
+        self._markers: "OrderedDict[str, float]" = OrderedDict()  # marker key -> when it is removed
+        self._gone: "OrderedDict[str, str]" = OrderedDict()  # key -> why a written object is no longer there
+        self._counts = {"expired": 0, "gone_at_restart": 0, "master_restarts": 0}
+        self._tracked_full = False
+        self._down_since: Optional[float] = None  # the master has not answered since then: requests fail at once
+        self._unmarked: "OrderedDict[str, str]" = OrderedDict()  # key -> why: markers to put once it answers
+        self._forgot_since: Optional[float] = None  # the master answered without our sentinel since then
+        # a master that lists this object knows what this sink put: one that does not has restarted
+        self.sentinel = f"eagle3-dump-sink:{HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        code = self.store.upsert(self.sentinel, b"1", self._pin)
+        if code != 0:
+            raise SinkError(f"EAGLE3_DUMP_SINK=mooncake: the master {cfg.master} took the connection but refused a "
+                            f"1-byte object (code {code}); check that the store has memory "
+                            f"(EAGLE3_DUMP_MOONCAKE_SEGMENT_MB)")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="eagle3-dump-mooncake-sweep", daemon=True)
+        self._sweeper.start()
 
     def where(self, key: str) -> dict:
         return {"sink": self.name, "key": key, "manifest_key": key + META_SUFFIX}
@@ -149,7 +205,11 @@ class MooncakeSink:
         return buf
 
     def header(self, key: str, read_header=None) -> Optional[Dict[str, str]]:
-        if self.store.is_exist(key + META_SUFFIX) != 1:
+        if self._down_since is not None:  # the commit after it fails at once
+            return None
+        code = self.store.is_exist(key + META_SUFFIX)
+        if code != 1:
+            self._unanswered(code)
             return None
         raw = self.store.get(key + META_SUFFIX)
         try:
@@ -157,7 +217,37 @@ class MooncakeSink:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             return None
 
+    # ---- a master that does not answer -----------------------------------------------------
+    def _unanswered(self, code) -> bool:
+        """Whether ``code`` says the master did not answer. The first such answer starts an outage:
+        requests then fail at once (a call to an absent master takes ~4.3 s to fail, measured) until
+        the sweeper hears the master again."""
+        if code not in (RPC_FAIL, RPC_TIMEOUT):
+            return False
+        with self._lock:
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+        if first:
+            logger.error("the Mooncake master %s does not answer (code %s): requests are failed, by name and at once, "
+                         "until it answers again", self.cfg.master, code)
+        return True
+
+    def _refuse_while_down(self, key: str) -> None:
+        since = self._down_since
+        if since is not None:
+            raise SinkError(f"the Mooncake store refused the object of {key} (code {RPC_FAIL}: the master "
+                            f"{self.cfg.master} did not answer for {time.monotonic() - since:.0f} s; not tried: "
+                            f"requests fail at once until it answers again)")
+
+    def _call(self, key: str, what: str, code, ok=(0,)) -> None:
+        """Raise the request's error unless ``code`` is one of ``ok`` (None: any answer) (noting a
+        master that did not answer)."""
+        if self._unanswered(code) or (ok is not None and code not in ok):
+            raise _store_error(what, key, code, self.cfg.master)
+
     def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
+        self._refuse_while_down(key)
         man = manifest(key, tensors, metadata)
         total = man["metadata"]["total_aligned_bytes"]
         buf = self._staging(total)
@@ -165,29 +255,215 @@ class MooncakeSink:
             t = tensors[name]
             buf[spec["offset"]: spec["offset"] + spec["nbytes"]].view(t.dtype).view(t.shape).copy_(t)
         meta_key = key + META_SUFFIX
-        self.store.remove(meta_key, force=True)  # an earlier commit's manifest never describes this data
-        self.store.remove(key + ERROR_SUFFIX, force=True)
-        code = self.store.upsert_from(key, buf.data_ptr(), total)
-        if code != 0:
-            raise _store_error("the object", key, code)
-        code = self.store.upsert(meta_key, json.dumps(man).encode("utf-8"))
+        # an earlier commit's manifest never describes this data
+        self._call(key, "the removal of an earlier manifest", self.store.remove(meta_key, force=True), None)
+        self._call(key, "the removal of an error marker", self.store.remove(key + ERROR_SUFFIX, force=True), None)
+        self._call(key, "the object", self.store.upsert_from(key, buf.data_ptr(), total, self._pin))
+        code = self.store.upsert(meta_key, json.dumps(man).encode("utf-8"), self._pin)
         if code != 0:
             self.store.remove(key, force=True)
-            raise _store_error("the manifest", key, code)
+            self._call(key, "the manifest", code)
+        code = self.store.is_exist(key)
+        if code != 1:  # the master that took the manifest does not have the data: it restarted in between
+            self._unanswered(code)
+            self.store.remove(meta_key, force=True)
+            raise SinkError(f"the Mooncake master {self.cfg.master} no longer had the object {key} once its manifest "
+                            f"was put (code {code}: it restarted or stopped during the put); not written")
+        with self._lock:
+            self._objects.pop(key, None)
+            self._objects[key] = time.monotonic()
+            self._gone.pop(key, None)
+            self._unmarked.pop(key, None)
+            if len(self._objects) > TRACKED_MAX:
+                self._objects.popitem(last=False)
+                if not self._tracked_full:
+                    self._tracked_full = True
+                    logger.warning("the Mooncake sink tracks at most %d objects: older ones are no longer expired "
+                                   "after EAGLE3_DUMP_MOONCAKE_TTL_S=%g s; lower it or have readers delete what "
+                                   "they read", TRACKED_MAX, self.cfg.ttl_s)
         return dict(self.where(key), manifest=man)
 
-    def fail(self, key: str, why: str) -> None:
-        """Put the marker a reader finds instead of the object, so it fails at once with the reason
-        rather than waiting (best effort: a store that takes nothing takes no marker either)."""
+    def _mark(self, key: str, why: str, attempts: int = 1) -> bool:
+        """Put ``key``'s error marker (pinned; removed after the time to live like an object). With
+        the master not answering, it is put once the master answers again (``_unmarked``)."""
         body = json.dumps({"error": why[:4096]}).encode("utf-8")
-        for attempt in range(3):
+        code = None
+        for attempt in range(attempts):
+            if self._down_since is not None:
+                code = RPC_FAIL
+                break
             try:
-                code = self.store.upsert(key + ERROR_SUFFIX, body)
+                code = self.store.upsert(key + ERROR_SUFFIX, body, self._pin)
             except Exception as exc:  # the request is already failed and named; the marker is a courtesy
                 code = repr(exc)
             if code == 0:
-                return
-            time.sleep(0.05 * (attempt + 1))
-        logging.getLogger(__name__).error("the error marker of %s could not be put (%s): its readers wait "
-                                          "for it until their timeout", key, code)
+                with self._lock:
+                    self._markers.pop(key + ERROR_SUFFIX, None)
+                    self._markers[key + ERROR_SUFFIX] = time.monotonic() + self.cfg.ttl_s
+                    while len(self._markers) > TRACKED_MAX:
+                        self._markers.popitem(last=False)
+                return True
+            if self._unanswered(code):
+                break
+            if attempt + 1 < attempts:
+                time.sleep(0.05 * (attempt + 1))
+        if code in (RPC_FAIL, RPC_TIMEOUT):
+            with self._lock:
+                self._unmarked.pop(key, None)
+                self._unmarked[key] = why
+                while len(self._unmarked) > MARKED_MAX:
+                    self._unmarked.popitem(last=False)
+            return False
+        logger.error("the error marker of %s could not be put (%s): its readers wait for it until their "
+                     "timeout", key, code)
+        return False
 
+    def fail(self, key: str, why: str) -> None:
+        """Put the marker a reader finds instead of the object, so it fails at once with the reason
+        rather than waiting (best effort: a store that takes nothing takes no marker either; one
+        whose master does not answer gets it when the master answers again)."""
+        self._mark(key, why, attempts=3)
+
+    def _mark_unmarked(self) -> None:
+        """The markers of requests failed while the master did not answer, now that it answers."""
+        with self._lock:
+            items = list(self._unmarked.items())
+            self._unmarked.clear()
+        for key, why in items:
+            with self._lock:
+                if key in self._objects:  # committed since (a retry): its data stands
+                    continue
+            self._mark(key, why)
+
+    # ---- what became of written objects ------------------------------------------------------
+    def gone(self, key: str) -> Optional[str]:
+        """Why an object this sink wrote is no longer in the store (None: not known to be gone)."""
+        with self._lock:
+            return self._gone.get(key)
+
+    def counts(self) -> Dict[str, int]:
+        """Objects removed unread after their time to live, objects a restarted master no longer had,
+        and the master's restarts seen (merged into the writer's counts and flush report)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _went(self, keys, why: str, count: str) -> None:
+        with self._lock:
+            for key in keys:
+                self._objects.pop(key, None)
+                self._gone.pop(key, None)
+                self._gone[key] = why
+                while len(self._gone) > TRACKED_MAX:
+                    self._gone.popitem(last=False)
+            self._counts[count] += len(keys)
+
+    def close(self) -> None:
+        """Stop the sweeper (the objects stay: they live as long as this process's store client)."""
+        self._stop.set()
+        if self._sweeper.is_alive() and self._sweeper is not threading.current_thread():
+            self._sweeper.join(timeout=30)
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(SWEEP_S):
+            try:
+                self.sweep()
+            except Exception:  # the sweeper must outlive a bad answer; the next sweep tries again
+                logger.exception("the Mooncake sink's sweep failed")
+
+    def sweep(self) -> None:
+        """Notice a master that stopped answering or restarted, then remove what is past its time."""
+        if self._master_knows_us():
+            self._expire(time.monotonic())
+
+    def _master_knows_us(self) -> bool:
+        code = self.store.is_exist(self.sentinel)
+        now = time.monotonic()
+        if code not in (0, 1):  # no answer: requests fail at once until it answers again
+            if not self._unanswered(code):
+                logger.error("the Mooncake master %s answered the sink's check with code %s", self.cfg.master, code)
+            return False
+        was_down = self._down_since
+        if code == 1:
+            if was_down is not None:
+                with self._lock:
+                    self._down_since = None
+                logger.warning("the Mooncake master %s answers again after %.1f s; the objects put before are "
+                               "intact", self.cfg.master, now - was_down)
+                self._mark_unmarked()
+            return True
+        # it answers and does not list our sentinel: a restarted master that knows none of our objects
+        if self._forgot_since is None:
+            self._forgot_since = was_down if was_down is not None else now
+        code = self.store.upsert(self.sentinel, b"1", self._pin)
+        if code != 0:  # this client has not mounted its memory with the new master yet (about 1 s)
+            return False
+        with self._lock:
+            self._down_since = None  # requests are tried again
+        down, self._forgot_since = now - self._forgot_since, None
+        with self._lock:
+            keys = list(self._objects)
+        gone = []
+        for i in range(0, len(keys), 1024):  # objects put since the restart are there; the others are gone
+            chunk = keys[i:i + 1024]
+            codes = self.store.batch_is_exist([k + META_SUFFIX for k in chunk])
+            gone += [k for k, c in zip(chunk, codes) if c == 0]
+        why = (f"gone: the Mooncake master {self.cfg.master} restarted after it was written and no longer has it "
+               f"(lost unless a reader had already taken it)")
+        for key in gone[-MARKED_MAX:]:  # the marker first: a state that says gone has its marker
+            self._mark(key, why)
+        self._went(gone, why, "gone_at_restart")
+        self._mark_unmarked()
+        with self._lock:
+            self._counts["master_restarts"] += 1
+        logger.error("the Mooncake master %s restarted (no answer, or no object of this server, for %.1f s): it no "
+                     "longer has %d objects this server wrote%s; they are lost unless a reader had taken them "
+                     "(their readers get an error marker, their state says gone); objects put from now on are "
+                     "written as before", self.cfg.master, down, len(gone),
+                     f" ({', '.join(gone[:5])}{', ...' if len(gone) > 5 else ''})" if gone else "")
+        return True
+
+    def _expire(self, now: float) -> None:
+        ttl = self.cfg.ttl_s
+        with self._lock:
+            due = []
+            for key, committed in self._objects.items():
+                if committed + ttl > now:
+                    break
+                due.append((key, committed))
+            markers = []
+            for key, deadline in self._markers.items():
+                if deadline > now:
+                    break
+                markers.append(key)
+        expired, done = [], []
+        for key, committed in due:
+            with self._lock:
+                if self._objects.get(key) != committed:  # committed again since: not due
+                    continue
+            # not forced: a reader's lease (a read in progress) defers the removal to a later sweep
+            code = self.store.remove(key + META_SUFFIX)
+            if code not in (0, NOT_FOUND):
+                continue
+            code = self.store.remove(key)
+            if code == 0:
+                expired.append(key)  # nobody had deleted it
+            elif code == NOT_FOUND:
+                done.append(key)  # read and deleted (a reader that deleted the data only leaves the manifest)
+        with self._lock:
+            for key in done:
+                self._objects.pop(key, None)
+        if expired:
+            why = (f"gone: expired: nobody deleted it within EAGLE3_DUMP_MOONCAKE_TTL_S={ttl:g} s of its commit; "
+                   f"the server removed it")
+            for key in expired:
+                self._mark(key, why)
+            self._went(expired, why, "expired")
+            logger.warning("the Mooncake sink removed %d objects nobody deleted within EAGLE3_DUMP_MOONCAKE_TTL_S="
+                           "%g s (%s%s); %d expired so far", len(expired), ttl, ", ".join(expired[:5]),
+                           ", ..." if len(expired) > 5 else "", self.counts()["expired"])
+        for marker in markers:
+            code = self.store.remove(marker)
+            if code in (0, NOT_FOUND):
+                with self._lock:
+                    if self._markers.get(marker, now + 1) <= now:
+                        self._markers.pop(marker, None)
