@@ -72,11 +72,11 @@ T0 = time.monotonic()
 PROFILES = {
     "cpu": dict(conversations=24, min_len=24, max_len=600, median=110, sigma=0.8, extract_max_len=1000,
                 buckets=[24, 64, 128, 256, 601], sample_per_bucket=2, tol=1e-3, method_s=90.0, budget_s=330.0,
-                concurrency=4, hf_budgets=[256, 1024], json_concurrency=2, dtype="float32"),
+                concurrency=4, hf_budgets=[256, 1024], json_concurrency=2, dtype="float32", warm_s=3.0),
     "gpu": dict(conversations=1000, min_len=100, max_len=4000, median=350, sigma=0.8, extract_max_len=4096,
                 buckets=[100, 250, 500, 1000, 2000, 4001], sample_per_bucket=1, tol=0.1, method_s=45.0,
                 budget_s=400.0, concurrency=32, hf_budgets=[8192, 32768, 65536], json_concurrency=8,
-                dtype="bfloat16"),
+                dtype="bfloat16", warm_s=30.0),
 }
 GPU_SAMPLE_MAX_LEN = 2000  # reference conversations on the GPU: the first of each bucket up to this length
 
@@ -255,6 +255,25 @@ def log_tail(log: Path, n: int = 1) -> str:
         return ""
     errs = [x for x in lines if re.search(r"(Error|Exception|error:)", x)]
     return " | ".join((errs or lines)[-n:])[:400]
+
+
+def flush_counts(url: str) -> dict:
+    """The dump writer's counts after the run (``POST /eagle3_dump/flush``), or why there are none."""
+    import requests
+
+    try:
+        return requests.post(url + "/eagle3_dump/flush", json={}, timeout=120).json()
+    except Exception as exc:  # noqa: BLE001 - a figure for the record, not a verdict
+        return {"error": "%s: %s" % (type(exc).__name__, str(exc)[:200])}
+
+
+def progress_lines(log: Path) -> list:
+    """extract.py's progress and summary lines (seconds per stage: where the client's time went)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [x for x in text.splitlines() if x.startswith(("progress: ", "summary: ", "time per stage"))][-40:]
 
 
 # ---- the plan shared with the workers ------------------------------------------------------------
@@ -809,6 +828,53 @@ class Run:
                 "--context-length", str(self.prof["extract_max_len"] + 512), "--chunked-prefill-size", "8192",
                 "--mem-fraction-static", "0.6", "--random-seed", "0", "--grammar-backend", "none"]
 
+    def warm_server(self, url: str, who: str, hidden: bool = False) -> dict:
+        """Untimed warm-up of a fresh server, as the HF method warms each batch shape before its sweep:
+        rounds of ``concurrency`` plain ``/generate`` requests (random ids, lengths drawn from every
+        bucket), until a round runs within 10% of the one before or ``warm_s`` is spent. A first start
+        compiles Triton kernels for each new batch shape (seconds each), which a user's hours-long
+        run pays once; the figures after it are the server's steady state. ``hidden``: the requests
+        ask for ``return_hidden_states`` (the sglang-json passes)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import requests
+
+        limit = self.prof["warm_s"] if self.a.warm_s is None else self.a.warm_s
+        rec = {"warm_s_limit": limit, "rounds": []}
+        if limit <= 0:
+            return rec
+        rng = random.Random(5)
+        n = self.prof["concurrency"]
+        edges = self.prof["buckets"]
+        t0 = time.monotonic()
+
+        def one(length: int) -> None:
+            ids = [rng.randrange(3, self.vocab) for _ in range(length)]
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            if hidden:
+                body["return_hidden_states"] = True
+            requests.post(url + "/generate", json=body, timeout=max(10.0, limit + 30)).raise_for_status()
+
+        with ThreadPoolExecutor(n) as pool:
+            while time.monotonic() - t0 < limit:
+                lengths = [rng.randrange(edges[j % (len(edges) - 1)], edges[j % (len(edges) - 1) + 1])
+                           for j in range(n)]
+                t = time.monotonic()
+                try:
+                    list(pool.map(one, lengths))
+                except Exception as exc:  # noqa: BLE001 - the timed pass reports the server's errors
+                    rec["error"] = "%s: %s" % (type(exc).__name__, str(exc)[:200])
+                    break
+                rate = sum(lengths) / max(time.monotonic() - t, 1e-9)
+                rec["rounds"].append({"requests": n, "tokens": sum(lengths), "tokens_per_s": round(rate, 1)})
+                prev = rec["rounds"][-2]["tokens_per_s"] if len(rec["rounds"]) > 1 else None
+                if prev and abs(rate - prev) <= 0.1 * prev:
+                    break
+        rec["warm_s"] = round(time.monotonic() - t0, 2)
+        say("%s: warm-up %d round(s) in %.0f s (tokens/s per round: %s)" % (
+            who, len(rec["rounds"]), rec["warm_s"], ", ".join("%.0f" % r["tokens_per_s"] for r in rec["rounds"])))
+        return rec
+
     # -- methods --
     def method_ours(self, s: Sampler) -> dict:
         import cpuserver
@@ -841,12 +907,19 @@ class Run:
             stop(p)
             return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
         say("ours: server ready in %.0f s (%s)" % (startup, url))
+        warm = self.warm_server(url, "ours")
+        if warm["rounds"]:  # the warm-up's dump files: flushed, then removed (this directory is the run's own)
+            import requests
+
+            requests.post(url + "/eagle3_dump/flush", json={}, timeout=120)
+            for f in Path(dumps).glob("*.safetensors"):
+                f.unlink()
         out = d / "dataset"
         w0, wall0 = time.monotonic(), time.time()
         cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
                "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
                "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
-               "--concurrency", self.prof["concurrency"], "--no-progress"]
+               "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
         xlog = d / "extract.log"
         first = None  # when extract.py, its imports and tokenizing done, sends its first request
         try:
@@ -858,6 +931,7 @@ class Run:
                 time.sleep(0.1)
             if x.poll() is None:
                 stop(x, grace=10)
+            dump_counts = flush_counts(url)
         finally:
             stop(p)
         client_startup = (first - wall0) if first else 0.0
@@ -877,7 +951,9 @@ class Run:
         except (OSError, ValueError, KeyError, TypeError):
             extract_wall = None
         return {"startup_s": round(startup + client_startup, 2), "server_startup_s": round(startup, 2),
-                "client_startup_s": round(client_startup, 2), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+                "client_startup_s": round(client_startup, 2), "warmup": warm, "dump_counts": dump_counts,
+                "extract_progress": progress_lines(xlog),
+                "work_s": round(time.monotonic() - w0 - client_startup, 3),
                 "buckets": recs, "extract_exit": x.returncode, "extract_own_wall_s": extract_wall, "bucket_times": "from the sample files' modification times",
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
                           % (self.release, ",".join(map(str, ids))), "start_to_ready_s": round(time.monotonic() - t0, 1)}
@@ -948,9 +1024,11 @@ class Run:
                     break
                 total_start += st
                 say("sglang-json: %s-pass server ready in %.0f s" % (which, st))
+                warm = self.warm_server(url, "sglang-json %s pass" % which, hidden=True)
                 plan = self.plan("sglang-json", url=url, scratch=str(d / "scratch"), **{"pass": which})
                 res = self.worker("json", plan, self.base_env(), s, self.method_s() + self.wait_s())
                 res["startup_s"] = round(st, 2)
+                res["warmup"] = warm
                 passes[which] = res
                 if "failed" in res:
                     break
@@ -1234,6 +1312,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 330, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
+    ap.add_argument("--warm-s", type=float, help="untimed warm-up of each fresh server at most this long (cpu 3, "
+                                                 "gpu 30; 0: none): Triton compiles a kernel per new batch shape")
     ap.add_argument("--work", help="working directory (default: a new temporary one, removed at the end)")
     ap.add_argument("--keep-work", action="store_true", help="keep the working directory and every dataset")
     ap.add_argument("--site", help="GPU: the site directory holding the installed sglang (default: where it is found)")
@@ -1280,6 +1360,8 @@ def main(argv=None) -> int:
         for flag in ("budget_s", "method_s"):
             if getattr(a, flag) is not None and getattr(a, flag) <= 0:
                 raise UsageError("--%s must be positive" % flag.replace("_", "-"), "pass seconds > 0")
+        if a.warm_s is not None and not 0 <= a.warm_s < float("inf"):
+            raise UsageError("--warm-s must be 0 or more seconds", "pass e.g. --warm-s 30, or 0 for no warm-up")
         if a.conversations is not None and a.conversations < 1:
             raise UsageError("--conversations must be >= 1", "pass a positive count")
         if a.model:

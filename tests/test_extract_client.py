@@ -187,6 +187,26 @@ def test_files_written_at_once_need_no_flush(model, dumps, tmp_path):
 
 
 @in_env
+def test_without_the_bar_progress_lines_name_the_seconds_per_stage(model, dumps, tmp_path):
+    """--no-progress with --log-every: progress lines with samples, tokens/s and seconds per stage (a
+    run stopped early still shows where its time went); the default (30 s) writes none in a short
+    run; --log-every 0 is a usage error that writes nothing."""
+    with server(dumps, write="now") as s:
+        p = extract(model, s.url, dumps, tmp_path / "out", "--concurrency", "1", "--log-every", "1e-9")
+        q = extract(model, s.url, dumps, tmp_path / "out2", "--concurrency", "1")
+    assert p.returncode == 0 and q.returncode == 0, (p.stderr[-2000:], q.stderr[-2000:])
+    lines = [x for x in p.stderr.splitlines() if x.startswith("progress: ")]
+    # one line per sample but the probe's (the sample sent alone before the workers start) at most
+    assert N_CONV - 1 <= len(lines) <= N_CONV, p.stderr[-3000:]
+    assert lines[-1].startswith(f"progress: {N_CONV}/{N_CONV} samples, "), lines[-1]
+    for stage in ("tokenize", "generate", "wait for file", "read validate", "write", "record"):
+        assert f" {stage} " in lines[-1], (stage, lines[-1])
+    assert not [x for x in q.stderr.splitlines() if x.startswith("progress: ")], q.stderr[-2000:]
+    one_line(extract(model, s.url, dumps, tmp_path / "out3", "--log-every", "0"), "--log-every out of range")
+    assert not (tmp_path / "out3").exists()
+
+
+@in_env
 def test_a_retry_elsewhere_keeps_the_rid(model, dumps, tmp_path):
     """conv-004 is refused once by each server (HTTP 503), conv-007's first two requests are
     answered and never written: each is sent again, with the same rid on every server, and lands in

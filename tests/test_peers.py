@@ -65,6 +65,15 @@ def test_every_method_reported_with_its_figures(run):
         assert r["peak_gpu_bytes"] is None  # no GPU here
         assert [b["bucket"] for b in r["buckets"]] == [b["bucket"] for b in conv["buckets"]]
         assert all(b["tokens_per_s"] > 0 for b in r["buckets"]), (name, r["buckets"])
+    # each fresh server was warmed up before its timed pass (untimed; Triton compiles per shape on a GPU)
+    warm = [run.measured["ours"]["warmup"]] + [p["warmup"] for p in m["sglang-json"].get("passes", {}).values()
+                                              if "warmup" in p]
+    for w in warm:
+        assert w["rounds"] and all(r["tokens_per_s"] > 0 for r in w["rounds"]) and "error" not in w, w
+    # the dump writer's counts and extract's stage seconds are kept for a post-mortem
+    ours = run.measured["ours"]
+    assert ours["dump_counts"]["flushed"] and ours["dump_counts"]["written"] >= conv["count"], ours["dump_counts"]
+    assert any(x.startswith("time per stage") for x in ours["extract_progress"]), ours["extract_progress"]
     # hidden 256 float32: aux 3 states + final = 4 x 256 x 4 bytes per token, plus ids and mask
     for name in ("ours", "hf"):
         assert 4.0 < run.measured[name]["gb_per_million_tokens"] < 4.6, (name, run.measured[name])
@@ -189,6 +198,7 @@ def test_reference_check_fails_on_a_methods_dataset_with_shifted_aux(run, tmp_pa
     (["--cpu"], "--out is required"),
     (["--cpu", "--methods", "ours,nope"], "unknown"),
     (["--cpu", "--budget-s", "0"], "--budget-s must be positive"),
+    (["--cpu", "--warm-s", "-1"], "--warm-s must be 0 or more"),
 ])
 def test_usage_errors_one_line_nothing_written(tmp_path, args, words):
     out = tmp_path / "p.json"

@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, help="extract only the first N conversations (samples done earlier stay)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--log-every", type=float, default=30.0, metavar="S",
+                    help="without the progress bar (--no-progress, or stderr not a terminal): a progress line with "
+                         "the seconds spent per stage every S seconds (default 30)")
     a = ap.parse_args(argv)
 
     def body() -> int:
@@ -100,7 +103,8 @@ def main(argv=None) -> int:
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
                        aux_layers=a.aux_layers,
-                       trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None)
+                       trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None,
+                       log_every=a.log_every)
         return extract(opts)
 
     def guarded() -> int:

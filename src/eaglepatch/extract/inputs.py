@@ -42,6 +42,7 @@ class Options:
     aux_layers: list | None = None  # EAGLE-3 ids; None: the dumped layers except N-1
     trust_remote_code: bool = False
     progress: bool | None = None  # None: only on a terminal
+    log_every: float = 30.0  # without the bar: a progress line (samples, tokens/s, seconds per stage) this often
 
 
 @dataclass
@@ -104,11 +105,12 @@ def check_options(o: Options) -> None:
     if o.format not in FORMATS:
         raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(FORMATS)}")
     nums = {"--max-len": o.max_len, "--concurrency": o.concurrency, "--max-attempts": o.max_attempts,
+            "--log-every": o.log_every,
             "--dump-timeout": o.dump_timeout, "--request-timeout": o.request_timeout}
     bad = [k for k, v in nums.items() if not (v > 0 and v != float("inf"))]
     if bad or o.retries < 0 or (o.limit is not None and o.limit < 1):
         raise UsageError(f"{', '.join(bad) or '--retries/--limit'} out of range",
-                         "pass positive finite --max-len, --concurrency, --max-attempts, --dump-timeout, "
+                         "pass positive finite --max-len, --concurrency, --max-attempts, --log-every, --dump-timeout, "
                          "--request-timeout, --limit and a non-negative --retries")
     if isinstance(o.servers, str):
         o.servers = [o.servers]

@@ -130,6 +130,13 @@ class Extractor:
             self.stage_s[stage] += now - since
         return now
 
+    def stage_line(self) -> str:
+        """Seconds per stage so far, one line: where a slow run's time goes."""
+        with self.lock:
+            spent = dict(self.stage_s)
+        return (f"time per stage, summed over the {self.o.concurrency} workers (record: the main thread): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in spent.items()))
+
     def serve_hint(self) -> str:
         """How to start the patched server with the dump on for this run (its flag form)."""
         return f"python3 {_SERVE} --model-path {self.o.model} --dump-dir {self.o.dump_dir}"
@@ -233,6 +240,7 @@ class Extractor:
         bar = tqdm(total=len(inp.pending), unit="sample", dynamic_ncols=True, mininterval=0.5, smoothing=0.1,
                    disable=(not sys.stderr.isatty()) if o.progress is None else not o.progress)
         tokens = [0]
+        said = [t0]  # when the last progress line was written (without the bar)
 
         def finish_one(x: Outcome) -> None:
             outcomes.append(x)
@@ -243,6 +251,10 @@ class Extractor:
                 tokens[0] += x.tokens
             elif x.status == "failed":
                 bar.write(f"failed: conversation {x.conv_id!r}: {x.reason}", file=sys.stderr)
+            if bar.disable and t - said[0] >= o.log_every:
+                said[0] = t
+                self.log(f"progress: {len(outcomes)}/{len(inp.pending)} samples, {tokens[0] / max(t - t0, 1e-9):.0f} "
+                         f"tokens/s, {sum(client.flushes)} flushes; {self.stage_line()}")
             bar.set_postfix_str(f"{tokens[0] / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False)
             bar.update(1)
 
@@ -547,8 +559,7 @@ class Extractor:
             f"{len(failed)} failed; {self.bad_dumps} bad dumps rejected; {retried} request retries; "
             f"dataset: {man['samples']} samples, {man['tokens']} tokens")
         if outcomes:
-            self.log(f"time per stage, summed over the {o.concurrency} workers (record: the main thread): " + ", ".join(
-                f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.stage_s.items()) + f"; {sum(client.flushes)} flushes")
+            self.log(f"{self.stage_line()}; {sum(client.flushes)} flushes")
         if len(client.urls) > 1 and outcomes:
             self.log("requests answered per server: " + ", ".join(
                 f"{u} {n}" + (f" (put aside {a}x)" if a else "")
