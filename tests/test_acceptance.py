@@ -1136,7 +1136,7 @@ def test_target_checked_and_training_says_how_far_it_is(tmp_path, monkeypatch):
 
     monkeypatch.setattr(DeepseekV3ForCausalLM, "save_pretrained", renamed_save)
     trained = []
-    monkeypatch.setattr(train, "train_target", lambda *a, **k: trained.append(1))
+    monkeypatch.setattr(train.TargetTraining, "run", lambda *a, **k: trained.append(1))
     run = pipeline.Run(pipeline.Options(work=tmp_path / "w"))
     run.say = said.append
     with pytest.raises(UsageError, match="saved tensors differ from DeepSeek-V3's hub names"):

@@ -856,6 +856,52 @@ def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
         control.call("flush", 1, path=path)
 
 
+def test_answers_finished_together_share_one_status_call(tmp_path, monkeypatch):
+    """64 answers finishing at once through the answer hook (a stand-in TokenizerManager whose
+    generate_request is a real async generator, the real ControlServer and DumpWriter on a real
+    socket): each answer names its own file and state, in far fewer status calls than answers
+    (a call per answer queued 64 connections in the scheduler's process, where each waits for the
+    GIL behind the busy main loop)."""
+    import asyncio
+
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+    path = str(tmp_path / "c.sock")
+    server = control.ControlServer(w, path)
+    monkeypatch.setenv(control.ENV_CONTROL, path)
+    rids = [f"r{i}" for i in range(64)]
+    ids, cap, fin = _states([3] * 32, [1])
+    w.submit(_Batch(ids, [3] * 32, rids=rids[:32]), cap, fin)
+    w.flush()  # the first half written, the second half never prefilled ("unknown")
+    calls = []
+    real = control.dump_handles
+    monkeypatch.setattr(control, "dump_handles", lambda r, p=None: calls.append(list(r)) or real(r, p))
+
+    class TM:
+        async def generate_request(self, obj, request=None):
+            await asyncio.sleep(0.01)
+            yield {"meta_info": {"id": obj.rid, "finish_reason": {"type": "length"}}}
+
+    control._answer_hooks(TM)
+
+    async def answer(rid):
+        return [out async for out in TM().generate_request(SimpleNamespace(rid=rid, sampling_params={}))]
+
+    async def main():
+        return await asyncio.gather(*(answer(r) for r in rids))
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        server.close()
+        w.close()
+    for rid, out in zip(rids, outs):
+        meta = out[-1]["meta_info"]["eagle3_dump"]
+        assert meta["file"] == dump_mod.request_key(rid) + ".safetensors", meta
+        assert meta["state"] == ("written" if rid in rids[:32] else "unknown"), (rid, meta)
+    assert sorted(r for c in calls for r in c) == sorted(rids)  # each answer asked once
+    assert len(calls) <= 4, f"{len(calls)} status calls for 64 answers finished together"
+
+
 # Engine.shutdown, the exit of a script that never calls it, and the server's stop on SIGTERM run
 # through real SGLang in tests/test_dump_stops.py (a real Engine, a real group SIGTERM).
 

@@ -14,9 +14,16 @@ a layer mix-up costs, not that serving works. The GPU run serves sglang 0.5.17 f
 .gpu-bundle) with the series' patched files laid over a copy, and reports `served`.
 Phases: target, data, drafts, guard, then serve (GPU) or replay (CPU); each is timed in the result, and
 long ones print progress at least every 30 s. --budget-s stops starting phases when the time is spent
-(0: no budget); the same --work resumes (target and data are reused). Drafts the budget cut short are not
-measured: the run reports no accept length and ends with `not measured: drafts trained N of M steps
-(budget)`. Settings, --out, the ports and a given --target are checked before anything is trained.
+(0: no budget); the same --work resumes (target and data are reused). The target trains until its gates
+pass (checked whenever its token accuracy reaches target_done_acc), within --budget-s (and
+--target-budget-s, where given); a call whose budget ends first saves the training state (weights,
+optimizer, step, RNG, history) as WORK/target-training.pt and exits 3 with one line naming the steps,
+the token accuracy, each failing gate and how far it is, and the command to continue: the same command,
+same --work, goes on at the saved step (a state of another seed, scale or setting is refused). A target
+that passed with less than later_phases_s of the budget left also exits 3; the next call reuses it.
+Drafts the budget cut short are not measured: the run reports no accept length and ends with `not
+measured: drafts trained N of M steps (budget)`. Settings, --out, the ports and a given --target are
+checked before anything is trained.
 Compact dump (issue 30): --set dump_dtype=fp8 --set rebuildable=omit runs the data server with
 EAGLE3_DUMP_DTYPE=fp8 and EAGLE3_DUMP_REBUILDABLE=omit; its data, drafts and server logs go to
 WORK/data-fp8-omit, drafts-fp8-omit and logs-fp8-omit beside the default ones, its conversations are
@@ -24,10 +31,12 @@ WORK/data's when both are of the same prompts, so one --work compares the two on
 draft, once per draft seed (seeds draft_seed, +1, ...; draft_seed defaults to --seed).
 benchmarks/fp8_accept.py compares two such results (docs/acceptance.md, "Compact dump").
 Exit: 0 done and every verdict passed, 1 a verdict failed or the figures were not measured (a taken port
-too), 2 usage error or a refused target.
+too), 2 usage error or a refused target, 3 incomplete: the budget ended before the target passed its gates
+(or left the later phases too little); what was done is under --work: run the same command again.
 """
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,9 +47,22 @@ from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
 
 
+def again_command(a, args: list) -> str:
+    """This call's command, to run it again (an incomplete call names it): python3, this script as
+    given (relative to the working directory where it lies below it) and the same arguments; for
+    the GPU run with the PYTHONPATH it had (the bundle's site)."""
+    script = os.path.relpath(__file__)
+    script = script if not script.startswith("..") else __file__
+    pp = os.environ.get("PYTHONPATH")
+    env = f"PYTHONPATH={shlex.quote(pp)} " if pp and not a.cpu else ""
+    return env + shlex.join(["python3", script, *args])
+
+
 def main(argv=None) -> int:
     ap = cli.parser("acceptance.py", __doc__)
-    ap.add_argument("--work", required=True, type=Path, help="work directory (created; reused to resume)")
+    ap.add_argument("--work", required=True, type=Path,
+                    help="work directory (created; reused to resume: the trained target, the data, and the target's "
+                         "training state a call that exits 3 leaves there)")
     ap.add_argument("--out", type=Path, help="write the result JSON here (default: WORK/result.json)")
     ap.add_argument("--cpu", action="store_true", help="the CPU toy (cached CPU environment, sglang 0.5.9)")
     ap.add_argument("--target", type=Path, help="your own DeepSeek-V3 checkpoint instead of training one (it must "
@@ -53,7 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=570.0,
                     help="wall-clock budget; 0: none (default: %(default)s)")
     ap.add_argument("--target-steps", type=int, help="target training steps (default: the scale's)")
-    ap.add_argument("--target-budget-s", type=float, help="target training seconds at most (default: the scale's)")
+    ap.add_argument("--target-budget-s", type=float, help="target training seconds at most in one call (default: no cap "
+                                                         "of its own: the target trains until its gates pass, within "
+                                                         "--budget-s)")
     ap.add_argument("--draft-budget-s", type=float, help="seconds of the correct draft's training, where draft_max_steps "
                                                         "is 0 (default: the scale's)")
     ap.add_argument("--accept-failed-gates", action="store_true",
@@ -65,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the language, weights and prompts (default: 0)")
     ap.add_argument("--port", type=int, default=31000, help="first server port (default: %(default)s)")
     a = ap.parse_args(argv)
+    args = list(argv if argv is not None else sys.argv[1:])
 
     def body() -> int:
         from eaglepatch.acceptance.pipeline import Options, check_options, parse_sets
@@ -89,7 +114,9 @@ def main(argv=None) -> int:
         o = Options(work=a.work, scale=scale, out=out, target=a.target,
                     release=a.release or ("0.5.9" if a.cpu else "0.5.17"), sglang_parent=a.sglang_parent,
                     unpatched_parent=a.site, site=a.site, budget_s=a.budget_s, seed=a.seed, overrides=overrides,
-                    port=a.port, accept_failed_gates=a.accept_failed_gates)
+                    port=a.port, accept_failed_gates=a.accept_failed_gates,
+                    again=(a.cpu and os.environ.get("EAGLEPATCH_ACCEPTANCE_ENV") == "1"
+                           and os.environ.get("EAGLEPATCH_ACCEPTANCE_AGAIN")) or again_command(a, args))
         check_options(o)  # before any work: nothing built, copied, trained or written yet
         if a.cpu and os.environ.get("EAGLEPATCH_ACCEPTANCE_ENV") != "1":
             from eaglepatch import cpuenv
@@ -100,10 +127,11 @@ def main(argv=None) -> int:
                 raise UsageError(f"the CPU environment could not be built ({' '.join(str(exc).split())[:200]})",
                                  "fix what the log names and rerun") from None
             env = dict(os.environ, EAGLEPATCH_ACCEPTANCE_ENV="1",
+                       EAGLEPATCH_ACCEPTANCE_AGAIN=again_command(a, args),  # the user's command, not the child's
                        PYTHONPATH=os.pathsep.join([str(REPO / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
             import subprocess
 
-            return subprocess.call([str(py), __file__, *(argv if argv is not None else sys.argv[1:])], env=env)
+            return subprocess.call([str(py), __file__, *args], env=env)
         from eaglepatch.acceptance.pipeline import Run
         from eaglepatch.acceptance.verdicts import outcome
 

@@ -4,8 +4,14 @@ Phases (each timed in the result's ``phases``; a phase whose output is already i
 directory is reused, so a run cut by ``--budget-s`` resumes with the same ``--work``):
 
 1. ``target``: a DeepSeek-V3 trained on a synthetic language (``language``), or ``--target DIR``;
-   gates: bf16-vs-fp32 greedy agreement, bigram predictability, loop rate. A target that fails
-   a gate is refused (exit 2, the reason on one line).
+   gates: bf16-vs-fp32 greedy agreement, bigram predictability, loop rate. The training goes on
+   until the gates pass (measured whenever the token accuracy reaches ``target_done_acc``), for
+   the call's ``--budget-s`` (``target_budget_s``: a cap of its own, where set). A call whose
+   budget ends first saves the training state (``STATE_NAME``) and ends ``incomplete`` (exit 3,
+   ``Incomplete``): the same command with the same ``--work`` continues at the saved step. A
+   target passed in the call leaves the later phases ``later_phases_s`` or else ends the call
+   incomplete (the next reuses it). A target that fails a gate at ``target_steps``, or a given
+   one that fails, is refused (exit 2, the reason on one line).
 2. ``data``: the patched server with the dump on (every layer), greedy continuations of the
    train and held-out prompts through its ``/generate``, then ``tools/extract.py --format
    specforge`` on them, as a user runs it. The dump's storage is a setting (issue 30:
@@ -51,7 +57,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import RefusedError, UsageError
+from ..errors import EaglepatchError, RefusedError, UsageError
 from . import language as lang_mod
 from . import progress
 from . import verdicts
@@ -69,6 +75,34 @@ def gate_failures(gates: dict) -> list:
     """The gates ``gates`` (train.measure's figures) fails, each as 'name value (need op limit)'."""
     return [f"{k} {gates[k]} (need {op} {lim})" for k, (op, lim) in GATES.items()
             if not (gates[k] >= lim if op == ">=" else gates[k] <= lim)]
+
+
+def gate_shortfalls(gates: dict) -> list:
+    """As ``gate_failures``, each with how far it is from its limit: 'name value (need op limit:
+    d short)' ('d over' for an upper limit)."""
+    return [f"{k} {gates[k]} (need {op} {lim}: {abs(gates[k] - lim):.4g} {'short' if op == '>=' else 'over'})"
+            for k, (op, lim) in GATES.items() if not (gates[k] >= lim if op == ">=" else gates[k] <= lim)]
+
+
+class Incomplete(EaglepatchError):
+    """The call's budget ended before the run was done; what it did is saved under ``--work`` and
+    the same command (same ``--work``) goes on from there. Exit 3, one line ``incomplete: ...``."""
+
+    exit_code = 3
+
+    def line(self) -> str:
+        return " ".join(f"incomplete: {self.problem}; {self.fix}".split())
+
+
+# The target's training state, under --work, while its gates have not passed (train.TargetTraining)
+STATE_NAME = "target-training.pt"
+# what a call keeps of its budget after the target's training: the last gate measurement and
+# the state's save (the GPU target's state is about 1.2 GiB)
+TARGET_END_S = 30
+# the settings a training state is bound to, beside the scale, the seed and the target's config
+# (a state of other settings is refused, never mixed into this run's target)
+TRAINING_KEYS = ("language", "symbols", "alphabet", "answer_len", "lead", "target_batch", "target_lr",
+                 "target_embed_std")
 
 
 # what the floor's training leaves of the budget for guard and serve (on the H200 serve took 87 s:
@@ -93,14 +127,21 @@ REFERENCE_STORAGE = ("bf16", "store")
 # (real MLA dims, MoE with a shared expert) on one H200. draft_max_steps: the correct draft's
 # steps (0: its seconds, draft_budget_s, decide instead; set, draft_budget_s does not apply and
 # only the run's --budget-s can cut them, which makes the figures not measured); the floor
-# always trains as many steps as the correct draft got.
+# always trains as many steps as the correct draft got. The target trains until its gates pass
+# (measured whenever two logged batches reach token accuracy target_done_acc), at most
+# target_steps over all calls; target_budget_s (null: none) caps one call's training beside
+# --budget-s; later_phases_s: the seconds data, drafts, guard and serve/replay need after it
+# (GPU: 124 + 143 + 1 + 90 s measured on the H200), else the call ends incomplete and the next
+# reuses the target.
 SCALES = {
     "cpu": dict(device="cpu", language="skip", symbols=24, alphabet=None, answer_len=20, target_steps=200, target_batch=16,
-                target_lr=3e-3, target_budget_s=120, train_prompts=24, heldout_prompts=8, gate_prompts=8,
+                target_lr=3e-3, target_budget_s=None, target_done_acc=0.98, later_phases_s=240, train_prompts=24,
+                heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
                 draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0, **_STORAGE_DEFAULTS),
-    "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=8000, target_batch=128,
-                target_lr=1e-3, target_budget_s=150, train_prompts=1024, heldout_prompts=128, gate_prompts=64,
+    "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=16000, target_batch=128,
+                target_lr=1e-3, target_budget_s=None, target_done_acc=0.98, later_phases_s=360, train_prompts=1024,
+                heldout_prompts=128, gate_prompts=64,
                 draft_epochs=200, draft_batch=64, draft_lr=5e-4, draft_budget_s=70, dtype="bfloat16",
                 target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0, **_STORAGE_DEFAULTS),
 }
@@ -108,7 +149,7 @@ SCALES = {
 
 # The settings that may be null (a scale's default is None), and their type; the others take
 # their default's type.
-NONE_TYPES = {"alphabet": int, "target_embed_std": float, "draft_seed": int}
+NONE_TYPES = {"alphabet": int, "target_embed_std": float, "draft_seed": int, "target_budget_s": float}
 CHOICES = {"language": lang_mod.LANGUAGES, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "dump_dtype": ("bf16", "fp8"), "rebuildable": ("store", "omit"), "controls": ("all", "correct")}
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
@@ -152,7 +193,8 @@ def parse_sets(scale: str, items: list) -> dict:
             raise UsageError(f"--set {item}: {key} is one of " + ", ".join(CHOICES[key]),
                              f"e.g. --set {key}={CHOICES[key][0]}")
         if not ok:
-            example = d if d is not None else {"alphabet": 64, "target_embed_std": 0.02, "draft_seed": 1}[key]
+            example = d if d is not None else {"alphabet": 64, "target_embed_std": 0.02, "draft_seed": 1,
+                                               "target_budget_s": 300}[key]
             what = _TYPE_WORDS[want] + (" >= 0" if want in (int, float) else "") + (" or null" if nullable else "")
             raise UsageError(f"--set {item}: {key} takes {what}", f"e.g. --set {key}={json.dumps(example)}")
         out[key] = value
@@ -285,6 +327,7 @@ class Options:
     port: int = 31000
     accept_failed_gates: bool = False  # go on past failed gates (plumbing runs; the figures then mean nothing)
     say: object = None
+    again: str | None = None           # the command that runs this call again (named by an incomplete call)
 
 
 class Run:
@@ -317,7 +360,11 @@ class Run:
             return False
         t = time.monotonic()
         self.say("[acceptance] phase %s ..." % name)
-        fn()
+        try:
+            fn()
+        except Incomplete:  # timed all the same: the next call goes on from what it did
+            self.res["phases"][name] = {"wall_s": round(time.monotonic() - t, 1), "incomplete": True}
+            raise
         self.res["phases"][name] = {"wall_s": round(time.monotonic() - t, 1)}
         self.say("[acceptance] phase %s done (%.0f s)" % (name, time.monotonic() - t))
         self.save()
@@ -337,10 +384,43 @@ class Run:
         return lang_mod.Language(self.p["language"], cfg["vocab_size"], self.p["symbols"], self.p["answer_len"],
                                  self.o.seed, alphabet=self.p["alphabet"], lead=self.p["lead"])
 
+    def target_fingerprint(self) -> dict:
+        """What a trained target (or its training state) comes from: scale, seed, the scale's
+        target config and the training settings (``TRAINING_KEYS``); a state or target of another
+        is refused (``refuse_other``), never mixed into this run's."""
+        import hashlib
+
+        cfg = target_config(self.o.scale)
+        return {"scale": self.o.scale, "seed": self.o.seed,
+                "target_config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+                **{k: self.p[k] for k in TRAINING_KEYS}}
+
+    def refuse_other(self, saved: dict, what: str, fix: str) -> None:
+        """A one-line usage error when ``saved`` (a fingerprint) is not this run's."""
+        mine = self.target_fingerprint()
+        diff = [("another target config" if k == "target_config_sha256" else f"{k} {saved.get(k)!r}, not {v!r}")
+                for k, v in mine.items() if saved.get(k) != v]
+        if diff:
+            raise UsageError(f"{what} is of another run ({'; '.join(diff)})", fix)
+
+    def again(self) -> str:
+        """How to continue an incomplete call."""
+        if self.o.again:
+            return "run again with the same --work to continue: " + self.o.again
+        return "run the same command again with the same --work to continue"
+
+    def incomplete(self, problem: str, fix: str) -> Incomplete:
+        """An ``Incomplete`` to raise, its line in the result (``incomplete``), the result saved."""
+        exc = Incomplete(problem, fix)
+        self.res["incomplete"] = exc.line()
+        self.save()
+        return exc
+
     def do_target(self):
         from . import train
 
         d = self.work / "target"
+        trained_now = False
         if self.o.target is not None:
             d = Path(self.o.target).absolute()
             cfg = json.loads((d / "config.json").read_text())
@@ -348,23 +428,15 @@ class Run:
             self.res["target"] = {"path": str(d), "given": True}
         elif (d / "acceptance-target.json").is_file():
             cfg = json.loads((d / "config.json").read_text())
+            meta = json.loads((d / "acceptance-target.json").read_text())
+            if meta.get("fingerprint"):  # targets saved before fingerprints: taken as they are
+                self.refuse_other(meta["fingerprint"], f"the trained target in {d}",
+                                  f"pass another --work, or --target {d} to use it as given")
             model = train.load_target(d, self.p["device"])
-            self.res["target"] = json.loads((d / "acceptance-target.json").read_text())
+            self.res["target"] = meta
         else:
-            cfg = target_config(self.o.scale)
-            model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
-                                       self.p["target_embed_std"])
-            # what save_target checks after the training, checked before it (it took the whole
-            # training to learn that a transformers saves other names)
-            train.check_target_saves(model, cfg, self.work / "target-init")
-            if self.p["warm"]:
-                self.start_warm(model, cfg)
-            lg = self.language(cfg)
-            hist = train.train_target(model, lg, self.p["target_steps"], self.p["target_batch"], self.p["target_lr"],
-                                      min(self.p["target_budget_s"], max(self.left() - 60, 10)), self.o.seed,
-                                      self.p["device"], self.say)
-            train.save_target(model, cfg, d, self.p["dtype"])
-            self.res["target"] = {"path": str(d), "given": False, "training": hist}
+            cfg, model = self.train_target()
+            trained_now = True
         self.cfg = cfg
         self.lg = self.language(cfg)
         gates = self.res["target"].get("gates") or train.measure(model, self.lg, self.p["gate_prompts"], self.o.seed)
@@ -378,6 +450,8 @@ class Run:
         self.target = d
         del model
         fails = gate_failures(gates)
+        if not fails and self.o.target is None and (self.work / STATE_NAME).is_file():  # the target holds it now
+            (self.work / STATE_NAME).unlink()
         self.res["verdicts"]["target_gates"] = {"passed": not fails, "failed": fails}
         if fails and self.o.accept_failed_gates:
             self.say("[acceptance] target gates failed (%s); going on as --accept-failed-gates asks: the "
@@ -386,6 +460,76 @@ class Run:
             self.save()
             raise UsageError("the target cannot tell layers apart: " + "; ".join(fails),
                              "train it longer (--target-steps/--target-budget-s) or pass another --target")
+        if trained_now and self.left() < self.p["later_phases_s"]:
+            raise self.incomplete(f"the target passed its gates and is saved in {d}, but the later phases need about "
+                                  f"{self.p['later_phases_s']:.0f} s and {max(self.left(), 0):.0f} s of --budget-s are "
+                                  "left", self.again() + " (the target is reused)")
+
+    def train_target(self):
+        """A target trained until its gates pass (``train.TargetTraining``), from the state a
+        previous call saved under ``--work`` when there is one (refused in one line when another
+        run saved it). Trained for ``--budget-s`` less ``TARGET_END_S`` (and ``target_budget_s``
+        at most, where set). Gates passed (or ``--accept-failed-gates``): the target is saved as
+        SGLang loads it and its config and model returned. Not passed: the state is saved (a
+        temporary file, then a rename) and the call ends ``Incomplete`` (the budget ended: exit 3,
+        naming the steps, the token accuracy, each failing gate and how far it is, the command
+        to continue), or refused (``target_steps`` reached: exit 2)."""
+        from . import train
+
+        d = self.work / "target"
+        cfg = target_config(self.o.scale)
+        fingerprint = self.target_fingerprint()
+        state_path = self.work / STATE_NAME
+        state = None
+        if state_path.is_file():
+            state = train.TargetTraining.read(state_path)
+            self.refuse_other(state.get("meta") or {}, f"the target training state {state_path}",
+                              f"pass another --work, or delete {state_path} to train this run's target from step 0")
+        model = train.build_target(cfg, self.p["device"], self.o.seed, self.work / "target-init",
+                                   self.p["target_embed_std"])
+        # what save_target checks after the training, checked before it (it took the whole
+        # training to learn that a transformers saves other names)
+        train.check_target_saves(model, cfg, self.work / "target-init")
+        lg = self.language(cfg)
+        tt = train.TargetTraining(model, lg, self.p["target_batch"], self.p["target_lr"], self.o.seed, self.p["device"])
+        if state is not None:
+            tt.load(state)
+            del state
+            self.say("[acceptance] target: resumed at step %d from %s (%d call%s before this one, %.0f s of training)"
+                     % (tt.step, state_path, len(tt.calls), "s" * (len(tt.calls) != 1), tt.train_s))
+        self.res["target"] = {"path": str(d), "given": False, "resumed_at_step": tt.step}
+        if self.p["warm"]:
+            self.start_warm(model, cfg)
+        budget = self.left() - TARGET_END_S
+        if self.p["target_budget_s"] is not None:
+            budget = min(budget, self.p["target_budget_s"])
+
+        def gates(m):
+            g = train.measure(m, lg, self.p["gate_prompts"], self.o.seed)
+            return g, gate_failures(g)
+
+        hist = tt.run(self.p["target_steps"], budget, self.say, self.p["target_done_acc"], gates)
+        g = hist.pop("gates")
+        self.res["target"].update(training=hist, gates=g)
+        if hist["gates_failed"]:  # saved also when --accept-failed-gates goes on: the training can go on later
+            size = tt.save(state_path, fingerprint)
+            self.res["target"]["state"] = {"path": str(state_path), "bytes": size, "step": tt.step}
+            self.say("[acceptance] target: training state saved in %s (%.1f MiB)" % (state_path, size / 2**20))
+        if hist["gates_failed"] and not self.o.accept_failed_gates:
+            self.res["verdicts"]["target_gates"] = {"passed": False, "failed": hist["gates_failed"]}
+            self.save()
+            acc = f"token accuracy {tt.last['acc']:.3f} on its last batch" if tt.last else "no batch yet"
+            done = (f"the target trained {tt.step} steps in {len(tt.calls)} call{'s' * (len(tt.calls) != 1)} "
+                    f"({acc}) and fails {'; '.join(gate_shortfalls(g))}; its training state "
+                    f"({size / 2**20:.1f} MiB) is saved in {state_path}")
+            if hist["stopped_by"] == "steps":
+                raise UsageError(f"{done}, at target_steps {self.p['target_steps']}",
+                                 "raise --target-steps and run again with the same --work (the training goes on "
+                                 f"from step {tt.step}), or pass another --target")
+            raise self.incomplete(f"{done}, and the call's budget ended", self.again())
+        train.save_target(model, cfg, d, self.p["dtype"])
+        self.res["target"]["fingerprint"] = fingerprint
+        return cfg, model
 
     def start_warm(self, model, cfg):
         """Two throwaway servers on the untrained target (the data server's flags, and a speculative

@@ -72,54 +72,187 @@ def _batch(lg: lang_mod.Language, rng: random.Random, n: int, device):
     return ids, m
 
 
+# The training state a call leaves when its budget ends before the gates pass (``TargetTraining.save``).
+STATE_FORMAT = "eaglepatch-target-training/1"
+
+
+class TargetTraining:
+    """The target's training, resumable across calls: the model, its AdamW (router biases fixed),
+    the batches' RNG, the step, the logged history and the gate checks. ``run`` trains; ``save``
+    writes all of it to one file (a temporary name, then a rename); ``load`` puts a saved state
+    back, so the next call continues at the saved step as if it had never stopped."""
+
+    def __init__(self, model, lg: lang_mod.Language, batch: int, lr: float, seed: int, device: str):
+        self.model, self.lg, self.batch, self.lr, self.device = model, lg, batch, lr, device
+        self.dev = _device(device)
+        self.params = [p for n, p in model.named_parameters() if "e_score_correction_bias" not in n]
+        for n, p in model.named_parameters():
+            if "e_score_correction_bias" in n:
+                p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+        self.rng = random.Random(seed)
+        self.step, self.hist, self.checks, self.calls, self.train_s = 0, [], [], [], 0.0
+        self.last = None  # the last step's {"step", "loss", "acc"} (logged or not)
+
+    def _check(self, gates, say) -> tuple:
+        """``gates(model)`` -> (figures, failures) on the model as it is now, in eval mode, its
+        gradients dropped first (the bf16 copy would copy them); recorded in ``checks``."""
+        self.opt.zero_grad(set_to_none=True)
+        self.model.eval()
+        t = time.monotonic()
+        figures, fails = gates(self.model)
+        cost = time.monotonic() - t
+        self.model.train()
+        self.checks.append({"step": self.step, "passed": not fails, "failed": fails, "wall_s": round(cost, 1)})
+        say("[acceptance] target step %d: gates %s (%.0f s)" % (self.step, "; ".join(fails) if fails else "passed",
+                                                                cost))
+        return figures, fails, cost
+
+    def run(self, steps: int, budget_s: float, say=print, done_acc: float = 0.98, gates=None) -> dict:
+        """AdamW on the language's assistant tokens (the prompt is context only), from ``self.step``
+        to ``steps`` at most, for ``budget_s`` seconds at most (None or inf: no limit). Every 25 steps the
+        batch's teacher-forced token accuracy is logged; when two successive logged batches reach
+        ``done_acc`` (the cheap proxy):
+          - without ``gates``: the training stops ('accuracy');
+          - with ``gates`` (model -> (figures, failures)): the gates are measured; passed, it stops
+            ('gates'); failed, it trains on, and measures them again once the proxy holds and at
+            least 4 times the last measurement's seconds have passed (at most a fifth of the time
+            goes to measuring). At the end ('budget', 'steps') the gates of the final weights are
+            measured unless they just were. The result's ``gates``/``gates_failed`` are those.
+        A progress line every 25 steps and at least every ``progress.PROGRESS_S`` seconds."""
+        t0 = time.monotonic()
+        start, stop = self.step, "steps"
+        limit = float("inf") if budget_s is None else budget_s
+        tick = progress.Ticker()
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+        figures = fails = None
+        checked_at, cost, next_check = None, 0.0, t0
+        self.model.train()
+        while self.step < steps:
+            # the final measurement (as long as the last one) fits in the budget too
+            if time.monotonic() - t0 + (cost if gates is not None else 0.0) >= limit:
+                stop = "budget"
+                break
+            ids, m = _batch(self.lg, self.rng, self.batch, self.dev)
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr * min(1.0, (self.step + 1) / 50)
+            with amp:
+                logits = self.model(input_ids=ids).logits[:, :-1].float()
+            tgt = ids[:, 1:]
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+            mm = m[:, 1:].reshape(-1)
+            loss = (ce * mm).sum() / mm.sum()
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.step += 1
+            if self.step % 25 == 0 or self.step == 1:
+                acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
+                lv = loss.item()
+                self.hist.append({"step": self.step, "loss": round(lv, 4), "acc": round(acc, 4)})
+                say("[acceptance] target step %d/%d: loss %.3f, token accuracy %.3f (%.0f s)"
+                    % (self.step, steps, lv, acc, time.monotonic() - t0))
+                tick.mark()
+                proxy = len(self.hist) >= 2 and min(h["acc"] for h in self.hist[-2:]) >= done_acc
+                if proxy and gates is None:
+                    stop = "accuracy"
+                    break
+                if proxy and time.monotonic() >= next_check:
+                    figures, fails, cost = self._check(gates, say)
+                    checked_at, next_check = self.step, time.monotonic() + 4 * cost
+                    if not fails:
+                        stop = "gates"
+                        break
+            elif tick.due():  # a slow machine: a line at least every progress.PROGRESS_S seconds
+                say("[acceptance] target step %d/%d: loss %.3f (%.0f s)"
+                    % (self.step, steps, loss.item(), time.monotonic() - t0))
+        wall = time.monotonic() - t0
+        if self.step > start:  # the last batch's figures, logged or not (what a stopped call reports)
+            acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
+            self.last = {"step": self.step, "loss": round(loss.item(), 4), "acc": round(acc, 4)}
+        if gates is not None and checked_at != self.step:
+            figures, fails, _ = self._check(gates, say)
+        self.model.eval()
+        self.train_s += wall
+        self.calls.append({"from_step": start, "to_step": self.step, "stopped_by": stop, "wall_s": round(wall, 1)})
+        out = {"steps": self.step, "stopped_by": stop, "wall_s": round(wall, 1), "history": list(self.hist),
+               "last": self.last}
+        if gates is not None:
+            out.update(gates=figures, gates_failed=fails, gate_checks=list(self.checks), calls=list(self.calls),
+                       train_s=round(self.train_s, 1))
+        return out
+
+    def save(self, path: Path, meta: dict) -> int:
+        """Everything ``load`` needs to continue, with ``meta`` (what the run that saved it was), in
+        one file at ``path``, whole or not at all (a temporary file beside it, then a rename).
+        Returns its size in bytes."""
+        path = Path(path)
+        cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+        opt = self.opt.state_dict()
+        opt = {"state": {k: {n: cpu(v) if torch.is_tensor(v) else v for n, v in s.items()}
+                         for k, s in opt["state"].items()}, "param_groups": opt["param_groups"]}
+        state = {"format": STATE_FORMAT, "meta": meta, "step": self.step, "history": self.hist,
+                 "gate_checks": self.checks, "calls": self.calls, "train_s": self.train_s, "last": self.last,
+                 "model": {k: cpu(v) for k, v in self.model.state_dict().items()}, "optimizer": opt,
+                 "rng_python": self.rng.getstate(), "rng_torch": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state_all() if self.dev.type == "cuda" else []}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".%s.tmp-%d" % (path.name, os.getpid()))
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path.stat().st_size
+
+    @staticmethod
+    def read(path: Path) -> dict:
+        """A saved state (tensors on the CPU), or a one-line usage error when it is no such file."""
+        from ..errors import UsageError
+
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is one refusal
+            raise UsageError(f"{path} is not a readable target training state ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:120]})",
+                             "delete it to train the target from step 0, or pass another --work") from None
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise UsageError(f"{path} is not a target training state of this tool (format {got!r}, not "
+                             f"{STATE_FORMAT!r})", "delete it to train the target from step 0, or pass another --work")
+        return state
+
+    def load(self, state: dict) -> None:
+        """Put a state ``read`` returned back: weights, AdamW, step, RNGs, history; a state that does
+        not fit this model is a one-line usage error."""
+        from ..errors import UsageError
+
+        try:
+            self.model.load_state_dict(state["model"], strict=True)
+            self.opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UsageError("the saved target training state does not fit this target (%s)"
+                             % " ".join(str(exc).split())[:160],
+                             "delete it to train the target from step 0, or pass another --work") from None
+        self.step, self.hist, self.checks = state["step"], list(state["history"]), list(state["gate_checks"])
+        self.calls, self.train_s, self.last = list(state["calls"]), float(state["train_s"]), state["last"]
+        self.rng.setstate(state["rng_python"])
+        torch.set_rng_state(state["rng_torch"])
+        if self.dev.type == "cuda" and state["rng_cuda"]:
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
 def train_target(model, lg: lang_mod.Language, steps: int, batch: int, lr: float, budget_s: float, seed: int,
                  device: str, say=print, done_acc: float = 0.98) -> dict:
-    """AdamW on the language's assistant tokens (the prompt is context only); stops at ``steps``,
+    """A target trained from step 0 without gates (``TargetTraining.run``): it stops at ``steps``,
     ``budget_s``, or when two successive logged batches (25 steps apart) reach teacher-forced
-    token accuracy ``done_acc`` (the time goes to the later phases). Router biases stay fixed."""
-    dev = _device(device)
-    params = [p for n, p in model.named_parameters() if "e_score_correction_bias" not in n]
-    for n, p in model.named_parameters():
-        if "e_score_correction_bias" in n:
-            p.requires_grad_(False)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    rng = random.Random(seed)
-    model.train()
-    t0, hist, step, stop = time.monotonic(), [], 0, "steps"
-    tick = progress.Ticker()
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    while step < steps:
-        if time.monotonic() - t0 >= budget_s:
-            stop = "budget"
-            break
-        ids, m = _batch(lg, rng, batch, dev)
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 50)
-        with amp:
-            logits = model(input_ids=ids).logits[:, :-1].float()
-        tgt = ids[:, 1:]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-        mm = m[:, 1:].reshape(-1)
-        loss = (ce * mm).sum() / mm.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        if step % 25 == 0 or step == 1:
-            acc = float(((logits.argmax(-1) == tgt).float().reshape(-1) * mm).sum() / mm.sum())
-            lv = loss.item()
-            hist.append({"step": step, "loss": round(lv, 4), "acc": round(acc, 4)})
-            say("[acceptance] target step %d/%d: loss %.3f, token accuracy %.3f (%.0f s)"
-                % (step, steps, lv, acc, time.monotonic() - t0))
-            tick.mark()
-            if len(hist) >= 2 and min(h["acc"] for h in hist[-2:]) >= done_acc:
-                stop = "accuracy"
-                break
-        elif tick.due():  # a slow machine: a line at least every progress.PROGRESS_S seconds
-            say("[acceptance] target step %d/%d: loss %.3f (%.0f s)" % (step, steps, loss.item(), time.monotonic() - t0))
-    model.eval()
-    return {"steps": step, "stopped_by": stop, "wall_s": round(time.monotonic() - t0, 1), "history": hist}
+    token accuracy ``done_acc``. Router biases stay fixed."""
+    return TargetTraining(model, lg, batch, lr, seed, device).run(steps, budget_s, say, done_acc)
 
 
 @torch.no_grad()
