@@ -222,3 +222,28 @@ def test_gates_passed_save_the_target_and_the_run_goes_on(first_call, monkeypatc
     assert not trained and res["verdicts"]["target_gates"]["passed"], res["verdicts"]
     assert set(res["phases"]) == {"target", "data", "drafts", "guard", "replay"}, res["phases"]
     assert verdicts.outcome(res) == (0, "passed: replayed: stub")
+
+
+def test_data_another_target_made_is_refused_not_reused(tmp_path):
+    """WORK/data records the target that made it: a later call whose target differs (the target
+    retrained after WORK/target was removed, say) is refused in one line instead of training drafts
+    on another target's states; the same target's data is reused, and so are data made before the
+    target was recorded (unknown, as before)."""
+    from eaglepatch.acceptance import pipeline
+    from eaglepatch.errors import UsageError
+
+    work = tmp_path / "w"
+    run = pipeline.Run(_options(work, []))
+    run.res["target"] = {"sha256": "a" * 64}
+    d = work / run.data_name()
+    d.mkdir(parents=True)
+    for made_by, refused in (("b" * 64, True), ("a" * 64, False), (None, False)):
+        (d / "done.json").write_text(json.dumps({"dir": str(d), "storage": {"k": 1}, "target_sha256": made_by}))
+        run.data = None
+        if refused:
+            with pytest.raises(UsageError, match="holds data another target made .*bbbbbbbbbbbb.*aaaaaaaaaaaa"):
+                run.do_data()
+            assert run.data is None
+        else:
+            run.do_data()
+            assert run.data["dir"] == str(d) and run.res["storage"] == {"k": 1}

@@ -639,7 +639,10 @@ class Run:
             return None
         try:
             conv = json.loads(ref.read_text())
+            made_by = json.loads((ref.parent / "done.json").read_text()).get("target_sha256")
         except (OSError, ValueError):
+            return None
+        if made_by and made_by != self.res["target"]["sha256"]:  # another target's continuations
             return None
         return conv if [c.get("prompt_ids") for c in conv] == prompts else None
 
@@ -661,7 +664,13 @@ class Run:
     def do_data(self):
         d = self.work / self.data_name()
         if (d / "done.json").is_file():
-            self.data = json.loads((d / "done.json").read_text())
+            data = json.loads((d / "done.json").read_text())
+            made_by = data.get("target_sha256")
+            if made_by and made_by != self.res["target"]["sha256"]:  # before it was recorded: not known
+                raise UsageError(f"{d} holds data another target made (target sha256 {made_by[:12]}, this run's "
+                                 f"{self.res['target']['sha256'][:12]}): its states are not this target's",
+                                 f"remove {d} (the next call remakes it) or pass another --work")
+            self.data = data
             self.res["storage"] = self.data.get("storage")
             return
         d.mkdir(parents=True, exist_ok=True)
@@ -719,7 +728,7 @@ class Run:
         for f in dump.glob("*.safetensors"):  # the generate requests' own dumps, and the extractions'
             f.unlink()
         self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct"),
-                     "storage": storage}
+                     "storage": storage, "target_sha256": self.res["target"]["sha256"]}
         self.res["storage"] = storage
         (d / "done.json").write_text(json.dumps(self.data))
 
