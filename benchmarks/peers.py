@@ -929,7 +929,8 @@ class Run:
                 if first is None and "extracting " in xlog.read_text(errors="replace"):
                     first = time.time()
                 time.sleep(0.1)
-            if x.poll() is None:
+            cut = x.poll() is None  # its time is up: stopped as a user stops it (SIGTERM: it records and exits 2)
+            if cut:
                 stop(x, grace=10)
             dump_counts = flush_counts(url)
         finally:
@@ -944,7 +945,7 @@ class Run:
             end = max([m for _, _, m in done], default=prev)
             recs.append(bucket_record(b, [(i, n) for i, n, _ in done], prev, max(end, prev)))
             prev = max(end, prev)
-        if x.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
+        if x.returncode != 0 and not cut:
             return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(d / "extract.log", 2))}
         try:  # extract's own figure: first request to the manifest
             extract_wall = json.loads((out / "manifest.json").read_text())["last_run"]["wall_s"]

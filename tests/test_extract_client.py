@@ -505,6 +505,53 @@ def test_a_run_removes_the_dumps_its_failed_samples_left(model, dumps, tmp_path)
 
 
 @in_env
+def test_sigterm_stops_the_run_as_ctrl_c_does_and_the_rerun_goes_on(model, dumps, tmp_path):
+    """A SIGTERM (a job scheduler's stop) while a request waits for its answer: the run says how many
+    samples it finished and where its time went, ends in one line (exit 2, no traceback) with the
+    samples done recorded, and the same command completes the dataset from there."""
+    import signal
+    import subprocess
+
+    pk = prompt_keys(model)
+    out = tmp_path / "out"
+    with server(dumps) as s:
+        s.plan = {pk["conv-002"]: ["hang"]}
+        proc = subprocess.Popen([sys.executable, str(EXTRACT), "--server", s.url, "--model", str(model.dir), "--data",
+                                 str(model.data), "--dump-dir", str(dumps), "--out", str(out), "--no-progress",
+                                 "--aux-layers=" + ",".join(map(str, AUX)), "--concurrency", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                if any(k == pk["conv-002"] for _, k in s.requests):
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            s.release.set()  # the request in flight is answered; the run does not record it
+            err = proc.communicate(timeout=60)[1]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            s.release.set()
+        assert proc.returncode == 2, err[-3000:]
+        lines = err.strip().splitlines()
+        assert lines[-1] == ("error: interrupted (Ctrl-C or SIGTERM); the samples done are kept in --out: run the "
+                             "same command again to go on from there"), err[-3000:]
+        assert "Traceback" not in err
+        stopped = [x for x in lines if x.startswith("stopped: ")]
+        assert stopped and stopped[0].startswith("stopped: 2 sample(s) of this run finished and recorded"), err[-3000:]
+        assert "time per stage" in stopped[0]
+        assert [r["id"] for r in records(out)] == ["conv-000", "conv-001"]
+        p = extract(model, s.url, dumps, out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"extracting {N_CONV - 2} of {N_CONV} conversations (2 already done)" in p.stderr, p.stderr[-3000:]
+    assert check_rows(out) == N_CONV
+
+
+@in_env
 def test_a_rerun_removes_what_a_killed_run_left(model, dumps, tmp_path):
     """A run killed (SIGKILL) while a request whose file is written waits for its answer leaves that
     file; the next run on the same --out says so, removes it (and no other client's file) and

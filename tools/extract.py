@@ -108,13 +108,24 @@ def main(argv=None) -> int:
         return extract(opts)
 
     def guarded() -> int:
+        import signal
+        import threading
+
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None  # SIGTERM = Ctrl-C
         try:
             return body()
+        except KeyboardInterrupt:
+            raise UsageError("interrupted (Ctrl-C or SIGTERM)", "the samples done are kept in --out: run the same "
+                             "command again to go on from there") from None
         except ModuleNotFoundError as exc:
             from eaglepatch.extract import install_fix
 
             raise UsageError(f"extract.py needs the Python package {exc.name!r}, which is not installed",
                              install_fix(a.format, [exc.name])) from None
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
 
     return run_main(guarded)
 

@@ -123,6 +123,7 @@ class Extractor:
         # seconds spent per stage, summed over the worker threads (``record`` on the main thread): where
         # a slow run's time goes
         self.stage_s = dict.fromkeys(STAGES, 0.0)
+        self.finished = 0  # samples of this run recorded so far (finished, failed or skipped)
 
     def _spent(self, stage: str, since: float) -> float:
         now = time.monotonic()
@@ -194,7 +195,10 @@ class Extractor:
                      f"(--format {o.format})")
             try:
                 outcomes = self._run_pending(inp, client, t0)
-            except BaseException:  # a stopped run reports and removes its unused dumps too
+            except BaseException as exc:  # a stopped run reports and removes its unused dumps too
+                if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (tools/extract.py)
+                    self.log(f"stopped: {self.finished} sample(s) of this run finished and recorded (kept: the same "
+                             f"command goes on from there); {self.stage_line()}")
                 try:
                     self.sweep_unused(inp, earlier=False)
                 except Exception:  # the stop's own error is the one to report
@@ -244,6 +248,7 @@ class Extractor:
 
         def finish_one(x: Outcome) -> None:
             outcomes.append(x)
+            self.finished += 1
             t = time.monotonic()
             self.record(x, inp)
             self._spent("record", t)
