@@ -247,3 +247,9 @@ def test_data_another_target_made_is_refused_not_reused(tmp_path):
         else:
             run.do_data()
             assert run.data["dir"] == str(d) and run.res["storage"] == {"k": 1}
+    # a caller that runs the data phase alone (the check-draft toy's build) has the target's files only
+    alone = pipeline.Run(_options(work, []))
+    alone.target = REPO / "tests" / "data" / "acceptance-toy-target"
+    from eaglepatch.acceptance.storage_check import target_sha256
+
+    assert alone.target_sha() == target_sha256(alone.target) == alone.res["target"]["sha256"]

@@ -642,7 +642,8 @@ class Run:
             made_by = json.loads((ref.parent / "done.json").read_text()).get("target_sha256")
         except (OSError, ValueError):
             return None
-        if made_by and made_by != self.res["target"]["sha256"]:  # another target's continuations
+        mine = self.target_sha()
+        if made_by and mine and made_by != mine:  # another target's continuations
             return None
         return conv if [c.get("prompt_ids") for c in conv] == prompts else None
 
@@ -661,14 +662,24 @@ class Run:
                              f"at {parent} has no EAGLE3_DUMP_DTYPE / EAGLE3_DUMP_REBUILDABLE ({settings})",
                              "use a series with compact storage (issue 30), or drop the settings")
 
+    def target_sha(self) -> str | None:
+        """The target's sha256 (of its files; computed once), which the data records and is checked
+        against; None while this run has no target (a caller that runs the data phase alone)."""
+        t = self.res.get("target") or {}
+        if not t.get("sha256") and getattr(self, "target", None) is not None:
+            from .storage_check import target_sha256
+
+            self.res["target"] = dict(t, sha256=target_sha256(self.target))
+        return (self.res.get("target") or {}).get("sha256")
+
     def do_data(self):
         d = self.work / self.data_name()
         if (d / "done.json").is_file():
             data = json.loads((d / "done.json").read_text())
-            made_by = data.get("target_sha256")
-            if made_by and made_by != self.res["target"]["sha256"]:  # before it was recorded: not known
+            made_by, mine = data.get("target_sha256"), self.target_sha()
+            if made_by and mine and made_by != mine:  # before it was recorded: not known
                 raise UsageError(f"{d} holds data another target made (target sha256 {made_by[:12]}, this run's "
-                                 f"{self.res['target']['sha256'][:12]}): its states are not this target's",
+                                 f"{mine[:12]}): its states are not this target's",
                                  f"remove {d} (the next call remakes it) or pass another --work")
             self.data = data
             self.res["storage"] = self.data.get("storage")
@@ -728,7 +739,7 @@ class Run:
         for f in dump.glob("*.safetensors"):  # the generate requests' own dumps, and the extractions'
             f.unlink()
         self.data = {"dir": str(d), "train": str(d / "ds-train@correct"), "heldout": str(d / "ds-heldout@correct"),
-                     "storage": storage, "target_sha256": self.res["target"]["sha256"]}
+                     "storage": storage, "target_sha256": self.target_sha()}
         self.res["storage"] = storage
         (d / "done.json").write_text(json.dumps(self.data))
 
