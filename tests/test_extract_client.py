@@ -98,6 +98,16 @@ def extract(model, urls, dumps, out, *extra, data=None):
         "--aux-layers=" + ",".join(map(str, AUX)), "--dump-timeout", "5", *extra])
 
 
+def extract_process(model, url, dumps, out):
+    """tools/extract.py as a process of its own (one worker), for a test that signals or kills it."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, str(EXTRACT), "--server", url, "--model", str(model.dir), "--data",
+                             str(model.data), "--dump-dir", str(dumps), "--out", str(out), "--no-progress",
+                             "--aux-layers=" + ",".join(map(str, AUX)), "--concurrency", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def one_line(p, *needles) -> str:
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     lines = [x for x in p.stderr.strip().splitlines() if x.startswith("error: ")]
@@ -510,16 +520,12 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_the_rerun_goes_on(model, dumps
     samples it finished and where its time went, ends in one line (exit 2, no traceback) with the
     samples done recorded, and the same command completes the dataset from there."""
     import signal
-    import subprocess
 
     pk = prompt_keys(model)
     out = tmp_path / "out"
     with server(dumps) as s:
         s.plan = {pk["conv-002"]: ["hang"]}
-        proc = subprocess.Popen([sys.executable, str(EXTRACT), "--server", s.url, "--model", str(model.dir), "--data",
-                                 str(model.data), "--dump-dir", str(dumps), "--out", str(out), "--no-progress",
-                                 "--aux-layers=" + ",".join(map(str, AUX)), "--concurrency", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = extract_process(model, s.url, dumps, out)
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and proc.poll() is None:
@@ -558,7 +564,6 @@ def test_a_rerun_removes_what_a_killed_run_left(model, dumps, tmp_path):
     completes the dataset."""
     import os
     import signal
-    import subprocess
 
     from dumpserver import sha
 
@@ -567,10 +572,7 @@ def test_a_rerun_removes_what_a_killed_run_left(model, dumps, tmp_path):
     out = tmp_path / "out"
     with server(dumps) as s:
         s.plan = {pk["conv-002"]: ["hang"]}
-        proc = subprocess.Popen([sys.executable, str(EXTRACT), "--server", s.url, "--model", str(model.dir), "--data",
-                                 str(model.data), "--dump-dir", str(dumps), "--out", str(out), "--no-progress",
-                                 "--aux-layers=" + ",".join(map(str, AUX)), "--concurrency", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = extract_process(model, s.url, dumps, out)
         try:
             deadline = time.monotonic() + 120
             left = None
