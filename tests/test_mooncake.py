@@ -403,6 +403,80 @@ def test_objects_nobody_deletes_expire_and_say_so(site, tmp_path, caplog):
         _close_sinks()
 
 
+def _put_raw(m, key: str, nbytes: int):
+    """An object of ``nbytes`` random bytes and its version-1 manifest, put by a store client that
+    lends the store memory (returned: it holds them)."""
+    import json
+
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+
+    w = MooncakeDistributedStore()
+    assert w.setup("127.0.0.1", m.metadata, 256 << 20, 128 << 20, "tcp", "", m.address) == 0
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    man = {"version": 1, "handle": key, "metadata": {"total_aligned_bytes": nbytes},
+           "tensors": {"x": {"shape": [nbytes], "dtype": "uint8", "nbytes": nbytes, "offset": 0}}}
+    assert w.put(key, data.numpy().tobytes()) == 0
+    assert w.put(key + mooncake.META_SUFFIX, json.dumps(man).encode()) == 0
+    return w, data
+
+
+class _Reads:
+    """The real store's ``get_into``, each key's calls recorded; the first ``expire[key]`` of a key's
+    answered -707 without reading (a read that outlasted its lease, as one of 400 did on the H200
+    with 32 reads at once)."""
+
+    def __init__(self, store, expire=None):
+        self.store, self.expire, self.keys = store, dict(expire or {}), []
+
+    def __call__(self, key, ptr, size):
+        self.keys.append(key)
+        if self.keys.count(key) <= self.expire.get(key, 0):
+            return mooncake.LEASE_EXPIRED
+        return self.store.get_into(key, ptr, size)
+
+    def install(self, reader):
+        reader.store = type("Counted", (), {"__getattr__": lambda _, n: getattr(self.store, n),
+                                            "get_into": lambda _, *a: self(*a)})()
+
+
+def test_a_read_that_outlasts_its_lease_is_read_again_and_named_when_it_always_does(site, tmp_path):
+    """Mooncake answers -707 (LEASE_EXPIRED) to a read that outlasts the lease the master gave it. The
+    reader reads again (the object is pinned); a read whose every try expires is an error naming the
+    lease and the fix, never bytes. A master with a 1 ms lease expires every read of 64 MiB (measured:
+    8 of 8); with the default lease a read that expired twice is read again and equals what was put,
+    and a manifest whose every read expires is named the same way."""
+    lease = r"could not be read within the master's lease in 4 tries \(code -707, LEASE_EXPIRED\); raise " \
+            r"mooncake_master's --default_kv_lease_ttl"
+    with mooncake.Master(site, tmp_path / "short.log", kv_lease_ms=1) as m:
+        w, _ = _put_raw(m, "big", 64 << 20)
+        r = mooncake.StoreReader(m.address, m.metadata)
+        reads = _Reads(r.store)
+        reads.install(r)
+        with pytest.raises(mooncake.StoreError, match="the object (big|big:meta) \\(\\d+ bytes\\) " + lease) as e:
+            r.tensors("big", timeout=5)
+        # the 64 MiB object, or already its 170-byte manifest (the lease is that short): tried 4 times
+        failed = str(e.value).split()[2]
+        assert reads.keys.count(failed) == mooncake.LEASE_TRIES, reads.keys
+        r.store = reads.store
+        r.close()
+        w.close()
+    with mooncake.Master(site, tmp_path / "default.log") as m:
+        w, data = _put_raw(m, "k", 4 << 20)
+        r = mooncake.StoreReader(m.address, m.metadata)
+        reads = _Reads(r.store, expire={"k": 2})
+        reads.install(r)
+        got, _ = r.tensors("k")
+        assert reads.keys.count("k") == 3 and bytes(got["x"].numpy()) == bytes(data.numpy())
+        reads = _Reads(reads.store, expire={"k:meta": mooncake.LEASE_TRIES})
+        reads.install(r)
+        with pytest.raises(mooncake.StoreError, match="the object k:meta \\(\\d+ bytes\\) " + lease):
+            r.tensors("k")
+        r.store = reads.store
+        r.close()
+        w.close()
+
+
 # ---- through a real sglang.Engine (CPU, sglang 0.5.9 with the series) ----------------------------
 
 ENGINE = """

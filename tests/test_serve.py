@@ -221,11 +221,13 @@ def test_cpu_demo_serves_a_given_tree_plus_the_smoke_patch(patched_checkout, tmp
     before = hashes(patched_checkout)
     demo = tmp_path / "demo"
     for _ in range(2):
-        r = run_tool("serve", "--cpu-demo", demo, "--sglang", patched_checkout, "--print")
+        r = run_tool("serve", "--cpu-demo", demo, "--sglang", patched_checkout, "--print",
+                     env={"PYTHONPATH": os.pathsep.join([str(REPO / "src"), "/elsewhere"])})
         assert r.returncode == 0, r.stderr
     env, argv = split_shell(r.stdout.strip())
     tree = demo / "sglang-tree"
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(tree), str(STUBS)]
+    # the caller's path after the tree and the stubs (a package installed beside the environment stays importable)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tree), str(STUBS), str(REPO / "src"), "/elsewhere"]
     assert env["EAGLE3_DUMP_LAYERS"] == "-1,0,1,2,3" and env["EAGLE3_DUMP_DIR"] == str(demo / "dumps")
     assert argv[1:3] == ["-m", "sglang.launch_server"] and "--disable-radix-cache" in argv
     handler = tree / "sglang" / "srt" / "models" / "deepseek_common" / "attention_backend_handler.py"

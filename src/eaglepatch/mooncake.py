@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,8 @@ COMPLETE = ".eaglepatch-complete"
 META_SUFFIX = ":meta"  # the overlay's sinks.META_SUFFIX
 ERROR_SUFFIX = ":error"  # sinks.ERROR_SUFFIX: a failed commit's {"error": why}
 MANIFEST_VERSION = 1
+LEASE_EXPIRED = -707  # Mooncake's ErrorCode: the read outlasted the master's --default_kv_lease_ttl
+LEASE_TRIES = 4  # reads of one object before a LEASE_EXPIRED is an error
 
 
 def site_dir(python: Path) -> Path:
@@ -114,7 +117,10 @@ class Master:
     def start(self, timeout: float = 120.0) -> "Master":
         args = [str(self.binary), f"--port={self.port}", "--enable_http_metadata_server=true",
                 f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1",
-                f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1"]
+                f"--metrics_port={self.metrics_port}"]
+        helptext = subprocess.run([str(self.binary), "--helpfull"], capture_output=True, text=True).stdout
+        if "-metrics_host" in helptext:  # older masters (the CUDA 13 wheel 0.3.11) bind metrics on all addresses
+            args.append("--metrics_host=127.0.0.1")
         if self.kv_lease_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.kv_lease_ms}")
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +170,58 @@ class StoreReader:
         code = self.store.setup(local_host, metadata, 0, buffer_mb << 20, protocol, "", master)
         if code != 0:
             raise StoreError(f"cannot connect to the Mooncake master {master} (metadata {metadata}): code {code}")
+        # one registered read buffer per thread, kept and grown: a registration is a round trip to the
+        # metadata server, which a reader paying it twice per object felt (benchmarks/online.py)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._buffers: dict = {}
+
+    def _buffer(self, nbytes: int):
+        import torch
+
+        buf = getattr(self._local, "buf", None)
+        if buf is not None and buf.numel() >= nbytes:
+            return buf
+        if buf is not None:
+            self.store.unregister_buffer(buf.data_ptr())
+            with self._lock:
+                self._buffers.pop(buf.data_ptr(), None)
+            self._local.buf = None
+        size = 1 << max(20, (max(nbytes, 1) - 1).bit_length())
+        buf = torch.empty(size, dtype=torch.uint8)
+        code = self.store.register_buffer(buf.data_ptr(), buf.numel())
+        if code != 0:
+            raise StoreError(f"cannot register a {buf.numel()} byte buffer with the store (code {code})")
+        self._local.buf = buf
+        with self._lock:
+            self._buffers[buf.data_ptr()] = buf
+        return buf
+
+    def _read(self, key: str, nbytes: int) -> tuple:
+        """(code, buffer): ``key``'s ``nbytes`` read into this thread's buffer. A read that outlasts
+        the lease the master gave it (-707: under load, a large object) is read again: the object is
+        pinned and still there unless a reader deleted it (then another code)."""
+        buf = self._buffer(nbytes)
+        for _ in range(LEASE_TRIES):
+            got = self.store.get_into(key, buf.data_ptr(), nbytes)
+            if got != LEASE_EXPIRED:
+                break
+        return got, buf
+
+    @staticmethod
+    def _lease_error(key: str, nbytes: int) -> StoreError:
+        return StoreError(f"the object {key} ({nbytes} bytes) could not be read within the master's lease in "
+                          f"{LEASE_TRIES} tries (code -707, LEASE_EXPIRED); raise mooncake_master's "
+                          f"--default_kv_lease_ttl above the slowest read, or read fewer objects at once")
+
+    def close(self) -> None:
+        """Unregister the read buffers and leave the store (before its master stops: quieter)."""
+        with self._lock:
+            bufs, self._buffers = list(self._buffers.values()), {}
+        for buf in bufs:
+            self.store.unregister_buffer(buf.data_ptr())
+        self._local = threading.local()
+        self.store.close()
 
     def manifest(self, handle, timeout: float = 0.0) -> dict:
         """The manifest of a handle (``meta_info["eagle3_dump"]``) or key, waiting up to ``timeout``
@@ -185,10 +243,14 @@ class StoreReader:
                 raise StoreError(f"no object {key} in the store (not yet written, failed, deleted, expired, or lost "
                                  f"at a restart of the master)")
             time.sleep(0.02)
-        raw = bytes(self.store.get(key + META_SUFFIX))
-        if not raw:  # listed by the master, its memory gone: the client that held it stopped
+        size = self.store.get_size(key + META_SUFFIX)
+        got, buf = self._read(key + META_SUFFIX, size) if size > 0 else (size, None)
+        if got == LEASE_EXPIRED:
+            raise self._lease_error(key + META_SUFFIX, size)
+        if got <= 0:  # listed by the master, its memory gone: the client that held it stopped
             raise StoreError(f"the object {key} is listed but its memory is gone (the server whose share of the "
-                             f"store held it stopped; read objects while their server runs)")
+                             f"store held it stopped; read objects while their server runs) (code {got})")
+        raw = bytes(buf[:got].numpy())
         try:
             man = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
@@ -206,14 +268,9 @@ class StoreReader:
 
         man = self.manifest(handle, timeout)
         key, total = man["handle"], int(man["metadata"]["total_aligned_bytes"])
-        buf = torch.empty(max(total, 1), dtype=torch.uint8)
-        code = self.store.register_buffer(buf.data_ptr(), buf.numel())
-        if code != 0:
-            raise StoreError(f"cannot register a {buf.numel()} byte buffer with the store (code {code})")
-        try:
-            got = self.store.get_into(key, buf.data_ptr(), total)
-        finally:
-            self.store.unregister_buffer(buf.data_ptr())
+        got, buf = self._read(key, total)
+        if got == LEASE_EXPIRED:
+            raise self._lease_error(key, total)
         if got < 0:  # the manifest was there, the data is not (removed, expired, or lost since)
             raise StoreError(f"the object {key} has a manifest but its data could not be read (code {got}: deleted, "
                              f"expired or lost after its manifest was read); nothing returned")

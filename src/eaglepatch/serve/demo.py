@@ -261,7 +261,11 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     url = _url(host, port)
     cmds = next_commands(url, demo_dir, dump_dir, drafts, sorted(k for k in layers if k != n - 1))
     env = {"SGLANG_USE_CPU_ENGINE": "1", "EAGLE3_DUMP_DIR": str(dump_dir), "EAGLE3_DUMP_LAYERS": ",".join(map(str, layers)),
-           "PYTHONPATH": os.pathsep.join([str(tree), str(STUBS)]), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # the caller's PYTHONPATH after the tree (as production serving keeps it): a package installed
+           # beside the environment (the Mooncake sink's) stays importable
+           "PYTHONPATH": os.pathsep.join([str(tree), str(STUBS)] + ([os.environ["PYTHONPATH"]]
+                                                                     if os.environ.get("PYTHONPATH") else [])),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **settings}
     argv = [str(py), "-m", "sglang.launch_server", *cpu_flags(model, model, host, port), *extra]
     info = {"url": url, "tree": str(tree), "python": str(py), "model": str(model), "data": str(data),

@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""Online against offline: the same requests through the Mooncake sink and the file sink, one run.
+
+  python3 benchmarks/online.py --cpu --out online.json                         # CPU smoke (demo model)
+  sh .gpu-extra/mooncake/unpack.sh /tmp/mc && . /tmp/mc/env.sh && \\
+    PYTHONPATH=$PYTHONPATH:/tmp/site:src python3 benchmarks/online.py --mooncake-site /tmp/mc --out $OUT/online.json
+
+For each sink one patched server is started as a user starts it (``tools/serve.py``; on the GPU a
+DeepSeek-V3-wide target, hidden 7168, 4 layers, dummy weights; the dump holds the outputs of layers
+0, 1, 2 and the final state: 4 states a token), warmed up untimed, then driven by the same seeded
+requests (random ids, ShareGPT-like lengths, ``max_new_tokens`` 1, ``--concurrency`` in flight):
+
+- ``produce``: every request sent, nothing read; the clock runs from the first request to the
+  flush's return (every object in the store, every file durable): samples/s, tokens/s, GB/s and
+  bytes per token into the sink;
+- ``consume``: the produce pass's samples read back as a trainer's loader reads them, one thread:
+  Mooncake ``StoreReader.tensors(handle, delete=True)``, file ``safetensors`` load and unlink; each
+  sample's tensors moved to the GPU (on CPU: left where they are): the reader's rate into a
+  training loop;
+- ``online``: other requests of the same lengths, each answer's states read, moved and deleted as
+  soon as its handle comes (a trainer fed straight from the server): tokens/s end to end, first
+  request to last sample on the device.
+
+The JSON records each pass per sink and the Mooncake/file ratios. ``--sinks file`` or
+``--sinks mooncake`` runs one. Exit: 0 done; 1 a sink's server or a pass failed (named in the JSON);
+2 usage error (one line, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO / "src", REPO / "benchmarks", REPO / "tests" / "extract_fixtures"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import peers  # noqa: E402  (the side-by-side benchmark's server helpers)
+from eaglepatch.errors import UsageError  # noqa: E402
+
+SINKS = ("file", "mooncake")
+PROFILES = {
+    "cpu": dict(requests=24, min_len=24, max_len=600, median=110, sigma=0.8, concurrency=4, warm_s=3.0,
+                pass_s=120.0, segment_mb=1024, buffer_mb=256, budget_s=900.0),
+    "gpu": dict(requests=400, min_len=100, max_len=4000, median=350, sigma=0.8, concurrency=32, warm_s=30.0,
+                pass_s=60.0, segment_mb=24576, buffer_mb=2048, budget_s=500.0),
+}
+T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print("[online %5.0fs] %s" % (time.monotonic() - T0, msg), file=sys.stderr, flush=True)
+
+
+def lengths(n: int, prof: dict, seed: int) -> list:
+    rng = random.Random(seed)
+    return [int(min(prof["max_len"], max(prof["min_len"], round(rng.lognormvariate(math.log(prof["median"]),
+                                                                               prof["sigma"])))))
+            for _ in range(n)]
+
+
+def prompts(lens: list, vocab: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def pct(xs: list, q: float):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4)
+
+
+class Consumer:
+    """Reads one answer's states from its sink, moves them to the device, deletes them."""
+
+    def __init__(self, sink: str, dumps: Path, device: str, master=None):
+        self.sink, self.dumps, self.device = sink, dumps, device
+        self.reader = None
+        if sink == "mooncake":
+            from eaglepatch.mooncake import StoreReader
+
+            self.reader = StoreReader(master.address, master.metadata)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def read(self, handle: dict, timeout: float = 120.0) -> tuple:
+        """(bytes, seconds) of one sample read onto the device and deleted from the sink."""
+        import torch
+
+        t = time.monotonic()
+        if self.sink == "mooncake":
+            tensors, meta = self.reader.tensors(handle, timeout=timeout, delete=True)
+        else:
+            from safetensors.torch import load_file
+
+            path = self.dumps / handle["file"]
+            deadline = time.monotonic() + timeout
+            while not path.is_file():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no dump file %s after %.0f s (state %s)" % (path, timeout, handle.get("state")))
+                time.sleep(0.005)
+            tensors = load_file(str(path))
+            path.unlink()
+        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+        if self.device != "cpu":
+            moved = [v.to(self.device, non_blocking=True) for v in tensors.values()]
+            torch.cuda.synchronize()
+            assert sum(v.numel() * v.element_size() for v in moved) == nbytes
+        return nbytes, time.monotonic() - t
+
+
+def drive(url: str, batch: list, concurrency: int, deadline: float, consumer: Consumer | None) -> dict:
+    """Send ``batch`` (id lists) with ``concurrency`` in flight; with ``consumer`` each answer's
+    states are read and deleted as soon as it comes. Returns per-request records."""
+    import requests
+
+    local = threading.local()
+    recs, errors = [], []
+    t0 = time.monotonic()
+
+    def one(ids):
+        if time.monotonic() > deadline:
+            return
+        s = getattr(local, "s", None) or requests.Session()
+        local.s = s
+        t = time.monotonic()
+        try:
+            r = s.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1,
+                                                                                      "temperature": 0}}, timeout=600)
+            r.raise_for_status()
+            meta = r.json()["meta_info"]
+            handle = meta["eagle3_dump"]
+            rec = {"tokens": len(ids), "answer_s": time.monotonic() - t, "handle": handle}
+            if consumer is not None:
+                rec["bytes"], rec["read_s"] = consumer.read(handle)
+            rec["done"] = time.monotonic() - t0
+            recs.append(rec)
+        except Exception as exc:  # noqa: BLE001 - counted and named in the result
+            errors.append("%s: %s" % (type(exc).__name__, str(exc)[:300]))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, batch))
+    return {"recs": recs, "errors": errors, "wall_s": time.monotonic() - t0}
+
+
+def notable(log: Path, n: int = 30) -> list:
+    """The server log's lines about failed or refused writes and errors (the last ``n``), kept in the
+    result: a device call returns only a few files."""
+    import re
+
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    pat = re.compile(r"(fail|refus|error|Error|Traceback|EAGLE3_DUMP|eagle3)", re.I)
+    return [x[:400] for x in lines if pat.search(x) and "metadata_plugin" not in x and '" 200 OK' not in x][-n:]
+
+
+def flush(url: str) -> dict:
+    import requests
+
+    r = requests.post(url + "/eagle3_dump/flush", json={}, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+def summary(recs: list, wall: float, what: str) -> dict:
+    tok = sum(r["tokens"] for r in recs)
+    by = sum(r.get("bytes", 0) for r in recs)
+    out = {"samples": len(recs), "tokens": tok, "wall_s": round(wall, 3), "clock": what,
+           "samples_per_s": round(len(recs) / wall, 2) if wall > 0 else None,
+           "tokens_per_s": round(tok / wall, 1) if wall > 0 else None,
+           "answer_s_p50": pct([r["answer_s"] for r in recs if "answer_s" in r], 0.5),
+           "answer_s_p99": pct([r["answer_s"] for r in recs if "answer_s" in r], 0.99)}
+    if by:
+        out.update(bytes=by, bytes_per_token=round(by / max(tok, 1), 1), gb_per_s=round(by / wall / 1e9, 3),
+                   read_s_p50=pct([r["read_s"] for r in recs if "read_s" in r], 0.5),
+                   read_s_p99=pct([r["read_s"] for r in recs if "read_s" in r], 0.99))
+    return out
+
+
+class Bench:
+    def __init__(self, a, prof: dict):
+        self.a, self.prof = a, prof
+        self.gpu = not a.cpu
+        self.work = Path(a.work).absolute() if a.work else Path(tempfile.mkdtemp(prefix="eaglepatch-online-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.device = "cuda" if self.gpu else "cpu"
+        # the peers benchmark's driver lends its server plumbing (flags, environment, patched files)
+        ns = argparse.Namespace(cpu=a.cpu, work=str(self.work), model=str(self.work / "model"), site=a.site,
+                                patched_files=a.patched_files, warm_s=0, budget_s=a.budget_s, method_s=None,
+                                conversations=None)
+        self.run = peers.Run(ns, peers.PROFILES["cpu" if a.cpu else "gpu"])
+        self.result = {"profile": "cpu" if a.cpu else "gpu", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "sinks": {}}
+
+    def prepare(self) -> None:
+        r = self.run
+        if self.gpu:
+            from eaglepatch.gpucheck import models
+            from eaglepatch.gpucheck.reference import write_config_only
+            from eaglepatch.serve import tinychat
+
+            cfg = dict(models.THROUGHPUT_MODEL, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
+            r.model = write_config_only(self.work / "model", cfg)
+            r.tokenizer = self.work / "tokenizer"
+            if not (r.tokenizer / "tokenizer_config.json").is_file():
+                tinychat.build_tokenizer(r.tokenizer, vocab_size=cfg["vocab_size"])
+            r.release = r.site_release()
+            self.vocab = cfg["vocab_size"]
+        else:
+            r.prepare()  # the CPU demo (model, tokenizer, patched tree) and its conversations
+            self.vocab = r.vocab
+        n = self.a.requests or self.prof["requests"]
+        self.batches = {"produce": prompts(lengths(n, self.prof, 11), self.vocab, 12),
+                        "online": prompts(lengths(n, self.prof, 21), self.vocab, 22)}
+        self.result["requests"] = {k: {"count": len(v), "tokens": sum(map(len, v)),
+                                       "min": min(map(len, v)), "median": sorted(map(len, v))[len(v) // 2],
+                                       "max": max(map(len, v))} for k, v in self.batches.items()}
+        self.result["server"] = "patched sglang %s (tools/serve.py), dump layers %s and the final state" % (
+            r.release, ",".join(map(str, r.dump_ids(r.release))))
+        say("requests per pass: %d (%d tokens in produce, %d in online)" % (
+            n, self.result["requests"]["produce"]["tokens"], self.result["requests"]["online"]["tokens"]))
+
+    def mooncake_site(self) -> Path:
+        if self.a.mooncake_site:
+            return Path(self.a.mooncake_site)
+        from eaglepatch import mooncake, sysdeps
+
+        sysdeps.ensure()
+        return mooncake.ensure_site(Path(sys.executable))
+
+    def serve_cmd(self, sink: str, port: int, dumps: Path, master) -> list:
+        r = self.run
+        ids = r.dump_ids(r.release)
+        cmd = [sys.executable, REPO / "tools" / "serve.py"]
+        if self.gpu:
+            from eaglepatch.gpucheck.patched_files import lay_patched_files
+
+            files = Path(self.a.patched_files or REPO / ".gpu-patched")
+            pp = lay_patched_files(files, r.site, self.work / "patched")
+            cmd += ["--model-path", r.model, "--dump-dir", dumps, "--layers=" + ",".join(map(str, ids)),
+                    "--sglang", pp, "--series", REPO / "patches" / ("sglang-" + r.release), "--port", port,
+                    "--python", sys.executable]
+        else:
+            cmd += ["--cpu-demo", self.work / "demo", "--layers=" + ",".join(map(str, ids)), "--port", port]
+        if sink == "mooncake":
+            cmd += ["--sink", "mooncake", "--mooncake-master", master.address, "--mooncake-metadata", master.metadata,
+                    "--mooncake-segment-mb", self.prof["segment_mb"], "--mooncake-buffer-mb", self.prof["buffer_mb"],
+                    "--mooncake-ttl-s", 3600]
+        if self.gpu:
+            cmd += ["--", "--tokenizer-path", r.tokenizer, "--load-format", "dummy", *r.gpu_engine_flags()]
+        return [str(c) for c in cmd]
+
+    def sink(self, sink: str) -> dict:
+        import cpuserver
+
+        from eaglepatch import mooncake
+
+        r = self.run
+        d = self.work / sink
+        d.mkdir(exist_ok=True)
+        dumps = (self.work / "dumps-gpu") if self.gpu else (self.work / "demo" / "dumps")
+        master = None
+        env = r.base_env()
+        if sink == "mooncake":
+            site = self.mooncake_site()
+            env = mooncake.with_site(env, site)
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
+                                                                       if os.environ.get("PYTHONPATH") else []))
+            sys.path.insert(0, str(site))
+            master = mooncake.Master(site, d / "master.log").start()
+        port = cpuserver.free_port()
+        url = "http://127.0.0.1:%d" % port
+        log = d / "server.log"
+        p = peers.start(self.serve_cmd(sink, port, dumps, master), log, env=env)
+        res: dict = {}
+        self.result["sinks"][sink] = res  # written after each pass: a call cut short keeps what it measured
+        consumer = None
+        try:
+            try:
+                res["server_startup_s"] = round(peers.wait_http(p, url, log, r.wait_s()), 1)
+            except Exception:  # noqa: BLE001 - named in the result
+                return {"failed": "the %s-sink server did not start: %s" % (sink, peers.log_tail(log, 3)), "log": str(log)}
+            say("%s: server ready in %.0f s" % (sink, res["server_startup_s"]))
+            consumer = Consumer(sink, dumps, self.device, master)
+            res["warmup"] = self.warm(url, consumer)
+            pass_s = self.a.pass_s or self.prof["pass_s"]
+            conc = self.a.concurrency or self.prof["concurrency"]
+            # produce: nothing read until the flush has returned
+            t0 = time.monotonic()
+            got = drive(url, self.batches["produce"], conc, t0 + pass_s, None)
+            res["produce_flush"] = flush(url)
+            wall = time.monotonic() - t0
+            res["produce"] = summary(got["recs"], wall, "first request to the flush's return")
+            res["produce"]["errors"] = got["errors"][:5]
+            self.write()
+            say("%s produce: %s samples, %s tokens/s (flush %.1f s after the last answer)" % (
+                sink, res["produce"]["samples"], res["produce"]["tokens_per_s"], wall - got["wall_s"]))
+            # consume: the produce pass's samples, one reader, onto the device, deleted
+            t1 = time.monotonic()
+            reads, errs = [], []
+            for rec in got["recs"]:
+                try:
+                    b, s = consumer.read(rec["handle"], timeout=30)
+                    reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": s})
+                except Exception as exc:  # noqa: BLE001 - counted and named
+                    errs.append("%s: %s" % (type(exc).__name__, str(exc)[:300]))
+            res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, read + to %s + delete"
+                                     % self.device)
+            res["consume"]["errors"] = errs[:5]
+            res["consume"]["failed_reads"] = len(errs)
+            res["produce"]["bytes_per_token"] = res["consume"].get("bytes_per_token")
+            say("%s consume: %d samples, %s tokens/s, %s GB/s, %s B/token" % (
+                sink, len(reads), res["consume"]["tokens_per_s"], res["consume"].get("gb_per_s"),
+                res["consume"].get("bytes_per_token")))
+            self.write()
+            # online: produce and consume at once
+            t2 = time.monotonic()
+            got = drive(url, self.batches["online"], conc, t2 + pass_s, consumer)
+            res["online"] = summary(got["recs"], time.monotonic() - t2, "first request to the last sample on %s"
+                                    % self.device)
+            res["online"]["errors"] = got["errors"][:5]
+            res["online"]["failed"] = len(got["errors"])
+            res["online_flush"] = flush(url)
+            say("%s online: %s samples, %s tokens/s" % (sink, res["online"]["samples"], res["online"]["tokens_per_s"]))
+        finally:
+            peers.stop(p)
+            if consumer is not None:
+                consumer.close()
+            if master is not None:
+                master.stop()
+            res["server_log"] = notable(log)
+        return res
+
+    def warm(self, url: str, consumer: Consumer) -> dict:
+        """Untimed rounds of ``concurrency`` requests (read and deleted) until one runs within 10% of
+        the one before or ``--warm-s`` is spent: Triton compiles per new batch shape on a fresh server."""
+        limit = self.prof["warm_s"] if self.a.warm_s is None else self.a.warm_s
+        rec = {"limit_s": limit, "rounds": []}
+        t0 = time.monotonic()
+        seed = 100
+        while time.monotonic() - t0 < limit:
+            conc = self.a.concurrency or self.prof["concurrency"]
+            batch = prompts(lengths(conc, self.prof, seed), self.vocab, seed + 1)
+            seed += 2
+            got = drive(url, batch, conc, time.monotonic() + limit + 60, consumer)
+            if got["errors"]:
+                rec["error"] = got["errors"][0]
+                break
+            rate = sum(map(len, batch)) / max(got["wall_s"], 1e-9)
+            rec["rounds"].append(round(rate, 1))
+            if len(rec["rounds"]) > 1 and abs(rate - rec["rounds"][-2]) <= 0.1 * rec["rounds"][-2]:
+                break
+        rec["warm_s"] = round(time.monotonic() - t0, 1)
+        say("warm-up: %d round(s), tokens/s %s" % (len(rec["rounds"]), rec["rounds"]))
+        return rec
+
+    def write(self) -> None:
+        if self.a.out:
+            out = Path(self.a.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(json.dumps(self.result, indent=2) + "\n")
+            os.replace(tmp, out)
+
+    def go(self) -> int:
+        self.prepare()
+        budget = self.a.budget_s or self.prof["budget_s"]
+        for sink in self.a.sinks:
+            if time.monotonic() - T0 > budget:
+                self.result["sinks"][sink] = {"not_measured": "the run had used its --budget-s %g" % budget}
+                continue
+            self.result["sinks"][sink] = self.sink(sink)
+            self.write()
+        s = self.result["sinks"]
+        if all(k in s and "produce" in s[k] for k in SINKS):
+            self.result["mooncake_over_file"] = {
+                ps: round(s["mooncake"][ps]["tokens_per_s"] / s["file"][ps]["tokens_per_s"], 3)
+                for ps in ("produce", "consume", "online")
+                if s["mooncake"].get(ps, {}).get("tokens_per_s") and s["file"].get(ps, {}).get("tokens_per_s")}
+        self.result["wall_s"] = round(time.monotonic() - T0, 1)
+        self.write()
+        bad = [k for k, v in s.items() if "failed" in v or any(
+            v.get(ps, {}).get("errors") for ps in ("produce", "consume", "online"))]
+        print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in ("produce", "consume", "online")}
+                          for k, v in s.items()} | {"mooncake_over_file": self.result.get("mooncake_over_file")}))
+        if bad:
+            print("error: sink(s) %s failed or lost requests; see %s" % (", ".join(bad), self.a.out or "the JSON"),
+                  file=sys.stderr)
+            return 1
+        return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="online.py", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke: the CPU demo's model, the CPU Mooncake wheel")
+    ap.add_argument("--sinks", default="file,mooncake", help="comma list of file, mooncake (default: both)")
+    ap.add_argument("--out", help="results JSON")
+    ap.add_argument("--requests", type=int, help="requests per pass (cpu 24, gpu 400)")
+    ap.add_argument("--concurrency", type=int, help="requests in flight (cpu 4, gpu 32)")
+    ap.add_argument("--pass-s", type=float, help="stop sending a pass's requests after this (cpu 120, gpu 60)")
+    ap.add_argument("--warm-s", type=float, help="untimed warm-up per server at most this long (cpu 3, gpu 30)")
+    ap.add_argument("--budget-s", type=float, help="start no sink once the run has used this (cpu 900, gpu 500)")
+    ap.add_argument("--work", help="working directory (default: a new temporary one)")
+    ap.add_argument("--site", help="GPU: the site directory holding the installed sglang (default: where it is found)")
+    ap.add_argument("--patched-files", help="GPU: the series' patched files (default .gpu-patched; docs/gpu.md)")
+    ap.add_argument("--mooncake-site", help="the directory holding the mooncake package (GPU: /tmp/mc from "
+                                            "benchmarks/mooncake_payload.py; default: the CPU wheel, installed once)")
+    a = ap.parse_args(argv)
+    try:
+        a.sinks = [s.strip() for s in a.sinks.split(",") if s.strip()]
+        bad = [s for s in a.sinks if s not in SINKS]
+        if bad or not a.sinks:
+            raise UsageError("--sinks %r names no sink or an unknown one (%s)" % (",".join(a.sinks), ",".join(bad)),
+                             "pass a comma list of file, mooncake")
+        for name in ("requests", "concurrency"):
+            v = getattr(a, name)
+            if v is not None and v < 1:
+                raise UsageError("--%s %d is not positive" % (name, v), "pass a whole number >= 1")
+        for name in ("pass_s", "warm_s", "budget_s"):
+            v = getattr(a, name)
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise UsageError("--%s %r is not a finite number >= 0" % (name.replace("_", "-"), v),
+                                 "pass seconds, e.g. 60")
+        if a.mooncake_site and not (Path(a.mooncake_site) / "mooncake" / "mooncake_master").is_file():
+            raise UsageError("--mooncake-site %s has no mooncake/mooncake_master" % a.mooncake_site,
+                             "unpack benchmarks/mooncake_payload.py's output there (sh OUT/unpack.sh DIR)")
+        return Bench(a, PROFILES["cpu" if a.cpu else "gpu"]).go()
+    except UsageError as exc:
+        print("error: %s" % exc, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
