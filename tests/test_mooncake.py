@@ -290,6 +290,97 @@ def test_a_master_restarted_mid_run_names_what_it_lost_and_later_requests_are_re
     time.sleep(0.1)
 
 
+class _After:
+    """The sink's own store client, with ``then(key)`` run after each successful call of ``method``
+    (the sink's steps stay real; a reader or a restart happens exactly between two of them)."""
+
+    def __init__(self, store, method: str, then):
+        self._store, self._method, self._then = store, method, then
+
+    def __getattr__(self, name):
+        real = getattr(self._store, name)
+        if name != self._method:
+            return real
+
+        def call(key, *args):
+            code = real(key, *args)
+            if code == 0:
+                self._then(key)
+            return code
+        return call
+
+
+def test_an_object_a_reader_takes_at_once_is_written_not_failed(master, tmp_path):
+    """A reader may take an object the moment its manifest is in the store and delete it at once,
+    before the sink's last check (that the master which took the manifest has the data). The
+    request is written, not failed (before the fix that check took the reader's delete for a
+    master's restart and failed the request); what the reader took equals the file sink's file."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "f").mkdir()
+    (tmp_path / "m").mkdir()
+    wf, wm = _writer(tmp_path / "f"), _writer(tmp_path / "m", master, writers=1)
+    reader = mooncake.StoreReader(master.address, master.metadata)
+    taken = {}
+
+    def take(key):
+        if key.endswith(mooncake.META_SUFFIX):
+            k = key[:-len(mooncake.META_SUFFIX)]
+            taken[k] = reader.tensors(k, delete=True)[0]
+
+    real = wm.sink.store
+    wm.sink.store = _After(real, "upsert", take)
+    rids = _submit([wf, wm], n_forwards=1, per=3)
+    r = wm.flush_report(60)
+    wm.sink.store = real
+    assert (r["written"], r["failed"]) == (3, 0), r
+    assert wf.flush_report(60)["written"] == 3
+    for rid in rids:
+        key = dump_mod.request_key(rid)
+        assert wm.state(rid) == "written", wm.state(rid)
+        assert _same(taken[key], load_file(str(tmp_path / "f" / (key + ".safetensors")))), rid
+        assert real.is_exist(key) == 0 and real.is_exist(key + mooncake.META_SUFFIX) == 0  # the reader's delete
+    reader.close()
+    wf.close()
+    wm.close()
+
+
+def test_a_master_restarted_between_the_data_and_its_manifest_fails_the_request(site, tmp_path):
+    """The data put to a master that then restarts, the manifest to the new one: the new master has a
+    manifest without data. The sink's last check sees it (no sentinel there, or a restart counted
+    since the commit began) and fails the request by name; nothing is reported written, and a
+    reader gets no bytes."""
+    m = mooncake.Master(site, tmp_path / "master.log").start()
+    try:
+        w = _writer(tmp_path, m, writers=1)
+        real = w.sink.store
+
+        def restart(key):
+            if key.startswith(w.sink.sentinel):
+                return
+            m.stop(kill=True)
+            m.start()  # the same ports
+            # until this client has mounted its memory with the new master (about 1 s, measured)
+            _until(lambda: real.upsert("remount-probe", b"1", w.sink._pin) == 0, 60, "the client remounting")
+            real.remove("remount-probe", force=True)
+
+        w.sink.store = _After(real, "upsert_from", restart)
+        rid = _submit([w], n_forwards=1, per=1)[0]
+        r = w.flush_report(90)
+        w.sink.store = real
+        assert (r["written"], r["failed"]) == (0, 1), r
+        assert w.state(rid).startswith("failed: ") and "no longer had the object" in w.state(rid), w.state(rid)
+        assert rid in w.unwritten
+        reader = mooncake.StoreReader(m.address, m.metadata)
+        with pytest.raises(mooncake.StoreError):
+            reader.tensors(w.handle(rid), timeout=2)
+        reader.close()
+        w.close()
+    finally:
+        _close_sinks()
+        m.stop(kill=True)
+
+
 def _submit_big(writers, n: int, tokens: int = 1000, seed: int = 0) -> list:
     """``n`` requests of ``tokens`` tokens, hidden 64 (about 1 MiB an object at 1000), one a forward."""
     rids = []

@@ -177,6 +177,7 @@ class MooncakeSink:
         self._down_since: Optional[float] = None  # the master has not answered since then: requests fail at once
         self._unmarked: "OrderedDict[str, str]" = OrderedDict()  # key -> why: markers to put once it answers
         self._forgot_since: Optional[float] = None  # the master answered without our sentinel since then
+        self._restarts_seen = 0  # restarts noticed, counted before the sentinel is put again (see commit)
         # a master that lists this object knows what this sink put: one that does not has restarted
         self.sentinel = f"eagle3-dump-sink:{HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         code = self.store.upsert(self.sentinel, b"1", self._pin)
@@ -248,6 +249,7 @@ class MooncakeSink:
 
     def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
         self._refuse_while_down(key)
+        restarts = self._restarts_seen
         man = manifest(key, tensors, metadata)
         total = man["metadata"]["total_aligned_bytes"]
         buf = self._staging(total)
@@ -264,6 +266,8 @@ class MooncakeSink:
             self.store.remove(key, force=True)
             self._call(key, "the manifest", code)
         code = self.store.is_exist(key)
+        if code == 0 and self._read_already(restarts):
+            code = 1
         if code != 1:  # the master that took the manifest does not have the data: it restarted in between
             self._unanswered(code)
             self.store.remove(meta_key, force=True)
@@ -282,6 +286,16 @@ class MooncakeSink:
                                    "after EAGLE3_DUMP_MOONCAKE_TTL_S=%g s; lower it or have readers delete what "
                                    "they read", TRACKED_MAX, self.cfg.ttl_s)
         return dict(self.where(key), manifest=man)
+
+    def _read_already(self, restarts: int) -> bool:
+        """Whether an object missing right after its manifest was put was taken by a reader (who reads
+        once the manifest is there and may delete it at once) rather than lost to a master that
+        restarted during the put. A
+        restarted master does not list this sink's sentinel until the sweeper, having counted the
+        restart first, puts it again: the sentinel there and no restart counted since the commit
+        began means the same master took data and manifest."""
+        return (self.store.is_exist(self.sentinel) == 1 and self._restarts_seen == restarts
+                and self._forgot_since is None)
 
     def _mark(self, key: str, why: str, attempts: int = 1) -> bool:
         """Put ``key``'s error marker (pinned; removed after the time to live like an object). With
@@ -394,6 +408,7 @@ class MooncakeSink:
         # it answers and does not list our sentinel: a restarted master that knows none of our objects
         if self._forgot_since is None:
             self._forgot_since = was_down if was_down is not None else now
+            self._restarts_seen += 1  # before the sentinel is put again: a commit under way sees it (_read_already)
         code = self.store.upsert(self.sentinel, b"1", self._pin)
         if code != 0:  # this client has not mounted its memory with the new master yet (about 1 s)
             return False
