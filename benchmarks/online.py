@@ -21,7 +21,9 @@ requests (random ids, ShareGPT-like lengths, ``max_new_tokens`` 1, ``--concurren
   soon as its handle comes (a trainer fed straight from the server): tokens/s end to end, first
   request to last sample on the device.
 
-The JSON records each pass per sink and the Mooncake/file ratios. ``--sinks file`` or
+``--repeats N`` runs the three passes N times on each server; the JSON keeps every repetition
+and, per pass, the median one with the min, and the Mooncake/file ratios of repetition i against
+repetition i (min, median, all). A flush that counts a failed write fails the run. ``--sinks file`` or
 ``--sinks mooncake`` runs one. Exit: 0 done; 1 a sink's server or a pass failed (named in the JSON);
 2 usage error (one line, nothing written).
 """
@@ -49,6 +51,7 @@ import peers  # noqa: E402  (the side-by-side benchmark's server helpers)
 from eaglepatch.errors import UsageError  # noqa: E402
 
 SINKS = ("file", "mooncake")
+PASSES = ("produce", "consume", "online")
 PROFILES = {
     "cpu": dict(requests=24, min_len=24, max_len=600, median=110, sigma=0.8, concurrency=4, warm_s=3.0,
                 pass_s=120.0, segment_mb=1024, buffer_mb=256, budget_s=900.0),
@@ -299,45 +302,25 @@ class Bench:
             say("%s: server ready in %.0f s" % (sink, res["server_startup_s"]))
             consumer = Consumer(sink, dumps, self.device, master)
             res["warmup"] = self.warm(url, consumer)
-            pass_s = self.a.pass_s or self.prof["pass_s"]
-            conc = self.a.concurrency or self.prof["concurrency"]
-            # produce: nothing read until the flush has returned
-            t0 = time.monotonic()
-            got = drive(url, self.batches["produce"], conc, t0 + pass_s, None)
-            res["produce_flush"] = flush(url)
-            wall = time.monotonic() - t0
-            res["produce"] = summary(got["recs"], wall, "first request to the flush's return")
-            res["produce"]["errors"] = got["errors"][:5]
+            repeats = self.a.repeats or 1
+            res["repeats"] = []
+            for i in range(repeats):
+                rep: dict = {}
+                res["repeats"].append(rep)
+                self.passes(sink, url, consumer, rep, "%s (repetition %d of %d)" % (sink, i + 1, repeats))
+            for ps in PASSES:  # the repetition of median tokens/s, with the min, median and all of them
+                reps = [r[ps] for r in res["repeats"] if r.get(ps, {}).get("tokens_per_s")]
+                if not reps:
+                    continue
+                reps_sorted = sorted(reps, key=lambda x: x["tokens_per_s"])
+                res[ps] = dict(reps_sorted[(len(reps_sorted) - 1) // 2])
+                res[ps].update(tokens_per_s_min=reps_sorted[0]["tokens_per_s"],
+                               tokens_per_s_all=[x["tokens_per_s"] for x in reps],
+                               errors=[e for r in res["repeats"] for e in r.get(ps, {}).get("errors", [])][:5],
+                               repetitions=len(reps))
+            res["produce_flush"] = res["repeats"][-1].get("produce_flush")
+            res["online_flush"] = res["repeats"][-1].get("online_flush")
             self.write()
-            say("%s produce: %s samples, %s tokens/s (flush %.1f s after the last answer)" % (
-                sink, res["produce"]["samples"], res["produce"]["tokens_per_s"], wall - got["wall_s"]))
-            # consume: the produce pass's samples, one reader, onto the device, deleted
-            t1 = time.monotonic()
-            reads, errs = [], []
-            for rec in got["recs"]:
-                try:
-                    b, s = consumer.read(rec["handle"], timeout=30)
-                    reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": s})
-                except Exception as exc:  # noqa: BLE001 - counted and named
-                    errs.append("%s: %s" % (type(exc).__name__, str(exc)[:300]))
-            res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, read + to %s + delete"
-                                     % self.device)
-            res["consume"]["errors"] = errs[:5]
-            res["consume"]["failed_reads"] = len(errs)
-            res["produce"]["bytes_per_token"] = res["consume"].get("bytes_per_token")
-            say("%s consume: %d samples, %s tokens/s, %s GB/s, %s B/token" % (
-                sink, len(reads), res["consume"]["tokens_per_s"], res["consume"].get("gb_per_s"),
-                res["consume"].get("bytes_per_token")))
-            self.write()
-            # online: produce and consume at once
-            t2 = time.monotonic()
-            got = drive(url, self.batches["online"], conc, t2 + pass_s, consumer)
-            res["online"] = summary(got["recs"], time.monotonic() - t2, "first request to the last sample on %s"
-                                    % self.device)
-            res["online"]["errors"] = got["errors"][:5]
-            res["online"]["failed"] = len(got["errors"])
-            res["online_flush"] = flush(url)
-            say("%s online: %s samples, %s tokens/s" % (sink, res["online"]["samples"], res["online"]["tokens_per_s"]))
         finally:
             peers.stop(p)
             if consumer is not None:
@@ -346,6 +329,50 @@ class Bench:
                 master.stop()
             res["server_log"] = notable(log)
         return res
+
+    def passes(self, sink: str, url: str, consumer: Consumer, res: dict, who: str) -> None:
+        """One repetition of the three passes into ``res`` (written after each)."""
+        pass_s = self.a.pass_s or self.prof["pass_s"]
+        conc = self.a.concurrency or self.prof["concurrency"]
+        # produce: nothing read until the flush has returned
+        t0 = time.monotonic()
+        got = drive(url, self.batches["produce"], conc, t0 + pass_s, None)
+        res["produce_flush"] = flush(url)
+        wall = time.monotonic() - t0
+        res["produce"] = summary(got["recs"], wall, "first request to the flush's return")
+        res["produce"]["errors"] = got["errors"][:5]
+        res["produce"]["flush_after_last_answer_s"] = round(wall - got["wall_s"], 2)
+        self.write()
+        say("%s produce: %s samples, %s tokens/s (flush %.1f s after the last answer)" % (
+            who, res["produce"]["samples"], res["produce"]["tokens_per_s"], wall - got["wall_s"]))
+        # consume: the produce pass's samples, one reader, onto the device, deleted
+        t1 = time.monotonic()
+        reads, errs = [], []
+        for rec in got["recs"]:
+            try:
+                b, s = consumer.read(rec["handle"], timeout=30)
+                reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": s})
+            except Exception as exc:  # noqa: BLE001 - counted and named
+                errs.append("%s: %s" % (type(exc).__name__, str(exc)[:300]))
+        res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, read + to %s + delete"
+                                 % self.device)
+        res["consume"]["errors"] = errs[:5]
+        res["consume"]["failed_reads"] = len(errs)
+        res["produce"]["bytes_per_token"] = res["consume"].get("bytes_per_token")
+        say("%s consume: %d samples, %s tokens/s, %s GB/s, %s B/token" % (
+            who, len(reads), res["consume"]["tokens_per_s"], res["consume"].get("gb_per_s"),
+            res["consume"].get("bytes_per_token")))
+        self.write()
+        # online: produce and consume at once
+        t2 = time.monotonic()
+        got = drive(url, self.batches["online"], conc, t2 + pass_s, consumer)
+        res["online"] = summary(got["recs"], time.monotonic() - t2, "first request to the last sample on %s"
+                                % self.device)
+        res["online"]["errors"] = got["errors"][:5]
+        res["online"]["failed"] = len(got["errors"])
+        res["online_flush"] = flush(url)
+        self.write()
+        say("%s online: %s samples, %s tokens/s" % (who, res["online"]["samples"], res["online"]["tokens_per_s"]))
 
     def warm(self, url: str, consumer: Consumer) -> dict:
         """Untimed rounds of ``concurrency`` requests (read and deleted) until one runs within 10% of
@@ -388,16 +415,21 @@ class Bench:
             self.result["sinks"][sink] = self.sink(sink)
             self.write()
         s = self.result["sinks"]
-        if all(k in s and "produce" in s[k] for k in SINKS):
-            self.result["mooncake_over_file"] = {
-                ps: round(s["mooncake"][ps]["tokens_per_s"] / s["file"][ps]["tokens_per_s"], 3)
-                for ps in ("produce", "consume", "online")
-                if s["mooncake"].get(ps, {}).get("tokens_per_s") and s["file"].get(ps, {}).get("tokens_per_s")}
+        if all(k in s and "repeats" in s[k] for k in SINKS):
+            # repetition i of one sink against repetition i of the other: min, median and all the ratios
+            ratios = {}
+            for ps in PASSES:
+                rs = sorted(round(m[ps]["tokens_per_s"] / f[ps]["tokens_per_s"], 3)
+                            for m, f in zip(s["mooncake"]["repeats"], s["file"]["repeats"])
+                            if m.get(ps, {}).get("tokens_per_s") and f.get(ps, {}).get("tokens_per_s"))
+                if rs:
+                    ratios[ps] = {"min": rs[0], "median": rs[(len(rs) - 1) // 2], "all": rs}
+            self.result["mooncake_over_file"] = ratios
         self.result["wall_s"] = round(time.monotonic() - T0, 1)
         self.write()
-        bad = [k for k, v in s.items() if "failed" in v or any(
-            v.get(ps, {}).get("errors") for ps in ("produce", "consume", "online"))]
-        print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in ("produce", "consume", "online")}
+        bad = [k for k, v in s.items() if "failed" in v or (v.get("online_flush") or {}).get("failed") or any(
+            v.get(ps, {}).get("errors") for ps in PASSES)]
+        print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in PASSES}
                           for k, v in s.items()} | {"mooncake_over_file": self.result.get("mooncake_over_file")}))
         if bad:
             print("error: sink(s) %s failed or lost requests; see %s" % (", ".join(bad), self.a.out or "the JSON"),
@@ -414,6 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--requests", type=int, help="requests per pass (cpu 24, gpu 400)")
     ap.add_argument("--concurrency", type=int, help="requests in flight (cpu 4, gpu 32)")
+    ap.add_argument("--repeats", type=int, help="repetitions of the three passes per server (default 1); the result "
+                                               "keeps each, and per pass the median one with the min")
     ap.add_argument("--pass-s", type=float, help="stop sending a pass's requests after this (cpu 120, gpu 60)")
     ap.add_argument("--warm-s", type=float, help="untimed warm-up per server at most this long (cpu 3, gpu 30)")
     ap.add_argument("--budget-s", type=float, help="start no sink once the run has used this (cpu 900, gpu 500)")
@@ -429,7 +463,7 @@ def main(argv=None) -> int:
         if bad or not a.sinks:
             raise UsageError("--sinks %r names no sink or an unknown one (%s)" % (",".join(a.sinks), ",".join(bad)),
                              "pass a comma list of file, mooncake")
-        for name in ("requests", "concurrency"):
+        for name in ("requests", "concurrency", "repeats"):
             v = getattr(a, name)
             if v is not None and v < 1:
                 raise UsageError("--%s %d is not positive" % (name, v), "pass a whole number >= 1")

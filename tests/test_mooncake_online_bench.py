@@ -34,7 +34,7 @@ def online(*args, timeout=840) -> subprocess.CompletedProcess:
 @in_env
 def test_both_sinks_carry_every_request_with_the_same_bytes(tmp_path):
     out = tmp_path / "online.json"
-    p = online("--cpu", "--requests", 12, "--out", out, "--work", tmp_path / "work")
+    p = online("--cpu", "--requests", 12, "--repeats", 2, "--out", out, "--work", tmp_path / "work")
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     cfg = json.loads((tmp_path / "work" / "demo" / "model" / "config.json").read_text())
@@ -47,11 +47,16 @@ def test_both_sinks_carry_every_request_with_the_same_bytes(tmp_path):
             assert s[ps]["tokens"] == res["requests"]["online" if ps == "online" else "produce"]["tokens"]
         for ps in ("consume", "online"):
             assert s[ps]["bytes_per_token"] == per_token, (name, ps)
-        assert s["online_flush"]["failed"] == 0 and s["online_flush"]["written"] >= 24, s["online_flush"]
-        assert s["consume"]["failed_reads"] == 0
+        assert s["online_flush"]["failed"] == 0 and s["online_flush"]["written"] >= 48, s["online_flush"]
+        assert s["consume"]["failed_reads"] == 0 and len(s["repeats"]) == 2
+        for ps in ("produce", "consume", "online"):  # the median repetition, with the min of both
+            assert s[ps]["repetitions"] == 2 and sorted(s[ps]["tokens_per_s_all"])[0] == s[ps]["tokens_per_s_min"]
+            assert s[ps]["tokens_per_s"] in s[ps]["tokens_per_s_all"]
     # the file sink's consumer deleted every file it read; the store's reader every object
     assert not list((tmp_path / "work" / "demo" / "dumps").glob("*.safetensors"))
-    assert set(res["mooncake_over_file"]) == {"produce", "consume", "online"}
+    ratios = res["mooncake_over_file"]
+    assert set(ratios) == {"produce", "consume", "online"}
+    assert all(len(r["all"]) == 2 and r["min"] == min(r["all"]) and r["median"] in r["all"] for r in ratios.values())
     assert any("drained" in x for x in sinks["mooncake"]["server_log"]), sinks["mooncake"]["server_log"]
 
 
@@ -59,6 +64,7 @@ def test_both_sinks_carry_every_request_with_the_same_bytes(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--sinks", "file,disk"], "--sinks 'file,disk' names no sink or an unknown one (disk)"),
     (["--requests", "0"], "--requests 0 is not positive"),
+    (["--repeats", "0"], "--repeats 0 is not positive"),
     (["--pass-s", "nan"], "--pass-s nan is not a finite number >= 0"),
     (["--mooncake-site", "/nonexistent"], "--mooncake-site /nonexistent has no mooncake/mooncake_master"),
 ])
