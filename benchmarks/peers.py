@@ -627,6 +627,7 @@ class Run:
         self.a, self.prof = a, prof
         self.gpu = not a.cpu
         self.work = Path(a.work).absolute() if a.work else Path(tempfile.mkdtemp(prefix="eaglepatch-peers-"))
+        self.extra_dumps: list[Path] = []  # --dump-dir's subdirectories (dumps_dir)
         self.work.mkdir(parents=True, exist_ok=True)
         self.results: dict = {}
         self.env_py = sys.executable
@@ -875,6 +876,22 @@ class Run:
             who, len(rec["rounds"]), rec["warm_s"], ", ".join("%.0f" % r["tokens_per_s"] for r in rec["rounds"])))
         return rec
 
+    def dumps_dir(self) -> Path:
+        """Where ours's server writes its dump files while extract reads them: WORK/dumps, or with
+        --dump-dir a new subdirectory of it (on /dev/shm the dump never reaches the disk, so the
+        disk takes the bytes once: the dataset)."""
+        if not self.a.dump_dir:
+            return self.work / "dumps"
+        d = Path(tempfile.mkdtemp(prefix="peers-dumps-", dir=self.a.dump_dir))
+        self.extra_dumps.append(d)
+        return d
+
+    def drop_extra_dumps(self) -> None:
+        """--dump-dir's subdirectories lie outside the work directory (on /dev/shm: memory), so they are
+        removed even with --keep-work."""
+        while self.extra_dumps:
+            shutil.rmtree(self.extra_dumps.pop(), ignore_errors=True)
+
     # -- methods --
     def method_ours(self, s: Sampler) -> dict:
         import cpuserver
@@ -891,7 +908,7 @@ class Run:
 
             files = Path(self.a.patched_files or REPO / ".gpu-patched")
             pp = lay_patched_files(files, self.site, self.work / "patched")
-            dumps = self.work / "dumps"
+            dumps = self.dumps_dir()
             serve += ["--model-path", self.model, "--dump-dir", dumps, "--layers=" + ",".join(map(str, ids)),
                       "--sglang", pp, "--series", REPO / "patches" / ("sglang-" + self.release), "--port", port,
                       "--python", self.env_py, "--", "--tokenizer-path", self.tokenizer, *self.gpu_engine_flags()]
@@ -957,7 +974,7 @@ class Run:
                 "work_s": round(time.monotonic() - w0 - client_startup, 3),
                 "buckets": recs, "extract_exit": x.returncode, "extract_own_wall_s": extract_wall, "bucket_times": "from the sample files' modification times",
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
-                          % (self.release, ",".join(map(str, ids))), "start_to_ready_s": round(time.monotonic() - t0, 1)}
+                          % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps), "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
     def method_hf(self, s: Sampler) -> dict:
         return self.worker("hf", self.plan("hf"), self.base_env(), s, self.method_s() + self.wait_s())
@@ -1161,6 +1178,7 @@ class Run:
                 for sub in ("dataset", "scratch"):
                     shutil.rmtree(self.work / name / sub, ignore_errors=True)
                 shutil.rmtree(self.work / "dumps", ignore_errors=True)
+            self.drop_extra_dumps()
             self.write(True)
         self.summarize()
         self.results["plot"] = plot(self.results, Path(self.a.out).with_suffix(".png"))
@@ -1316,6 +1334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-s", type=float, help="untimed warm-up of each fresh server at most this long (cpu 3, "
                                                  "gpu 30; 0: none): Triton compiles a kernel per new batch shape")
     ap.add_argument("--work", help="working directory (default: a new temporary one, removed at the end)")
+    ap.add_argument("--dump-dir", help="GPU: ours's server writes its dump files in a new subdirectory of DIR, "
+                    "removed after the method (default: WORK/dumps); on /dev/shm the disk takes the bytes once")
     ap.add_argument("--keep-work", action="store_true", help="keep the working directory and every dataset")
     ap.add_argument("--site", help="GPU: the site directory holding the installed sglang (default: where it is found)")
     ap.add_argument("--patched-files", help="GPU: the series' patched files (default .gpu-patched; docs/gpu.md)")
@@ -1349,6 +1369,12 @@ def main(argv=None) -> int:
             raise UsageError("pass exactly one of --cpu and --model DIR", "--cpu for the CPU smoke, --model DIR on a GPU")
         if not a.out:
             raise UsageError("--out is required", "pass --out results.json")
+        if a.dump_dir and a.cpu:
+            raise UsageError("--dump-dir is for the GPU profile (the CPU demo keeps its dumps in its own directory)",
+                             "drop --dump-dir, or run with --model DIR")
+        if a.dump_dir and not Path(a.dump_dir).is_dir():
+            raise UsageError("--dump-dir %s: not an existing directory" % a.dump_dir,
+                             "create it first or pass another, e.g. /dev/shm")
         out = Path(a.out)
         if not out.parent.is_dir() or out.is_dir():
             raise UsageError("--out %s: its directory does not exist (or it is a directory)" % out,
@@ -1402,6 +1428,7 @@ def main(argv=None) -> int:
         print(exc.line(), file=sys.stderr)
         return 2
     finally:
+        r.drop_extra_dumps()
         if not a.keep_work and not a.work:
             shutil.rmtree(r.work, ignore_errors=True)
         gone = shm.sweep(before)  # semaphores of servers that died (a crashed start, a SIGKILL)

@@ -199,6 +199,8 @@ def test_reference_check_fails_on_a_methods_dataset_with_shifted_aux(run, tmp_pa
     (["--cpu", "--methods", "ours,nope"], "unknown"),
     (["--cpu", "--budget-s", "0"], "--budget-s must be positive"),
     (["--cpu", "--warm-s", "-1"], "--warm-s must be 0 or more"),
+    (["--cpu", "--dump-dir", "/dev/shm"], "--dump-dir is for the GPU profile"),
+    (["--model", "m", "--dump-dir", "/nonexistent-dump-dir"], "--dump-dir /nonexistent-dump-dir: not an existing directory"),
 ])
 def test_usage_errors_one_line_nothing_written(tmp_path, args, words):
     out = tmp_path / "p.json"
