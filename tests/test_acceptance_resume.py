@@ -253,3 +253,22 @@ def test_data_another_target_made_is_refused_not_reused(tmp_path):
     from eaglepatch.acceptance.storage_check import target_sha256
 
     assert alone.target_sha() == target_sha256(alone.target) == alone.res["target"]["sha256"]
+
+
+def test_work_carried_elsewhere_resumes(first_call, tmp_path):
+    """Item 2's "state under --work that can be carried": --work copied to another place (as to a
+    fresh machine) and the same command with the new --work goes on at the saved step, in its
+    second call; nothing in the state ties it to the directory it was written in."""
+    import shutil
+
+    work, p = first_call
+    assert p.returncode == 3, p.stderr[-2000:]
+    carried = tmp_path / "elsewhere" / "w"
+    shutil.copytree(work, carried)
+    saved = _state(carried)
+    q = _tool(carried)
+    assert q.returncode == 3 and "Traceback" not in q.stderr, q.stderr[-3000:]
+    assert "[acceptance] target: resumed at step %d from %s" % (saved["step"], carried.absolute()) in q.stderr, q.stderr[-3000:]
+    line = q.stderr.strip().splitlines()[-1]
+    assert " in %d calls " % (len(saved["calls"]) + 1) in line and f"--work {carried}" in line, line
+    assert _state(carried)["step"] > saved["step"]
