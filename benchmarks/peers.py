@@ -514,8 +514,10 @@ def _rows(meta: dict, n: int):
         raise ValueError("no hidden_states in the answer")
     first = hs[0]
     rows = first if first and isinstance(first[0], list) else hs
-    if len(rows) < n:
-        raise ValueError("hidden_states holds %d rows for a %d-token prompt" % (len(rows), n))
+    if len(rows) < n:  # upstream returns one row per token it prefilled, none for a cached prefix
+        raise ValueError("hidden_states holds %d rows for a %d-token prompt: the rows of a prefix the server "
+                         "took from its radix cache are not returned; run it with --disable-radix-cache"
+                         % (len(rows), n))
     return rows[:n]
 
 
@@ -1030,8 +1032,11 @@ class Run:
             port = cpuserver.free_port()
             url = "http://127.0.0.1:%d" % port
             log = d / ("server-%s.log" % which)
-            cmd = [self.env_py, "-m", "sglang.launch_server", *self.server_flags(port), "--enable-return-hidden-states",
-                   *extra]
+            flags = self.server_flags(port)
+            # every prompt starts with the same BOS token: with the radix cache on, upstream answers every
+            # prompt after the first with all its rows but the first (found on the H200, 2026-12-04)
+            flags += [f for f in ("--disable-radix-cache",) if f not in flags]
+            cmd = [self.env_py, "-m", "sglang.launch_server", *flags, "--enable-return-hidden-states", *extra]
             p = start(cmd, log, env=env, sampler=s)
             try:
                 try:
@@ -1047,6 +1052,9 @@ class Run:
                 res = self.worker("json", plan, self.base_env(), s, self.method_s() + self.wait_s())
                 res["startup_s"] = round(st, 2)
                 res["warmup"] = warm
+                if res.get("error_count") and not any(b["samples_done"] for b in res.get("buckets", ())):
+                    res["failed"] = "no sample written, %d answer(s) unusable: %s" % (res["error_count"],
+                                                                                  res["errors"][0])
                 passes[which] = res
                 if "failed" in res:
                     break

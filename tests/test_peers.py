@@ -224,3 +224,20 @@ def test_budget_spent_reports_not_measured(tmp_path):
     for r in res["methods"].values():
         assert r["status"] == "not measured" and "--budget-s" in r["reason"] and "tokens_per_s" not in r
     assert res["summary"]["tokens_per_s"] == {}
+
+
+@in_env
+def test_json_rows_refuse_an_answer_short_of_the_prompt():
+    """Upstream's ``return_hidden_states`` gives one row per token it prefilled: with the radix cache on,
+    a prompt whose first token was cached comes back a row short (the H200 run of 2026-12-04: 218 rows
+    for a 219-token prompt). Such an answer must be refused with the cause, never padded or shifted."""
+    spec = importlib.util.spec_from_file_location("peers_mod", PEERS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [[float(t), 0.5] for t in range(5)]
+    assert mod._rows({"hidden_states": [rows, [9.0, 9.0]]}, 5) == rows  # prefill rows, then the decode row
+    assert mod._rows({"hidden_states": [rows + [[7.0, 7.0]]]}, 5) == rows
+    with pytest.raises(ValueError, match=r"4 rows for a 5-token prompt.*--disable-radix-cache"):
+        mod._rows({"hidden_states": [rows[1:], [9.0, 9.0]]}, 5)
+    with pytest.raises(ValueError, match="no hidden_states"):
+        mod._rows({}, 5)
