@@ -819,12 +819,16 @@ class Run:
         return dest
 
     def server_flags(self, port: int) -> list:
-        if not self.gpu:
-            from eaglepatch.serve import cpu_flags
+        """launch_server flags of the unpatched sglang-json servers. Both profiles turn the radix cache off
+        (DUMP_FLAGS, which cpu_flags holds): every prompt starts with the same BOS token, and upstream
+        returns no row for a cached prefix, so with the cache on every answer after the first came back
+        a row short (the H200, 2026-12-04)."""
+        from eaglepatch.serve import DUMP_FLAGS, cpu_flags
 
+        if not self.gpu:
             return cpu_flags(self.model, self.tokenizer, "127.0.0.1", port)
         return ["--model-path", str(self.model), "--tokenizer-path", str(self.tokenizer), "--host", "127.0.0.1",
-                "--port", str(port), *self.gpu_engine_flags()]
+                "--port", str(port), *DUMP_FLAGS, *self.gpu_engine_flags()]
 
     def gpu_engine_flags(self) -> list:
         return ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph",
@@ -1032,11 +1036,8 @@ class Run:
             port = cpuserver.free_port()
             url = "http://127.0.0.1:%d" % port
             log = d / ("server-%s.log" % which)
-            flags = self.server_flags(port)
-            # every prompt starts with the same BOS token: with the radix cache on, upstream answers every
-            # prompt after the first with all its rows but the first (found on the H200, 2026-12-04)
-            flags += [f for f in ("--disable-radix-cache",) if f not in flags]
-            cmd = [self.env_py, "-m", "sglang.launch_server", *flags, "--enable-return-hidden-states", *extra]
+            cmd = [self.env_py, "-m", "sglang.launch_server", *self.server_flags(port), "--enable-return-hidden-states",
+                   *extra]
             p = start(cmd, log, env=env, sampler=s)
             try:
                 try:
