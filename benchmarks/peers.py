@@ -838,10 +838,11 @@ class Run:
     def warm_server(self, url: str, who: str, hidden: bool = False) -> dict:
         """Untimed warm-up of a fresh server, as the HF method warms each batch shape before its sweep:
         rounds of ``concurrency`` plain ``/generate`` requests (random ids, lengths drawn from every
-        bucket), until a round runs within 10% of the one before or ``warm_s`` is spent. A first start
-        compiles Triton kernels for each new batch shape (seconds each), which a user's hours-long
-        run pays once; the figures after it are the server's steady state. ``hidden``: the requests
-        ask for ``return_hidden_states`` (the sglang-json passes)."""
+        bucket; ``json_concurrency`` of them when ``hidden``, as in its timed pass), until a round runs
+        within 10% of the one before or ``warm_s`` is spent. A first start compiles Triton kernels for
+        each new batch shape (seconds each), which a user's hours-long run pays once; the figures after
+        it are the server's steady state. ``hidden``: the requests ask for ``return_hidden_states``
+        (the sglang-json passes)."""
         from concurrent.futures import ThreadPoolExecutor
 
         import requests
@@ -851,7 +852,7 @@ class Run:
         if limit <= 0:
             return rec
         rng = random.Random(5)
-        n = self.prof["concurrency"]
+        n = self.prof["json_concurrency" if hidden else "concurrency"]  # as many in flight as the timed pass
         edges = self.prof["buckets"]
         t0 = time.monotonic()
 
@@ -1221,7 +1222,7 @@ def reader_check(ds: Path, expected: int, max_len: int) -> dict:
     try:
         from specforge.data.preprocessing import build_offline_eagle3_dataset
     except Exception as exc:
-        return {"loaded": None, "why": "specforge not importable here (%s)" % type(exc).__name__}
+        return {"loaded": None, "why": "specforge not importable here (%s: %s)" % (type(exc).__name__, str(exc)[:120])}
     try:
         d = build_offline_eagle3_dataset(str(ds), max_len=max_len)
         n = len(d)
