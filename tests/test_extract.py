@@ -1113,6 +1113,51 @@ def test_two_servers_directly_one_killed(assets, server, replicas, reference, ex
 
 
 @in_env
+def test_dump_files_spread_over_two_directories(assets, server, reference, expected):
+    """EAGLE3_DUMP_DIR=A:B (one directory per local disk, issue 31): the server spreads its files over
+    both by key, ``--dump-dir A:B`` reads them all and every sample equals HF. The same directories in
+    the other order find a file where it does not belong and stop the run (exit 2), naming the fix."""
+    from eaglepatch.extract import dumps as dumps_mod
+
+    disks = [assets.root / "disk-a", assets.root / "disk-b"]
+    for d in disks:
+        d.mkdir()
+    both = os.pathsep.join(map(str, disks))
+    r = start_patched(assets, server.pp, both, "two-dirs")
+    try:
+        out = assets.root / "out-two-dirs"
+        p = extract(assets, server, out, "--format", "specforge", "--keep-dumps", dump_dir=both, url=r.url)
+        assert p.returncode == 0, p.stderr[-3000:]
+        check_once(out, "specforge")
+        worst = check_dataset(out, "specforge", reference, expected)
+        files = {i: sorted(d.glob("*.safetensors")) for i, d in enumerate(disks)}
+        assert all(files.values()), {i: len(f) for i, f in files.items()}  # both directories took files
+        assert sum(map(len, files.values())) >= N_CONV
+        for i, fs in files.items():
+            assert all(dumps_mod.spread(f.stem, 2) == i for f in fs), (i, [f.name for f in fs])
+        assert not [f for d in disks for f in d.iterdir() if f.name.endswith(".tmp")]
+        # the other order: the first request's file is in the other directory
+        reversed_dirs = os.pathsep.join(map(str, disks[::-1]))
+        q = extract(assets, server, assets.root / "out-two-dirs-reversed", "--dump-timeout", "3",
+                    dump_dir=reversed_dirs, url=r.url)
+        assert q.returncode == 2, q.stderr[-2000:]
+        line = [x for x in q.stderr.splitlines() if x.startswith("error: ")][0]
+        assert "but with --dump-dir" in line and "every directory in its order" in line, line
+        assert not (assets.root / "out-two-dirs-reversed").exists()
+    finally:
+        cpuserver.stop(r.proc)
+    FIGURES["two_dump_dirs"] = {"max_abs_diff_vs_hf": worst, "files": [len(f) for f in files.values()]}
+    # a listed directory that is not there: the launch ends with one line naming it
+    missing = assets.root / "no-such-disk"
+    with pytest.raises(cpuserver.NotReady) as e:
+        cpuserver.start_server(server.pp, assets.ckpt, assets.tok, f"{disks[0]}{os.pathsep}{missing}", LAYERS,
+                               assets.root / "two-dirs-missing.log")
+    errors = [x for x in str(e.value).splitlines() if x.startswith("error: ")]
+    assert errors == [f"error: EAGLE3_DUMP_DIR={str(missing)!r} is not an existing directory; create it "
+                      f"(mkdir -p {missing}) or point EAGLE3_DUMP_DIR elsewhere"], str(e.value)
+
+
+@in_env
 def test_a_request_failing_on_every_server_is_retried_then_listed(assets, server, reference, expected):
     """Two servers (fault proxies in front of the suite's server): conv-003 is refused by both every
     time, conv-006 once by each. A refusing server is put aside and the request goes to the next one

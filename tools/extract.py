@@ -56,7 +56,8 @@ def main(argv=None) -> int:
                          "the server leaves rebuildable states out, EAGLE3_DUMP_REBUILDABLE=omit)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
-    ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR (one shared directory) as seen from here")
+    ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR as seen from here: one shared directory, or "
+                    "the several it names (A:B, one per disk, in its order)")
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
     ap.add_argument("--format", choices=["specforge", "speculators", "compact"], default="specforge",
                     help="specforge: torch.save samples SpecForge's OfflineEagle3Dataset reads (bf16); speculators: "

@@ -57,7 +57,8 @@ def main(argv=None) -> int:
                       help="CPU demo: serve the tiny built-in model on CPU; DIR holds the model, conversations, dumps "
                            "and draft configs (created; reused by a later run)")
     ap.add_argument("--dump-dir", type=Path, metavar="DIR",
-                    help="EAGLE3_DUMP_DIR, created when missing (required in production; CPU demo default: DIR/dumps)")
+                    help="EAGLE3_DUMP_DIR, created when missing (required in production; CPU demo default: DIR/dumps); "
+                         "several separated by ':' (one per local disk) spread the files by key")
     ap.add_argument("--layers", metavar="IDS",
                     help="EAGLE3_DUMP_LAYERS: layer ids to dump, read as the served release reads a draft's (README "
                          "'Layer ids'; in a list holding -1: -1 = embedding output, k = output of layer k, N-1 = the "

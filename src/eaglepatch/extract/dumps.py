@@ -65,8 +65,25 @@ def rid_key(rid: str) -> str:
     return hashlib.sha256(rid.encode("utf-8")).hexdigest()
 
 
+def dump_dirs(directory: Path | str) -> list[Path]:
+    """The directories of a dump directory as the server's ``EAGLE3_DUMP_DIR`` names them: one, or
+    several separated by ``os.pathsep`` (one per local disk)."""
+    return [Path(part.strip()) for part in str(directory).split(os.pathsep)]
+
+
+def spread(key: str, count: int) -> int:
+    """Which of ``count`` dump directories holds the file of ``key``: the server's ``sinks.spread``
+    (the first 8 bytes of the key's sha256, big-endian, modulo ``count``; tests/test_dump_dirs.py
+    holds the two to each other)."""
+    if count == 1:
+        return 0
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % count
+
+
 def dump_path(directory: Path | str, key: str) -> Path:
-    return Path(directory) / f"{key}.safetensors"
+    dirs = dump_dirs(directory)
+    return dirs[spread(key, len(dirs))] / f"{key}.safetensors"
 
 
 def read_metadata(path: Path) -> dict:
@@ -78,9 +95,10 @@ def read_metadata(path: Path) -> dict:
 
 
 def any_server_dumps(directory: Path) -> list[Path]:
-    """Dump files in ``directory`` (any key) that carry one of these formats' metadata."""
+    """Dump files in ``directory`` (any key; each of its directories) that carry one of these
+    formats' metadata."""
     found = []
-    for p in sorted(Path(directory).glob("*.safetensors"))[:50]:
+    for p in [p for d in dump_dirs(directory) for p in sorted(d.glob("*.safetensors"))[:50]]:
         try:
             if read_metadata(p).get("format") in FORMATS:
                 found.append(p)
@@ -480,9 +498,16 @@ def remove_quietly(path: Path) -> None:
         pass
 
 
-def no_dump_message(dump_dir: Path, what: str) -> tuple[str, str]:
+def no_dump_message(dump_dir: Path, what: str, key: str | None = None) -> tuple[str, str]:
     """(problem, fix) when /generate answered and the server flushed its dumps but the first request's
-    file is not there; ``what`` names the request (rid, key) and the server."""
+    file is not there; ``what`` names the request (rid, key ``key``) and the server."""
+    dirs = dump_dirs(dump_dir)
+    elsewhere = [d for d in dirs if key and (d / f"{key}.safetensors").is_file()]
+    if elsewhere:  # several directories, listed in another order (or another number) than the server's
+        return (f"the dump file of {what} is in {elsewhere[0]}, but with --dump-dir {dump_dir} it belongs in "
+                f"{dump_path(dump_dir, key).parent}: the server spreads files over its EAGLE3_DUMP_DIR's "
+                f"directories in their order",
+                "pass the server's EAGLE3_DUMP_DIR exactly, every directory in its order, with --dump-dir")
     others = any_server_dumps(Path(dump_dir))
     if others:
         return (f"/generate answered and the server flushed its dumps but no dump file appeared for {what} "

@@ -17,6 +17,7 @@ from .. import conventions
 from ..errors import UsageError
 from . import record as rec_mod
 from .data import load_conversations
+from .dumps import dump_dirs
 from .tokenize import ChatTokenizer
 from .writers import FORMATS
 
@@ -126,16 +127,25 @@ def check_options(o: Options) -> None:
     twice = sorted({u for u in o.servers if o.servers.count(u) > 1})
     if twice:
         raise UsageError(f"--server names {twice[0]} more than once", "name each server once")
-    d = Path(o.dump_dir)
-    if not d.is_dir():
-        raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
-                         "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with --dump-dir")
-    if not os.access(d, os.R_OK | os.X_OK):
-        raise UsageError(f"dump directory {d} is not readable by this user",
-                         "make it readable or run as a user who can read it")
-    if not os.access(d, os.W_OK) and not o.keep_dumps:
-        raise UsageError(f"dump directory {d} is not writable by this user (used dumps are removed)",
-                         "make it writable or pass --keep-dumps")
+    raw = [part.strip() for part in str(o.dump_dir).split(os.pathsep)]
+    if not all(raw):  # Path("") would be the working directory
+        raise UsageError(f"--dump-dir {str(o.dump_dir)!r} has an empty entry",
+                         f"pass the server's EAGLE3_DUMP_DIR: one directory, or several separated by {os.pathsep!r}")
+    norm = [os.path.normpath(os.path.abspath(part)) for part in raw]
+    twice = sorted({n for n in norm if norm.count(n) > 1})
+    if twice:
+        raise UsageError(f"--dump-dir names {twice[0]} twice", "pass the server's EAGLE3_DUMP_DIR, each directory once")
+    for d in dump_dirs(o.dump_dir):  # one, or the server's several (EAGLE3_DUMP_DIR=A:B, one per disk)
+        if not d.is_dir():
+            raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
+                             "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with "
+                             "--dump-dir, every directory it names, in its order")
+        if not os.access(d, os.R_OK | os.X_OK):
+            raise UsageError(f"dump directory {d} is not readable by this user",
+                             "make it readable or run as a user who can read it")
+        if not os.access(d, os.W_OK) and not o.keep_dumps:
+            raise UsageError(f"dump directory {d} is not writable by this user (used dumps are removed)",
+                             "make it writable or pass --keep-dumps")
     out = Path(o.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory", "pass a new or existing dataset directory")

@@ -404,7 +404,7 @@ class Extractor:
         if problems:
             what += f" ({'; '.join(problems)})"
         if probe is not None:
-            raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), what))
+            raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), what, path.stem))
         return f"no dump file {path.name} for {what} after the flush", True, url
 
     def no_flush(self, exc: NoFlush, ids, path: Path) -> tuple[str, str]:

@@ -297,19 +297,34 @@ def _probe_python(python: str) -> dict:
                          "pass --python PY: the interpreter of the environment that has sglang's dependencies") from None
 
 
+def dump_dir_list(value) -> list:
+    """``--dump-dir``: one directory, or several separated by ``os.pathsep`` (``EAGLE3_DUMP_DIR=A:B``,
+    one per local disk; the server spreads the files by key and ``tools/extract.py --dump-dir A:B``
+    reads them all). Each absolute; any that is missing is created at start."""
+    parts = [part.strip() for part in str(value).split(os.pathsep)]
+    if not all(parts):
+        raise UsageError(f"--dump-dir {str(value)!r} has an empty entry",
+                         f"pass one directory, or several separated by {os.pathsep!r} (one per disk)")
+    dirs = [Path(part).expanduser().absolute() for part in parts]
+    for i, d in enumerate(dirs):
+        if d in dirs[:i]:
+            raise UsageError(f"--dump-dir names {d} twice", "list each directory once")
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--dump-dir {d} is a file", "pass a directory (it is created when missing)")
+        if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+            raise UsageError(f"--dump-dir {d} is not writable", "pass a directory the server can write")
+    return dirs
+
+
 def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_dir=None, python=None,
                     host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=(), settings=None) -> Plan:
     """``launch_server`` for ``model_path`` on this machine's accelerators with the dump on;
     ``settings``: the dump variables of ``dump_settings`` (default: from the environment)."""
     settings = dump_settings({})[0] if settings is None else settings
     python = str(python or sys.executable)
-    dump_dir = Path(dump_dir).expanduser().absolute()
-    if dump_dir.exists() and not dump_dir.is_dir():
-        raise UsageError(f"--dump-dir {dump_dir} is a file", "pass a directory (it is created when missing)")
-    if dump_dir.is_dir() and not os.access(dump_dir, os.W_OK | os.X_OK):
-        raise UsageError(f"--dump-dir {dump_dir} is not writable", "pass a directory the server can write")
+    dump_dirs = dump_dir_list(dump_dir)
     probe = _probe_python(python)
-    env = {"EAGLE3_DUMP_DIR": str(dump_dir)}
+    env = {"EAGLE3_DUMP_DIR": os.pathsep.join(map(str, dump_dirs))}
     if layers is not None:
         env["EAGLE3_DUMP_LAYERS"] = ",".join(map(str, layers))
     env.update(settings)
@@ -336,7 +351,7 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags,
             "--host", host, "--port", str(port), *extra]
     notes.insert(0, f"serving {tree.describe()}, {series.name} applied")
-    return Plan(argv, env, _url(host, port), pp if sglang is not None else None, notes, [dump_dir])
+    return Plan(argv, env, _url(host, port), pp if sglang is not None else None, notes, dump_dirs)
 
 
 def _url(host: str, port: int) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .. import PINNED_RELEASE, cpuenv
 from ..errors import UsageError
-from . import DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_settings, patched_tree_at, tinychat
+from . import DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, patched_tree_at, tinychat
 
 # EAGLE3_DUMP_LAYERS of the demo (4 decoder layers): the embedding output and layers 0-2 (aux layers:
 # speculators takes all four, SpecForge the three non-negative ones it trains), then N-1 = 3, the
@@ -236,9 +236,8 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     if bad:
         raise UsageError(f"--layers {bad} out of range: the demo model has {n} decoder layers",
                          f"pass EAGLE-3 ids from -1 to {n - 1} (default {','.join(map(str, DEMO_LAYERS))})")
-    dump_dir = Path(dump_dir).expanduser().absolute() if dump_dir else demo_dir / "dumps"
-    if dump_dir.exists() and not dump_dir.is_dir():
-        raise UsageError(f"--dump-dir {dump_dir} is a file", "pass a directory (it is created when missing)")
+    dump_dirs = dump_dir_list(dump_dir) if dump_dir else [demo_dir / "dumps"]
+    dump_dir = os.pathsep.join(map(str, dump_dirs))  # EAGLE3_DUMP_DIR and extract's --dump-dir
     demo_dir.mkdir(parents=True, exist_ok=True)
     (demo_dir / MARKER).write_text("made by tools/serve.py --cpu-demo\n")
     say("[serve] the CPU environment (built the first time: ~3 minutes, 2.4 GB) ...")
@@ -274,4 +273,4 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     info_file.write_text(json.dumps(info, indent=2) + "\n")
     after = ["[serve] next, from another shell in " + os.getcwd() + ":"] + ["  " + c for c in cmds]
     notes.append(f"model {model}, conversations {data}, dumps {dump_dir} (EAGLE3_DUMP_LAYERS={env['EAGLE3_DUMP_LAYERS']})")
-    return Plan(argv, env, url, tree, notes, [dump_dir], after, info_file)
+    return Plan(argv, env, url, tree, notes, dump_dirs, after, info_file)

@@ -67,7 +67,7 @@ from .settings import (
     text_config,
 )
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
-from .sinks import FILE_MODE, HOST, FileSink, MooncakeSink, SinkError, _fsync
+from .sinks import FILE_MODE, HOST, FileSink, MooncakeSink, SinkError, _fsync, dump_directories
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
 from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
@@ -190,8 +190,9 @@ class DumpWriter:
                  layout: Optional[Layout] = None, writers: int = 1, sink=None):
         """``layout``: how states are stored (``storage``); None: as computed, every state.
         ``writers``: threads writing files at once (``commits``). ``sink``: where each request's
-        states go (``sinks``; None: a file in ``directory``)."""
-        self.directory = directory
+        states go (``sinks``; None: a file in ``directory``, or in one of its directories when it names
+        several). The stop ledger goes in the first directory."""
+        self.directory = dump_directories(directory)[0]
         self.indices = list(indices)  # capture indices (= HF indices), ascending
         self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
         # (file tensor name, capture index) per layer, in file order
@@ -540,9 +541,6 @@ class DumpWriter:
                      "rows seen): %s; %d dropped so far", ENV_DIR, req.rid, req.prompt_len, rows_seen,
                      why, self.dropped)
 
-    def _path(self, req: RequestInfo) -> str:
-        return os.path.join(self.directory, f"{req.key}.safetensors")
-
     def _written_before(self, req: RequestInfo, metadata: Optional[Dict[str, str]] = None) -> bool:
         """Whether this request's file is there already: kept when it is a regular file of this
         very request (``IDENTITY_FIELDS``: this launch, model, prompt, input source, adapter,
@@ -805,7 +803,8 @@ def start_dump(runner, target, settings: DumpSettings):
     num_layers = config.num_hidden_layers
     indices = check_model(architectures, num_layers, settings)
     check_server_args(runner.server_args)
-    check_directory(settings.directory)
+    for directory in settings.directories:
+        check_directory(directory)
     from sglang.version import __version__ as sglang_version
 
     if sglang_version.startswith("0.0.0"):  # a source checkout without build metadata
@@ -876,7 +875,9 @@ def start_dump(runner, target, settings: DumpSettings):
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s, %d writer threads "
         "(%s), sink %s)", ENV_DIR,
-        settings.directory, ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
+        settings.directory if len(settings.directories) == 1 else
+        f"{len(settings.directories)} directories, files spread by key ({', '.join(settings.directories)})",
+        ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
         indices, settings.final, settings.max_pending_bytes >> 20, "on" if writer.chunked else "off",
         settings.storage.dtype, settings.storage.rebuildable,
         (": left out " + ", ".join(layout.left_out)) if layout.left_out else "",

@@ -259,11 +259,22 @@ class DumpSettings:
                 )
         final = _parse_bool(ENV_FINAL, env.get(ENV_FINAL, "1"))
         cap_mb = _positive(env, ENV_MAX_PENDING_MB, DEFAULT_MAX_PENDING_MB, "MiB")
-        return cls(directory, layer_ids, final, int(cap_mb * (1 << 20)),
+        dirs = _directories(directory)
+        sink = _sink(env)
+        if len(dirs) > 1 and sink["sink"] != "file":
+            raise DumpConfigError(f"{ENV_DIR}={directory!r} names {len(dirs)} directories, which spread dump files, "
+                                  f"but {ENV_SINK}={sink['sink']} writes none (only its stop ledger goes to "
+                                  f"{ENV_DIR}); give one directory")
+        return cls(os.pathsep.join(dirs), layer_ids, final, int(cap_mb * (1 << 20)),
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
                    storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
-                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), **_sink(env))
+                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), **sink)
+
+    @property
+    def directories(self) -> List[str]:
+        """``directory``'s directories: one, or several (files spread by key, ``sinks.spread``)."""
+        return dump_directories(self.directory)
 
     def capture_indices(self, num_layers: int) -> List[int]:
         """The capture indices the dump writes, ascending: the ids read as a draft's are on this
@@ -282,6 +293,28 @@ def _sink(env) -> dict:
         raise DumpConfigError(f"{', '.join(given)} set but {ENV_SINK} is {sink!r}; set {ENV_SINK}=mooncake or "
                               f"unset them")
     return {"sink": sink}
+
+
+def dump_directories(value: str) -> List[str]:
+    """The directories of an ``EAGLE3_DUMP_DIR`` value: one, or several separated by ``os.pathsep``
+    (one per local disk; ``sinks.spread`` picks each file's)."""
+    return [part.strip() for part in value.split(os.pathsep)]
+
+
+def _directories(value: str) -> List[str]:
+    """``dump_directories``, refused when an entry is empty or names a directory already listed."""
+    dirs = dump_directories(value)
+    if not all(dirs):
+        raise DumpConfigError(f"{ENV_DIR}={value!r} has an empty entry; name one directory, or several "
+                              f"separated by {os.pathsep!r} (one per disk)")
+    seen = {}
+    for d in dirs:
+        norm = os.path.normpath(os.path.abspath(d))
+        if norm in seen:
+            raise DumpConfigError(f"{ENV_DIR}={value!r} names {norm} twice ({seen[norm]!r} and {d!r}); "
+                                  f"list each directory once")
+        seen[norm] = d
+    return dirs
 
 
 def check_directory(directory: str) -> None:
@@ -591,7 +624,8 @@ def check_launch(server_args) -> None:
         hf_config = _model_config(server_args).hf_config
         check_model(getattr(hf_config, "architectures", None) or [],
                     text_config(hf_config).num_hidden_layers, settings)
-        check_directory(settings.directory)
+        for directory in settings.directories:
+            check_directory(directory)
         if settings.mooncake is not None:
             settings.mooncake.check_reachable()
         from .control import install_launcher_hooks

@@ -5,7 +5,9 @@ metadata) and commit it whole or not at all; ``header(key)`` is what a request's
 recorded (None: nothing there), which the writer compares before it writes again.
 
 - ``FileSink`` (``EAGLE3_DUMP_SINK=file``, the default): ``<key>.safetensors`` written under a
-  temporary name, fsynced, renamed, the directory fsynced.
+  temporary name, fsynced, renamed, the directory fsynced. ``EAGLE3_DUMP_DIR`` may name several
+  directories separated by ``os.pathsep`` (one per local disk): each key's file goes to the one
+  ``spread`` picks, which ``tools/extract.py`` computes the same way.
 - ``MooncakeSink`` (``EAGLE3_DUMP_SINK=mooncake``): the tensors packed into one object at 64-byte
   aligned offsets (``pack``), put under the request's key, then a small JSON object ``<key>:meta``
   with the manifest: ``{"version": 1, "handle": key, "tensors": {name: {shape, dtype, nbytes,
@@ -22,6 +24,7 @@ recorded (None: nothing there), which the writer compares before it writes again
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,12 +37,24 @@ from typing import Dict, Optional
 
 import torch
 
+from .settings import dump_directories
+
 ALIGN = 64  # byte alignment of each tensor in a Mooncake object (hs-connectors' _TENSOR_ALIGN)
 MANIFEST_VERSION = 1
 META_SUFFIX = ":meta"
 ERROR_SUFFIX = ":error"  # a failed commit's marker: {"error": why} (hs-connectors' readers check it first)
 FILE_MODE = 0o644  # dump files and the stop ledger: a shared directory's readers may run as other users
 HOST = socket.gethostname()  # in temporary and ledger names: replicas on several hosts share a directory
+
+
+def spread(key: str, count: int) -> int:
+    """Which of ``count`` dump directories holds the file of ``key``: the first 8 bytes of the
+    key's sha256, big-endian, modulo ``count``. ``eaglepatch.extract.dumps.spread`` is the same
+    function on the reading side (tests/test_dump_dirs.py holds them to each other)."""
+    if count == 1:
+        return 0
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % count
 
 
 def _fsync(path: str) -> None:
@@ -82,10 +97,12 @@ class FileSink:
     name = "file"
 
     def __init__(self, directory: str):
-        self.directory = directory
+        """``directory``: an ``EAGLE3_DUMP_DIR`` value, one directory or several (``dump_directories``)."""
+        self.directories = dump_directories(directory)
+        self.directory = self.directories[0]
 
     def path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.safetensors")
+        return os.path.join(self.directories[spread(key, len(self.directories))], f"{key}.safetensors")
 
     def where(self, key: str) -> dict:
         return {"sink": self.name, "file": f"{key}.safetensors"}
@@ -97,13 +114,14 @@ class FileSink:
         from safetensors.torch import save_file
 
         path = self.path(key)
-        tmp = os.path.join(self.directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             save_file(tensors, tmp, metadata=metadata)
             os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
             _fsync(tmp)
             os.replace(tmp, path)
-            _fsync(self.directory)
+            _fsync(directory)
         except BaseException:
             try:
                 os.unlink(tmp)
