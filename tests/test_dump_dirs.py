@@ -10,7 +10,6 @@ directories and extracts from them: ``test_dump_files_spread_over_two_directorie
 
 import hashlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from conftest import one_line_error, run_tool  # noqa: E402
 from test_capture_package import _idx, dump_mod  # noqa: E402
 from test_dump_writers import _forwards  # noqa: E402
 
@@ -130,16 +130,9 @@ def test_the_server_reads_a_list_and_keeps_one_directory_as_it_was(tmp_path):
     assert "names 2 directories, which spread dump files, but EAGLE3_DUMP_SINK=mooncake writes none" in str(e.value)
 
 
-def _cli(tool, *args):
-    return subprocess.run([sys.executable, str(REPO / "tools" / f"{tool}.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-
-
 def _one_line(r):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    return lines[0]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    return one_line_error(r)
 
 
 def test_serve_passes_the_list_and_refuses_what_the_server_would(tmp_path):
@@ -150,7 +143,7 @@ def test_serve_passes_the_list_and_refuses_what_the_server_would(tmp_path):
     assert dump_dir_list(spec) == disks  # created at start (Plan.mkdirs), in this order
     for value, needle in [(f"{disks[0]}{os.pathsep}{os.pathsep}{disks[1]}", "has an empty entry"),
                           (f"{disks[0]}{os.pathsep}{disks[0]}/", f"--dump-dir names {disks[0]} twice")]:
-        line = _one_line(_cli("serve", "--model-path", "m", "--dump-dir", value, "--print"))
+        line = _one_line(run_tool("serve", "--model-path", "m", "--dump-dir", value, "--print"))
         assert needle in line, line
     assert not any(d.exists() for d in disks)
 
@@ -164,6 +157,6 @@ def test_extract_refuses_a_list_it_cannot_read(tmp_path):
                           (f"{disks[0]}{os.pathsep}{disks[0]}", "names " + str(disks[0]) + " twice"),
                           (f"{disks[0]}{os.pathsep}{tmp_path / 'gone'}", f"dump directory {tmp_path / 'gone'} is not "
                                                                          f"visible on this machine")]:
-        line = _one_line(_cli("extract", *base, "--dump-dir", value))
+        line = _one_line(run_tool("extract", *base, "--dump-dir", value))
         assert needle in line, line
     assert not (tmp_path / "out").exists()

@@ -71,6 +71,24 @@ def dump_dirs(directory: Path | str) -> list[Path]:
     return [Path(part.strip()) for part in str(directory).split(os.pathsep)]
 
 
+def dump_dir_entries(value) -> list[Path]:
+    """``dump_dirs`` of a ``--dump-dir`` value as given (``tools/serve.py`` and ``tools/extract.py``),
+    refused (``UsageError``) when an entry is empty (``Path("")`` would be the working directory) or
+    names a directory already listed, as the server refuses its ``EAGLE3_DUMP_DIR``."""
+    from ..errors import UsageError
+
+    parts = [part.strip() for part in str(value).split(os.pathsep)]
+    if not all(parts):
+        raise UsageError(f"--dump-dir {str(value)!r} has an empty entry",
+                         f"pass one directory, or several separated by {os.pathsep!r} (one per disk), as the "
+                         f"server's EAGLE3_DUMP_DIR")
+    norm = [os.path.normpath(os.path.abspath(os.path.expanduser(part))) for part in parts]
+    for i, n in enumerate(norm):
+        if n in norm[:i]:
+            raise UsageError(f"--dump-dir names {n} twice", "list each directory once, as the server's EAGLE3_DUMP_DIR")
+    return [Path(part) for part in parts]
+
+
 def spread(key: str, count: int) -> int:
     """Which of ``count`` dump directories holds the file of ``key``: the server's ``sinks.spread``
     (the first 8 bytes of the key's sha256, big-endian, modulo ``count``; tests/test_dump_dirs.py

@@ -17,7 +17,7 @@ from .. import conventions
 from ..errors import UsageError
 from . import record as rec_mod
 from .data import load_conversations
-from .dumps import dump_dirs
+from .dumps import dump_dir_entries
 from .tokenize import ChatTokenizer
 from .writers import FORMATS
 
@@ -127,15 +127,7 @@ def check_options(o: Options) -> None:
     twice = sorted({u for u in o.servers if o.servers.count(u) > 1})
     if twice:
         raise UsageError(f"--server names {twice[0]} more than once", "name each server once")
-    raw = [part.strip() for part in str(o.dump_dir).split(os.pathsep)]
-    if not all(raw):  # Path("") would be the working directory
-        raise UsageError(f"--dump-dir {str(o.dump_dir)!r} has an empty entry",
-                         f"pass the server's EAGLE3_DUMP_DIR: one directory, or several separated by {os.pathsep!r}")
-    norm = [os.path.normpath(os.path.abspath(part)) for part in raw]
-    twice = sorted({n for n in norm if norm.count(n) > 1})
-    if twice:
-        raise UsageError(f"--dump-dir names {twice[0]} twice", "pass the server's EAGLE3_DUMP_DIR, each directory once")
-    for d in dump_dirs(o.dump_dir):  # one, or the server's several (EAGLE3_DUMP_DIR=A:B, one per disk)
+    for d in dump_dir_entries(o.dump_dir):  # one, or the server's several (EAGLE3_DUMP_DIR=A:B, one per disk)
         if not d.is_dir():
             raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
                              "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with "

@@ -301,14 +301,10 @@ def dump_dir_list(value) -> list:
     """``--dump-dir``: one directory, or several separated by ``os.pathsep`` (``EAGLE3_DUMP_DIR=A:B``,
     one per local disk; the server spreads the files by key and ``tools/extract.py --dump-dir A:B``
     reads them all). Each absolute; any that is missing is created at start."""
-    parts = [part.strip() for part in str(value).split(os.pathsep)]
-    if not all(parts):
-        raise UsageError(f"--dump-dir {str(value)!r} has an empty entry",
-                         f"pass one directory, or several separated by {os.pathsep!r} (one per disk)")
-    dirs = [Path(part).expanduser().absolute() for part in parts]
-    for i, d in enumerate(dirs):
-        if d in dirs[:i]:
-            raise UsageError(f"--dump-dir names {d} twice", "list each directory once")
+    from ..extract.dumps import dump_dir_entries
+
+    dirs = [d.expanduser().absolute() for d in dump_dir_entries(value)]
+    for d in dirs:
         if d.exists() and not d.is_dir():
             raise UsageError(f"--dump-dir {d} is a file", "pass a directory (it is created when missing)")
         if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
