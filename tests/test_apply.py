@@ -383,3 +383,76 @@ def test_killed_fetch_over_a_reversed_checkout_is_finished_by_the_same_command(s
     assert git(dest, "status", "--porcelain") == ""
     assert git(dest, "rev-parse", "--abbrev-ref", "HEAD").strip() == "eaglepatch/sglang-0.5.9"
     assert not (dest / "python" / TXN).exists()
+
+
+# ---- issue 43 item 17, older lows: --commit on ROOT/python, two --fetch into one DEST, a branch-ref lock,
+# SIGTERM during verify's copy ---------------------------------------------------------------------------
+
+def test_commit_on_the_python_directory_names_the_checkout(small_git):
+    """--commit on ROOT/python of a checkout (an installed layout to the tools): one line naming the
+    checkout's root to pass (was: "cannot be combined with --reverse", never given); --commit
+    --reverse says that combination alone."""
+    before = hashes(small_git / "python")
+    r = run_tool("apply", small_git / "python", "--series", BASIC, "--commit")
+    err = one_line_error(r)
+    assert r.returncode == 2 and "--reverse" not in err, err
+    assert f"it is the python/ directory of the checkout {small_git}" in err, err
+    assert f"run it on the checkout's root: python3 tools/apply.py {small_git} --commit" in err, err
+    r = run_tool("apply", small_git, "--series", BASIC, "--commit", "--reverse")
+    assert r.returncode == 2 and "--commit cannot be combined with --reverse" in one_line_error(r), r.stderr
+    assert hashes(small_git / "python") == before
+
+
+def test_a_locked_branch_ref_is_named(small_git):
+    """A stale lock of the series branch's ref (what a git process killed while updating it leaves):
+    refused before anything is written, naming the lock file to remove (was: git's last line only,
+    "remove the file manually to continue.")."""
+    lock = small_git / ".git" / "refs" / "heads" / "eaglepatch" / "sglang-0.5.9.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    before = hashes(small_git / "python")
+    r = run_tool("apply", small_git, "--series", BASIC, "--commit")
+    err = one_line_error(r)
+    assert r.returncode == 1 and f"({lock} exists)" in err and f"remove {lock}" in err, err
+    assert hashes(small_git / "python") == before
+    lock.unlink()
+    assert run_tool("apply", small_git, "--series", BASIC, "--commit").returncode == 0
+
+
+def test_two_fetches_into_one_dest(tmp_path):
+    """Two --fetch runs into one DEST at once: the one that renames its checkout second finds the
+    checkout the first made, says so and exits 0, leaving nothing of its own (was: "cannot move the
+    new checkout ...: Directory not empty", exit 2)."""
+    import signal
+
+    dest = tmp_path / "sglang"
+    first = start_stopped("apply", "--fetch", "0.5.9", dest, stage="fetch-patched")
+    try:
+        r = run_tool("apply", "--fetch", "0.5.9", dest)
+        assert r.returncode == 0 and dest.is_dir(), r.stderr
+        first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            kill(first)
+    assert first.returncode == 0, err
+    assert f"another --fetch made {dest} while this one ran: already fetched, applied and committed" in out + err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sglang"], list(tmp_path.iterdir())
+    shutil.rmtree(first.tmp, ignore_errors=True)
+
+
+def test_sigterm_during_verifys_copy_leaves_no_temp_dir(small):
+    """SIGTERM while verify copies the tree for its smoke tests: verify stops as on Ctrl-C (one line,
+    exit 2) and its temporary copy is gone (was: killed by the signal, the copy left in TMPDIR)."""
+    import signal
+
+    proc = start_stopped("verify", small, "--series", BASIC, stage="verify-copying")
+    copies = [p for p in proc.tmp.iterdir() if p.name.startswith("eaglepatch-verify-")]
+    assert len(copies) == 1 and (copies[0] / "pp" / "sglang").is_dir(), list(proc.tmp.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    left = sorted(p.name for p in proc.tmp.iterdir())
+    shutil.rmtree(proc.tmp, ignore_errors=True)
+    assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: interrupted"), err
+    assert left == [], left

@@ -835,7 +835,8 @@ def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(st, "save_file", slow)
     w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
     path = str(tmp_path / "c.sock")
-    server = control.ControlServer(w, path)
+    monkeypatch.setenv(control.ENV_TOKEN, "the launch's secret")
+    server = control.ControlServer(w, path, "the launch's secret")
     try:
         ids, cap, fin = _states([3], [1])
         w.submit(_Batch(ids, [3], rids=["slow"]), cap, fin)
@@ -866,15 +867,16 @@ def test_answers_finished_together_share_one_status_call(tmp_path, monkeypatch):
 
     w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
     path = str(tmp_path / "c.sock")
-    server = control.ControlServer(w, path)
+    server = control.ControlServer(w, path, "the launch's secret")
     monkeypatch.setenv(control.ENV_CONTROL, path)
+    monkeypatch.setenv(control.ENV_TOKEN, "the launch's secret")
     rids = [f"r{i}" for i in range(64)]
     ids, cap, fin = _states([3] * 32, [1])
     w.submit(_Batch(ids, [3] * 32, rids=rids[:32]), cap, fin)
     w.flush()  # the first half written, the second half never prefilled ("unknown")
     calls = []
-    real = control.dump_handles
-    monkeypatch.setattr(control, "dump_handles", lambda r, p=None: calls.append(list(r)) or real(r, p))
+    real = control._asked
+    monkeypatch.setattr(control, "_asked", lambda r, p=None: calls.append(list(r)) or real(r, p))
 
     class TM:
         async def generate_request(self, obj, request=None):

@@ -439,3 +439,148 @@ def test_the_damage_is_seen(world):
         assert rc == 1 and "local edits" in err
     finally:
         s.close()
+
+
+# ------------------------------------------------------------------------------------------
+# issue 43 items 14 and 17: the tools in a Python without the project's dependencies, and in one with
+# exactly the declared ones (what `python3 -m venv .venv && pip install -e .` makes, docs/gpu.md)
+
+def _venv(where: Path) -> Path:
+    """A virtual environment of the base Python, without pip and without any package: what a user
+    has before `pip install -e .`. Returns its python."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, capture_output=True)
+    return where / "bin" / "python"
+
+
+def _declared() -> list:
+    """The names of pyproject.toml's [project] dependencies."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in deps]
+
+
+def _with_declared(py: Path) -> None:
+    """Copy into the venv of ``py`` the installed files of each declared dependency and of what they
+    require in turn (as this environment installed them): the venv pip would make from pyproject's
+    [project] dependencies, without the package index."""
+    import importlib.metadata as md
+    import subprocess
+
+    from packaging.requirements import Requirement
+
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    todo, done = list(_declared()), set()
+    while todo:
+        name = todo.pop()
+        dist = md.distribution(name)
+        key = dist.metadata["Name"].lower()
+        if key in done:
+            continue
+        done.add(key)
+        for f in dist.files or []:
+            src = Path(dist.locate_file(f))
+            if src.is_file() and ".." not in Path(f).parts:
+                (site / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, site / f)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+
+
+def test_declared_dependencies_are_what_the_tools_import():
+    """eaglepatch.cli.DEPENDENCIES (what the tools check they can import) names exactly pyproject's
+    [project] dependencies: packaging among them (tools/gpu_bundle.py's wheel names and tags)."""
+    from eaglepatch import cli
+
+    assert sorted(n.lower() for n in cli.DEPENDENCIES.values()) == sorted(n.lower() for n in _declared())
+    assert "packaging" in cli.DEPENDENCIES
+
+
+def test_gpu_bundle_runs_in_the_venv_docs_gpu_md_makes(tmp_path):
+    """Issue 43 item 14: a venv holding exactly the declared dependencies runs tools/gpu_bundle.py
+    past its first step (the pin list read, the wheel cache matched by name, tag and version:
+    packaging) instead of "internal error (... No module named 'packaging')". Its pin list here names
+    one small wheel made in the test's cache, so no download runs; the build then stops at its own
+    refusal (no sgl_kernel/ in the site), exit 1, one line."""
+    import subprocess
+    import zipfile
+
+    py = _venv(tmp_path / "venv")
+    _with_declared(py)
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    whl = cache / "tiny-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("tiny/__init__.py", "")
+        z.writestr("tiny-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n")
+        z.writestr("tiny-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n")
+        z.writestr("tiny-1.0.dist-info/RECORD", "")
+    pins = tmp_path / "pins.txt"
+    pins.write_text("tiny==1.0\n")
+    p = subprocess.run([str(py), str(REPO / "tools" / "gpu_bundle.py"), "--pins", str(pins), "--wheel-cache",
+                        str(cache), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "1 pins; 1 wheels cached" in p.stderr, p.stderr
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("error: "), p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["apply", "ROOT", "--check"], "unidiff"),
+    (["apply", "ROOT", "--commit"], "unidiff, GitPython"),
+    (["verify", "ROOT"], "unidiff, pyflakes"),
+    (["verify", "ROOT", "--smoke", "none"], "unidiff"),
+    (["serve", "--cpu-demo", "DEMO", "--print"], "unidiff"),
+    (["serve", "--model-path", "m", "--dump-dir", "DUMPS", "--print"], "unidiff"),
+    (["gpu_bundle", "--out", "OUT"], "packaging"),
+])
+def test_tools_before_pip_install_name_what_is_missing(tmp_path, small, argv, names):
+    """Issue 43 item 17: apply, verify, serve (and gpu_bundle) run with a Python that has none of the
+    project's dependencies: one line naming the missing packages and `pip install -e .`, exit 2,
+    nothing read or written (was: "internal error (ModuleNotFoundError: ...)"), as extract.py names
+    what its format misses. --help works there."""
+    import subprocess
+
+    py = _venv(tmp_path / "venv")
+    before = hashes(small)
+    fill = {"ROOT": str(small), "DEMO": str(tmp_path / "demo"), "DUMPS": str(tmp_path / "dumps"),
+            "OUT": str(tmp_path / "out")}
+    tool, *args = argv
+    p = subprocess.run([str(py), str(REPO / "tools" / f"{tool}.py"), *[fill.get(a, a) for a in args]],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0] == (f"error: {tool}.py needs the Python package(s) {names}, which "
+                        f"{'are' if ',' in names else 'is'} not installed; pip install -e . (from the eaglepatch "
+                        f"checkout, into the Python that runs the tools)"), lines[0]
+    assert hashes(small) == before and sorted(x.name for x in tmp_path.iterdir()) == ["venv"]
+    h = subprocess.run([str(py), str(REPO / "tools" / f"{tool}.py"), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert h.returncode == 0 and "exit codes:" in h.stdout, h.stderr
+
+
+def test_acceptance_on_cuda_without_cuda_is_one_line(tmp_path):
+    """Issue 43 item 17: tools/acceptance.py --cpu --set device=cuda where torch sees no CUDA device:
+    one line saying so, exit 2, nothing made (was: "internal error (AssertionError: Torch not compiled
+    with CUDA enabled)" after WORK, its result.json and target-init were written)."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here")
+    work = tmp_path / "work"
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "acceptance.py"), "--work", str(work), "--cpu", "--set",
+                        "device=cuda"], capture_output=True, text=True, timeout=600)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: device=cuda, and torch ") and "sees no CUDA device" in lines[0], lines[0]
+    assert "internal error" not in lines[0] and not work.exists()

@@ -9,7 +9,7 @@ holds the embedding and final norm the reader rebuilds from. Each dump is read o
 (``load_dump``) and written in the three formats; the consumers then read with their own code:
 SpecForge 0.2.0's OfflineEagle3Dataset, speculators 0.9.0's ArrowDataset through hs-connectors'
 FP8Transfer (the backend the manifest names). CompactDataset must yield, item for item, the same
-keys, dtypes, shapes and bits, and stops doing so for a perturbed scale or another model's weights.
+keys, dtypes, shapes and bits, stops doing so for a perturbed scale, and refuses another model's weights.
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def _model_dir(path: Path, seed: int):
     return embed, norm
 
 
-def _write_dumps(dump_dir: Path, dtype: str, rebuildable: str, embed, norm) -> list:
-    """The real DumpWriter's files of LENS text requests and one input_embeds request: [(path, ids, rid)]."""
+def _write_dumps(dump_dir: Path, dtype: str, rebuildable: str, embed, norm, model: Path) -> list:
+    """The real DumpWriter's files of LENS text requests and one input_embeds request: [(path, ids, rid)],
+    with the digest of ``model``'s tensors (the served model's, as ``start_dump`` records it)."""
     import torch
 
     from eaglepatch.extract.dumps import new_rid
@@ -173,8 +174,12 @@ def _write_dumps(dump_dir: Path, dtype: str, rebuildable: str, embed, norm) -> l
     storage = sys.modules["e3c_compact_under_test.storage"]
     dump_mod = __import__("e3c_compact_under_test.dump", fromlist=["DumpWriter"])
     identity = sys.modules["e3c_compact_under_test.identity"]
+    weights = __import__("e3c_compact_under_test.weights", fromlist=["served_weights"])
     indices = [k + 1 for k in DUMPED]
-    layout = storage.Layout(storage.Storage(dtype, rebuildable), indices, True, N, "bfloat16", EPS, VOCAB)
+    st = storage.Storage(dtype, rebuildable)
+    served = weights.served_weights(SimpleNamespace(model_path=str(model), load_format="auto"),
+                                    storage.left_out_states(st, indices, True, N))
+    layout = storage.Layout(st, indices, True, N, "bfloat16", EPS, VOCAB, weights=served)
     meta = {"format": "eagle3-dump/1", "eagle3_layer_ids": json.dumps(DUMPED), "hf_hidden_state_indices":
             json.dumps(indices), "configured_layer_ids": json.dumps(DUMPED), "layer_id_reading": "plus_one",
             "final": "post_norm", "architecture": "DeepseekV3ForCausalLM", "model_path": "/m", "hidden_size": str(H),
@@ -219,7 +224,7 @@ def built(request, tmp_path_factory):
     embed, norm = _model_dir(root / "model", seed=1)
     _model_dir(root / "other-embedding", seed=2)
     (root / "dumps").mkdir()
-    dumps = _write_dumps(root / "dumps", dtype, rebuildable, embed, norm)
+    dumps = _write_dumps(root / "dumps", dtype, rebuildable, embed, norm, root / "model")
     rb = Rebuilder(root / "model")
     layouts = {fmt: writers.resolve_layout(fmt, DUMPED, True, N, aux=AUX) for fmt in writers.FORMATS}
     outs = {fmt: root / fmt for fmt in writers.FORMATS}
@@ -339,8 +344,8 @@ def test_the_exports_hold_what_the_dump_stores(built):
 
 
 def test_the_comparison_fails_on_wrong_compact_data(built, tmp_path):
-    """A scale perturbed in one sample, the embedding or the final norm of another model: the items
-    that use them differ from the consumers' (and only those)."""
+    """A scale perturbed in one sample: the items that use it differ from the consumers' (and only
+    those); another model's embedding and final norm: refused (the dumps record the served ones')."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -361,11 +366,13 @@ def test_the_comparison_fails_on_wrong_compact_data(built, tmp_path):
         hit = sorted(built.files["compact"]).index(rel)  # SpecForge's order: the paths sorted
         assert differing(CompactDataset(bad, built.model, yields="specforge"), sf) == [hit]
     if built.rebuildable == "omit":
+        from eaglepatch.errors import UsageError
+
         other = built.root / "other-embedding"
-        # every text sample's embedding (an aux layer) and every final state are rebuilt from it
-        assert len(differing(CompactDataset(built.outs["compact"], other, yields="specforge"), sf)) == len(built.dumps)
-        wrong = differing(CompactDataset(built.outs["compact"], other, yields="speculators"), spec)
-        assert wrong == list(range(len(LENS)))  # the input_embeds sample stores its embedding
+        # every text sample's embedding (an aux layer) and every final state would be rebuilt from it: refused
+        for yields in ("specforge", "speculators"):
+            with pytest.raises(UsageError, match="another checkpoint"):
+                CompactDataset(built.outs["compact"], other, yields=yields)[0]
     else:  # nothing rebuilt: the model directory is not read
         assert differing(CompactDataset(built.outs["compact"], built.root / "other-embedding", yields="specforge"),
                          sf) == []

@@ -160,3 +160,52 @@ def test_extract_refuses_a_list_it_cannot_read(tmp_path):
         line = _one_line(run_tool("extract", *base, "--dump-dir", value))
         assert needle in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_link_to_a_listed_directory_is_refused_and_tilde_is_expanded(tmp_path, monkeypatch):
+    """Issue 43 item 17: a second name of a listed directory (a symlink) is refused by serve and
+    extract in one line, as a directory named twice is (the server would spread files over one disk
+    as if two, and the client look for half of them in the other name); ``~`` is expanded where
+    extract reads the files too, as serve expands it (tests/test_rebuild_identity.py runs extract
+    with ``--dump-dir ~/dumps`` end to end)."""
+    disks, _ = _disks(tmp_path, 1)
+    link = tmp_path / "alias"
+    link.symlink_to(disks[0], target_is_directory=True)
+    value = f"{disks[0]}{os.pathsep}{link}"
+    data = tmp_path / "c.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    want = f"--dump-dir names {disks[0]} and {link}, which are the same directory ({disks[0]})"
+    line = _one_line(run_tool("extract", "--server", "http://127.0.0.1:9", "--model", tmp_path, "--data", data,
+                              "--out", tmp_path / "out", "--dump-dir", value))
+    assert want in line and "list each directory once" in line, line
+    line = _one_line(run_tool("serve", "--model-path", "m", "--dump-dir", value, "--print"))
+    assert want in line, line
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = hashlib.sha256(b"k").hexdigest()
+    assert reader.dump_dir_entries(f"~/disk0{os.pathsep}~/disk1") == [disks[0], tmp_path / "disk1"]
+    assert reader.dump_path("~/disk0", key) == disks[0] / f"{key}.safetensors"
+
+
+def test_the_launch_refusal_never_suggests_a_mkdir_that_splits_a_name(tmp_path):
+    """EAGLE3_DUMP_DIR naming an existing directory whose name holds ':' is split into entries that
+    do not exist; the launch's refusal used to suggest `mkdir -p a`, which would make the split
+    permanent. Now it names the directory and the fix; a missing entry of a list suggests no
+    mkdir of a fragment; a single missing directory still gets its mkdir."""
+    odd = tmp_path / "a:b"
+    odd.mkdir()
+    value = str(odd)
+    with pytest.raises(settings.DumpConfigError) as err:
+        for d in settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": value}).directories:
+            settings.check_directory(d, value)
+    msg = str(err.value)
+    assert "one directory whose name holds ':'" in msg and "mkdir" not in msg and "\n" not in msg, msg
+    other = tmp_path / "present"
+    other.mkdir()
+    value = f"{other}:{tmp_path / 'missing'}"
+    with pytest.raises(settings.DumpConfigError) as err:
+        for d in settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": value}).directories:
+            settings.check_directory(d, value)
+    assert "mkdir" not in str(err.value) and "create each directory of the list" in str(err.value)
+    with pytest.raises(settings.DumpConfigError, match="mkdir -p"):
+        settings.check_directory(str(tmp_path / "missing"))

@@ -213,7 +213,7 @@ def test_a_forward_gives_up_waiting_on_a_hung_disk_and_its_requests_fail_loudly(
         assert w.flush_report(20.0)["flushed"]
         assert _files(mnt) == sorted(identity.request_key(r) + ".safetensors" for r in ("stuck-1", "after"))
         w.close()
-        ledger = json.loads(Path(dump_mod.unwritten_path(str(mnt))).read_text())
+        ledger = json.loads(Path(w.ledger_path).read_text())
         assert sorted(e["rid"] for e in ledger["requests"]) == ["late-1", "late-2"]
 
 
@@ -313,14 +313,15 @@ def test_a_drain_cut_short_names_what_it_did_not_write(tmp_path):
 
 # ---- what an answer says of its file ---------------------------------------------------------------
 
-def test_the_writer_tells_what_became_of_each_request_s_file(tmp_path):
+def test_the_writer_tells_what_became_of_each_request_s_file(tmp_path, monkeypatch):
     """Over the real control socket (abstract, as a launch makes it): a probe and a request
     prefilled during the warm-up are not dumped, and say why; a user's request is queued, then
     written; the same request again is kept; an unknown id is unknown."""
     w = dump_mod.DumpWriter(str(tmp_path), [2], False, 1 << 20, dict(BASE, launch_id="L"))
     path = control.new_path()
     assert path.startswith("@")
-    server = control.ControlServer(w, path)
+    monkeypatch.setenv(control.ENV_TOKEN, "the launch's secret")
+    server = control.ControlServer(w, path, "the launch's secret")
     try:
         w.paused = True
         _forward(w, [identity.RequestInfo("warm", 3)])

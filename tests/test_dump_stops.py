@@ -9,6 +9,7 @@ The writer's own drain, ledger and bounded waits: tests/test_dump_durability.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -151,6 +152,10 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
                 # the answer names its file and says it is on its way (or there already)
                 assert meta["eagle3_dump"]["file"] == key(meta["id"]) + ".safetensors", meta
                 assert meta["eagle3_dump"]["state"] in ("queued", "written"), meta
+            # every answer read its state from the launch's state table: no round trip into the
+            # scheduler (before, each answer asked the writer over the control socket)
+            r = requests.post(url + "/eagle3_dump/flush", json={"timeout": 120}, timeout=200)
+            assert r.status_code == 200 and r.json()["status_calls"] == 0, r.text
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
         finally:
@@ -164,6 +169,137 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
         assert "SIGTERM: writing the" in text, text[-3000:]
         assert not list(Path(dump).glob("eagle3-dump-unwritten.*")), "a ledger although everything was written"
         assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("eagle3-dump")]
+
+
+def _accounted(dump: Path, rids, log: str) -> dict:
+    """rid -> written | named (in the launch's ledger) | named in the log (the ledger was not durable
+    within the drain); a request that is none of them is a file lost with no record."""
+    on_disk = set(files(dump))
+    named = {}
+    for ledger in Path(dump).glob("eagle3-dump-unwritten.*.json"):
+        for e in json.loads(ledger.read_text())["requests"]:
+            named[e["key"]] = e
+    out = {}
+    for rid in rids:
+        k = key(rid)
+        if k + ".safetensors" in on_disk:
+            assert k not in named or named[k].get("pending"), (rid, named[k])
+            out[rid] = "written"
+        elif k in named:
+            out[rid] = "named"
+        elif k in log and "not durable within the drain" in log:
+            out[rid] = "named in the log"
+        else:
+            raise AssertionError(f"request {rid} was answered, its file is not there and nothing names it "
+                                 f"(files {len(on_disk)}, ledger names {len(named)}): {log[-4000:]}")
+    return out
+
+
+def _serve(py, tree, stubs, ckpt, tmp_path, dump: Path, port: int, extra_env=None, **server):
+    sys.path.insert(0, str(SMOKE_DIR))
+    from _common import CPU_SERVER_ARGS, server_cli
+
+    env = dict(worker_env(tree, stubs), EAGLE3_DUMP_DIR=str(dump), EAGLE3_DUMP_LAYERS="-1,1,3", **(extra_env or {}))
+    cmd = [str(py), "-m", "sglang.launch_server", "--port", str(port),
+           *server_cli(dict(CPU_SERVER_ARGS, model_path=str(ckpt), log_level="info", **server))]
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _answered(url: str, n: int) -> list:
+    import requests
+
+    rids = []
+    for k in range(n):
+        r = requests.post(url + "/generate", timeout=300, json={
+            "input_ids": [3 + k, 5, 7, 11, 13, 17, 19, 23], "sampling_params": {"max_new_tokens": 1}})
+        r.raise_for_status()
+        rids.append(r.json()["meta_info"]["id"])
+    return rids
+
+
+PID1_N = 12  # requests answered before the stop: 18 s of writing on this disk, more than the grace
+PID1_FSYNC_S = 0.75
+PID1_DRAIN_S = 4.0
+GRACE_S = 10.0  # the runtime's grace before its SIGKILL (docker stop's default), above the drain
+
+
+@pytest.mark.parametrize("release", sorted(SERIES))
+def test_sigterm_to_the_launcher_alone_drains_within_the_bound(release, setups, tmp_path):
+    """A container runtime signals PID 1 only (docker stop, Kubernetes), here `launch_server` alone,
+    then SIGKILLs the whole tree after its grace period. Twelve answered requests are still being
+    written on a slow disk (1.5 s a file) when the SIGTERM comes. The launcher passes the stop to the
+    writer at once: it writes for at most EAGLE3_DUMP_DRAIN_S (4 s), names the rest, and the launch
+    ends before the grace is over. Before, the scheduler never got the signal and the launcher's
+    flush waited up to 600 s: the runtime's SIGKILL cut the queue and no ledger named the files."""
+    py, tree, ckpt, stubs = setups(release)
+    with socket_free_port() as port, slowfs.mounted(tmp_path / "fs", fsync_delay=PID1_FSYNC_S) as dump:
+        proc, log = _serve(py, tree, stubs, ckpt, tmp_path, dump, port,
+                           extra_env={"EAGLE3_DUMP_DRAIN_S": str(PID1_DRAIN_S)})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_http(url, proc, 600)
+            rids = _answered(url, PID1_N)
+            started = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: PID 1 in a container
+            try:
+                proc.wait(timeout=GRACE_S)
+                ended = time.monotonic() - started
+            except subprocess.TimeoutExpired:
+                ended = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the runtime, once its grace is over
+            proc.wait()
+        time.sleep(0.5)
+        text = log.read_text()
+        assert ended is not None, f"the launch still ran {GRACE_S:g} s after SIGTERM: {text[-3000:]}"
+        got = _accounted(dump, rids, text)
+        assert "SIGTERM to the launching process: writing the" in text, text[-3000:]
+        assert list(got.values()).count("written") < PID1_N, got  # the drain was cut short: the bound held
+
+
+@pytest.mark.skipif("0.5.9" not in SERIES, reason="the TP=2 CPU launch is checked on 0.5.9")
+def test_sigterm_to_a_tp2_group_drains_rank_0(setups, tmp_path):
+    """Tensor parallelism 2 on CPU (gloo): a group SIGTERM ends rank 1 at once while rank 0's writer
+    holds a queue on a slow disk. Rank 0 drains (on its watcher thread, whatever its main thread is
+    doing), every answered request is written or named, and the launch ends within the bound."""
+    py, tree, ckpt, stubs = setups("0.5.9")
+    with socket_free_port() as port, slowfs.mounted(tmp_path / "fs", fsync_delay=0.5) as dump:
+        proc, log = _serve(py, tree, stubs, ckpt, tmp_path, dump, port, tp_size=2,
+                           extra_env={"EAGLE3_DUMP_DRAIN_S": "6", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_http(url, proc, 900)
+            rids = _answered(url, 8)
+            started = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=GRACE_S + 5)
+                ended = time.monotonic() - started
+            except subprocess.TimeoutExpired:
+                ended = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        time.sleep(0.5)
+        text = log.read_text()
+        assert " TP1]" in text, text[-2000:]  # rank 1 ran
+        assert ended is not None, text[-3000:]
+        got = _accounted(dump, rids, text)
+        assert set(got) == set(rids)
+        metas = [_meta(Path(dump) / f) for f in files(dump)]
+        assert metas and all(m["tp_size"] == "2" for m in metas)
+
+
+def _meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
 
 
 class socket_free_port:

@@ -216,7 +216,7 @@ def test_a_drain_that_gives_up_names_the_files_still_at_the_disk(tmp_path, monke
     want = _forwards(w, 3, 4, [1])
     time.sleep(0.3)
     assert not w.drain(0.3, "test stop")
-    ledger = json.loads(Path(dump_mod.unwritten_path(str(tmp_path))).read_text())
+    ledger = json.loads(Path(w.ledger_path).read_text())
     named = {e["rid"] for e in ledger["requests"]}
     assert named == set(want)  # every request: at most two are being written, the rest never start
     disk.gate.set()

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -1144,6 +1145,12 @@ def test_dump_files_spread_over_two_directories(assets, server, reference, expec
         line = [x for x in q.stderr.splitlines() if x.startswith("error: ")][0]
         assert "but with --dump-dir" in line and "every directory in its order" in line, line
         assert not (assets.root / "out-two-dirs-reversed").exists()
+        # one of the two directories (issue 43 item 17: blamed a full disk): named, wherever the first file lands
+        q = extract(assets, server, assets.root / "out-two-dirs-one", "--dump-timeout", "3", dump_dir=disks[0], url=r.url)
+        assert q.returncode == 2, q.stderr[-2000:]
+        line = [x for x in q.stderr.splitlines() if x.startswith("error: ")][0]
+        assert f"spreads its dump files by key over 2 directories (its EAGLE3_DUMP_DIR={both})" in line, line
+        assert f"--dump-dir {disks[0]} lists 1" in line and "full disk" not in line, line
     finally:
         cpuserver.stop(r.proc)
     FIGURES["two_dump_dirs"] = {"max_abs_diff_vs_hf": worst, "files": [len(f) for f in files.values()]}
@@ -1155,6 +1162,56 @@ def test_dump_files_spread_over_two_directories(assets, server, reference, expec
     errors = [x for x in str(e.value).splitlines() if x.startswith("error: ")]
     assert errors == [f"error: EAGLE3_DUMP_DIR={str(missing)!r} is not an existing directory; create it "
                       f"(mkdir -p {missing}) or point EAGLE3_DUMP_DIR elsewhere"], str(e.value)
+
+
+@in_env
+def test_omit_rebuilds_only_from_the_served_weights(assets, server, reference, expected, tmp_path, monkeypatch):
+    """The real server with EAGLE3_DUMP_REBUILDABLE=omit (issue 43 item 1): its files record the digest
+    of the checkpoint tensors it loaded; extract with the served directory equals HF; with another
+    checkpoint of the same shape (the embedding and the final norm changed) it stops at the first dump
+    in one line naming both directories. A model directory without safetensors refuses omit at
+    launch, in one line."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eaglepatch.extract.dumps import read_metadata
+    from eaglepatch.storage import Rebuilder
+
+    monkeypatch.setenv("EAGLE3_DUMP_REBUILDABLE", "omit")
+    d = assets.root / "omit-dumps"
+    d.mkdir()
+    r = start_patched(assets, server.pp, d, "omit")
+    try:
+        out = assets.root / "out-omit"
+        p = extract(assets, server, out, "--format", "specforge", "--keep-dumps", dump_dir=d, url=r.url)
+        assert p.returncode == 0, p.stderr[-3000:]
+        worst = check_dataset(out, "specforge", reference, expected)
+        meta = read_metadata(sorted(d.glob("*.safetensors"))[0])
+        left, rb = json.loads(meta["left_out"]), Rebuilder(assets.ckpt)
+        assert meta["model_path"] == str(assets.ckpt) and sorted(left) == ["final", "layer.-1"], meta
+        assert left["layer.-1"]["weights"] == rb.weights("embedding") and left["final"]["weights"] == rb.weights("norm")
+        other = tmp_path / "other-checkpoint"
+        shutil.copytree(assets.ckpt, other)
+        with safe_open(str(other / "model.safetensors"), "pt") as f:
+            t, m = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        for k in (rb.tensor_name("embedding"), rb.tensor_name("norm")):
+            t[k] = (t[k].float() * 1.25 + 0.01).to(t[k].dtype)  # the same shapes, other values
+        save_file(t, str(other / "model.safetensors"), metadata=m)
+        q = extract(assets, server, tmp_path / "out-other", "--format", "specforge", dump_dir=d, url=r.url, model=other)
+        assert q.returncode == 2, q.stderr[-3000:]
+        (line,) = [x for x in q.stderr.splitlines() if x.startswith("error: ")]
+        assert f"dumped from {assets.ckpt}" in line and f"but {other} holds" in line, line
+    finally:
+        cpuserver.stop(r.proc)
+    FIGURES["omit"] = {"max_abs_diff_vs_hf": worst}
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(assets.ckpt / "config.json", bare / "config.json")
+    with pytest.raises(cpuserver.NotReady) as e:
+        cpuserver.start_server(server.pp, bare, assets.tok, d, LAYERS, tmp_path / "omit-bare.log")
+    errors = [x for x in str(e.value).splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: EAGLE3_DUMP_REBUILDABLE=omit: ") and \
+        f"{bare} holds no model.safetensors.index.json or model.safetensors" in errors[0], str(e.value)[-3000:]
 
 
 @in_env

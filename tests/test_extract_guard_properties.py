@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +95,8 @@ def _file_bytes():
         "model": st.one_of(JSON, st.fixed_dictionaries({"num_hidden_layers": st.one_of(st.integers(-2, 70), JSON)})),
         "dataset_format": JSON,
         "hidden_size": JSON, "vocab_size": JSON, "text_config": JSON, "architectures": JSON,
+        # the release a manifest records (guard and check_draft judge by it when --release is not given)
+        "sglang_release": st.one_of(JSON, st.sampled_from(["0.5.9", "0.5.17", "0.5.12", "../../etc", "0.5.09", ""])),
     })
     return st.one_of(draftish.map(lambda d: json.dumps(d).encode()), JSON.map(lambda d: json.dumps(d).encode()),
                      st.binary(max_size=64), st.just(b'{"eagle_config": "[1, 2, 3]"}'),
@@ -223,3 +225,79 @@ def test_extract_cli_properties(ex, tmp_path_factory, data_kind, data_bytes, mod
     rc, stdout, err = run(ex["mod"], argv)
     check_outcome(rc, stdout, err, before, snapshot(root))
     assert rc != 0  # no server answers
+
+
+# ---- check_draft (issue 43): the inputs it reads before any replay ------------------------------------------
+
+@pytest.fixture(scope="module")
+def check_draft_mod():
+    pytest.importorskip("torch")
+    pytest.importorskip("specforge")
+    return load_tool("check_draft")
+
+
+def _deep(n: int) -> bytes:
+    return b"[" * n + b"]" * n
+
+
+TARGET_CFG = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 1024}
+DRAFT_CFG = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 256, "num_hidden_layers": 1,
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 1, 2], "use_aux_hidden_state": True}}
+MANIFEST = {"eagle3_layer_ids": [-1, 1, 2], "model": {"num_hidden_layers": 4}, "dataset_format": "specforge",
+            "sglang_release": "0.5.9"}
+
+
+def _near(good: dict, **variants):
+    """``good`` as JSON bytes, or with one of its fields replaced by a variant (a string of digits, a
+    float, another value, removed), or random bytes (``_file_bytes``)."""
+    def pick(n, kv, junk):  # most runs get past each input to the next
+        if n < 7:
+            return json.dumps(good).encode()
+        if n < 9:
+            return json.dumps({**{k: v for k, v in good.items() if k != kv[0]},
+                               **({} if kv[1] is None else {kv[0]: kv[1]})}).encode()
+        return junk
+
+    one = st.sampled_from([(k, v) for k, vs in variants.items() for v in vs])
+    return st.builds(pick, st.integers(0, 11), one, st.one_of(_file_bytes(), st.just(_deep(100000))))
+
+
+@SETTINGS
+@given(target=_near(TARGET_CFG, hidden_size=["256", 256.0, 512, None, True], num_hidden_layers=[0, "4", None],
+                     vocab_size=[-1, None]),
+       draft=_near(DRAFT_CFG, hidden_size=["256", 256.0, 512, None, [256]], eagle_config=["x", None, {}],
+                   speculators_model_type=["eagle3"]),
+       data=_near(MANIFEST, sglang_release=["../../etc", "0.5.12", "", 9, None],
+                  eagle3_layer_ids=[[-2, 1, 2], [1, 2, 4], [1, 1, 2], [0, 1, 2, 3], []], dataset_format=["speculators"]),
+       served=st.one_of(st.none(), _file_bytes(), st.just(_deep(100000))),
+       target_weights=st.sampled_from(["index", "index", "single", "none", "single-garbage"]),
+       release=st.sampled_from([None, None, "0.5.9", "0.5.17", "9.9.9", "../x"]))
+def test_check_draft_cli_properties(tmp_path_factory, check_draft_mod, target, draft, data, served, target_weights,
+                                    release):
+    """Target and draft configs, manifests (their release and ids too) and --served files, each valid, one
+    field changed (a string of digits, a float, out of range, removed) or random bytes (nested too deep
+    too), a target with an index, one weights file (empty or garbage) or none: check_draft exits 0, 1 or
+    2, one line on a refusal, no internal error, nothing written. The held-out data holds no sample, so
+    no run gets past the inputs to a replay (tests/test_check_draft.py damages samples and weights)."""
+    root = tmp_path_factory.mktemp("cd")
+    t, d, ds = root / "target", root / "draft", root / "data"
+    for x in (t, d, ds):
+        x.mkdir()
+    (t / "config.json").write_bytes(target)
+    if target_weights == "index":
+        (t / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    elif target_weights != "none":
+        (t / "model.safetensors").write_bytes(b"" if target_weights == "single" else bytes(range(200)))
+    (d / "config.json").write_bytes(draft)
+    (ds / "manifest.json").write_bytes(data)
+    argv = ["--target", t, "--draft", d, "--data", ds, "--out", root / "r.json", "--states", root]
+    if served is not None:
+        (root / "served.json").write_bytes(served)
+        argv = argv[:-2] + ["--served", root / "served.json"]
+    if release is not None:
+        argv += ["--release", release]
+    before = snapshot(root)
+    rc, out, err = run(check_draft_mod, argv)
+    check_outcome(rc, out, err, before, snapshot(root))
+    assert rc != 0  # no sample to replay
+    event(" ".join(w for w in (err.strip().splitlines() or [""])[-1].split()[:9] if "/" not in w))

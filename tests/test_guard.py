@@ -38,12 +38,13 @@ def run_guard(*args):
     return p.returncode, p.stdout, p.stderr
 
 
-def manifest(tmp: Path, name: str, ids, n=61, fmt=None) -> Path:
+def manifest(tmp: Path, name: str, ids, n=61, fmt=None, release=None) -> Path:
     d = tmp / name
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps({
         "format": "eaglepatch-hidden-states/2", "eagle3_layer_ids": ids, "hf_hidden_state_indices": [k + 1 for k in ids],
-        "model": {"num_hidden_layers": n}, "final": "post_norm", "samples": 3, "dataset_format": fmt}))
+        "model": {"num_hidden_layers": n}, "final": "post_norm", "samples": 3, "dataset_format": fmt,
+        **({"sglang_release": release} if release is not None else {})}))
     return d
 
 
@@ -121,9 +122,11 @@ def test_capture_index_style_ids_fail_with_both_conventions(tmp_path):
     assert "MISMATCH" in out
     assert "EAGLE-3 ids [2, 30, 58]" in out and "HF hidden_states indices [3, 31, 59]" in out
     assert "EAGLE-3 ids (output of layer k, -1 = embedding) [-1, 1, 29]" in out and "indices [0, 2, 30]" in out
-    # [-1, 1, 29] would read the dataset but SpecForge cannot train it: the draft's own ids, re-extracted
-    assert "set eagle_aux_hidden_state_layer_ids to [-1, 1, 29]" not in out
-    assert "keep the draft's ids [2, 30, 58] and re-extract into a new --out with --aux-layers=2,30,58" in out
+    # the fix a trained draft takes is its config: [-1, 1, 29] read the dataset's layers (issue 43 item 15:
+    # SpecForge trains these from a dataset); re-extracting to its ids is the alternative before training
+    line = fix_line(out)
+    assert line.startswith("fix: set eagle_aux_hidden_state_layer_ids to [-1, 1, 29] in the draft config"), line
+    assert "for a draft not trained yet, re-extract into a new --out with --aux-layers=2,30,58" in line
 
 
 def test_order_of_ids_does_not_matter_but_duplicates_do(tmp_path):
@@ -194,7 +197,7 @@ def test_speculators_drafts_are_read_as_hf_indices(tmp_path):
     ds = manifest(tmp_path, "ds", [1, 29, 57])
     rc, out, err = run_guard("--draft-config", speculators_draft(tmp_path, "s", [2, 30, 58]), "--dataset", ds)
     assert rc == 0, out + err
-    assert "OK (vLLM)" in out and "vLLM draft: HF indices [2, 30, 58]" in out and "SGLang" not in out.split("\n", 1)[1]
+    assert "OK (vLLM)" in out and "vLLM draft: HF indices [2, 30, 58]" in out and "SGLang" not in out.split("\n", 2)[2]
     assert "speculators (speculators_model_type)" in out and "MISMATCH" not in out
     # the same ids read in sglang 0.5.9's convention are a mismatch: the family and the release decide
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [2, 30, 58]), "--dataset", ds, "--release", "0.5.9")
@@ -213,19 +216,28 @@ def test_speculators_drafts_are_read_as_hf_indices(tmp_path):
 
 
 def test_training_warnings(tmp_path):
-    """SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids; speculators rejects -1 (its ids
-    are HF indices, the embedding is 0)."""
+    """SpecForge 0.2.0's draft takes exactly three aux layers; from a dataset it trains any three ids
+    (-1 too: tools/acceptance.py's drafts are [-1, 1, 2]), only its online mode wants them
+    non-negative (a note, not a warning); speculators rejects -1 (its ids are HF indices, the
+    embedding is 0)."""
     ds = manifest(tmp_path, "ds", [-1, 1, 29])
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e", [-1, 1, 29]), "--dataset", ds)
-    assert rc == 0 and "warning: SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids" in out
-    assert "HF indices [0, 2, 30]" in out
+    assert rc == 0 and "\nwarning:" not in out and "cannot train" not in out, out
+    assert "note: [-1, 1, 29]: SpecForge 0.2.0 trains these ids from a dataset" in out, out
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e4", [-1, 1, 29, 40]), "--dataset", ds)
+    assert "warning: SpecForge 0.2.0's draft (LlamaForCausalLMEagle3, its fc over 3 x hidden_size) takes exactly " \
+           "three aux layers, once each; it cannot train [-1, 1, 29, 40] (speculators can, as HF indices " \
+           "[0, 2, 30, 41])" in out, out
     rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "s", [-1, 1, 29]), "--dataset", ds)
     assert rc == 1 and "warning: speculators 0.9.0 rejects [-1, 1, 29]" in out
     rc, out, _ = run_guard("--draft-config", speculators_draft(tmp_path, "s0", [0, 2, 30]), "--dataset", ds)
     assert rc == 0 and "\nwarning:" not in out
-    sf = manifest(tmp_path, "sf", [-1, 1, 29], fmt="specforge")
-    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e4", [1, 29, 57]), "--dataset", sf)
-    assert "this specforge-format dataset holds EAGLE-3 ids [-1, 1, 29]" in out
+    sf = manifest(tmp_path, "sf", [-1, 1, 29, 40], fmt="specforge")
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e5", [1, 29, 57]), "--dataset", sf)
+    assert "this specforge-format dataset holds 4 aux layers (EAGLE-3 ids [-1, 1, 29, 40])" in out
+    sf3 = manifest(tmp_path, "sf3", [-1, 1, 29], fmt="specforge")
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "e6", [-1, 1, 29]), "--dataset", sf3)
+    assert rc == 0 and "\nwarning:" not in out, out
 
 
 def test_usage_errors_are_one_line(tmp_path):
@@ -355,14 +367,22 @@ def fix_line(out: str) -> str:
 
 
 def test_suggested_ids_are_trainable_by_specforge(tmp_path):
-    """The demo's 4-layer dataset [-1, 0, 1, 2]: the ids that read it on 0.5.9 are [-1, 0, 1, 2], which
-    SpecForge (eagle_config drafts) cannot train; the guard proposes three of its layers instead, and
-    the draft config it proposes passes against the dataset it proposes."""
+    """The demo's 4-layer dataset [-1, 0, 1, 2]: the ids that read it on 0.5.9 are [-1, 0, 1, 2], four
+    aux layers, which SpecForge's draft (eagle_config drafts) cannot take; the guard proposes three
+    layers instead (the draft's own [-1, 1, 2], which the server dumps already; a draft of no usable
+    ids: three of the dataset's), and the draft config it proposes passes against the dataset it
+    proposes."""
     ds = manifest(tmp_path, "ds", [-1, 0, 1, 2], n=4)
     rc, out, _ = run_guard("--draft-config", draft(tmp_path, "d", [-1, 1, 2]), "--dataset", ds, "--release", "0.5.9")
     line = fix_line(out)
     assert rc == 1 and "[-1, 0, 1, 2]" not in FIX_SET.findall(line), line
-    assert "SpecForge trains exactly three non-negative EAGLE-3 ids" in line, line
+    assert "SpecForge 0.2.0's draft (LlamaForCausalLMEagle3, its fc over 3 x hidden_size) takes exactly three aux " \
+           "layers" in line, line
+    assert "keep the draft's ids [-1, 1, 2]" in line and FIX_AUX.findall(line) == ["-1,1,2"], line
+    again = manifest(tmp_path, "again", [-1, 1, 2], n=4)
+    assert run_guard("--draft-config", draft(tmp_path, "e", [-1, 1, 2]), "--dataset", again, "--release", "0.5.9")[0] == 0
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "n", None), "--dataset", ds, "--release", "0.5.9")
+    line = fix_line(out)
     assert FIX_SET.findall(line) == ["[0, 1, 2]"] and FIX_AUX.findall(line) == ["0,1,2"], line
     three = manifest(tmp_path, "three", [0, 1, 2], n=4)
     assert run_guard("--draft-config", draft(tmp_path, "f", [0, 1, 2]), "--dataset", three, "--release", "0.5.9")[0] == 0
@@ -383,19 +403,29 @@ def test_release_order_is_explained(tmp_path):
 
 
 def test_every_suggestion_is_trainable_and_passes():
-    """Over datasets, drafts and releases: every eagle_config fix proposes three non-negative ids (or
-    keeps the draft's), names layers the model has, and the config it proposes passes against the
-    dataset it proposes (the same one, or the --aux-layers re-extraction)."""
+    """Over datasets, drafts and releases: the fix for an eagle_config draft is first the one-line
+    config change when one reads the dataset's layers and SpecForge's draft takes them (three ids,
+    -1 included: SpecForge trains those from a dataset), and that config passes against the dataset
+    as it is; its alternative (a draft not trained yet: re-extract to the draft's layers) passes
+    too. Where no such change exists, the proposal names three distinct ids and layers the model has,
+    and the config it proposes passes against the dataset it proposes (the same one, or the
+    --aux-layers re-extraction)."""
     datasets = [[-1, 1, 29], [1, 29, 57], [0, 2, 30], [-1, 0, 1, 2], [0, 1, 2], [1, 2, 3], [-1, 1, 2], [2, 30, 60],
                 [5, 9, 13, 20], [-1, 59]]
     drafts = [[2, 30, 58], [-1, 1, 29], [1, 29, 57], [0, 2, 30], [-1, 0, 1, 2], [1, 2, 3], [2, 3, 1], [-1, 1, 1],
               [1, 29, 61], None]
-    seen = 0
+    seen = config_changes = 0
     for n in (4, 8, 61):
         for release in ("0.5.9", "0.5.17", "0.5.23"):
             for unpatched in (False, True):
                 sem = guard.release_semantics(release, unpatched=unpatched)
                 rule = sem.rule if sem.series else guard.conventions.SERIES_RULE.get(sem.rule, sem.rule)
+
+                def extracted(aux):
+                    out = sorted(set(guard.conventions.layer_output_ids(rule, [int(k) for k in aux.split(",")])))
+                    assert all(-1 <= k < n for k in out), (n, release, ids, d, line)
+                    return guard.DatasetLayers("ds", out, n, "dataset", "specforge")
+
                 for ids in datasets:
                     if max(ids) >= n:
                         continue
@@ -410,21 +440,41 @@ def test_every_suggestion_is_trainable_and_passes():
                         sets = [json.loads(x) for x in FIX_SET.findall(line)]
                         auxes = FIX_AUX.findall(line)
                         for s in sets:
-                            assert len(s) == 3 and min(s) >= 0 and len(set(s)) == 3, (n, release, ids, d, line)
+                            assert len(s) == 3 and len(set(s)) == 3, (n, release, ids, d, line)
+                        if line.startswith("fix: set "):
+                            # the config change: what the release reads as the dataset's layers, as it is
+                            config_changes += 1
+                            assert sets[0] == sem.ids_for(data.hf), (n, release, ids, d, line)
+                            assert guard.check(guard.Draft("d", sets[0], True), data, sem).ok, line
+                            if auxes:  # the alternative before training: the draft's own layers re-extracted
+                                assert guard.check(dr, extracted(auxes[0]), sem).ok, (n, release, ids, d, line)
+                            continue
                         if not sets and not auxes:
                             continue
                         seen += 1
                         proposed = dr if not sets else guard.Draft("d", sets[0], True, guard.EAGLE_CONFIG)
-                        target = data
-                        if auxes:
-                            out = sorted(set(guard.conventions.layer_output_ids(rule, [int(k) for k in auxes[0].split(",")])))
-                            assert all(-1 <= k < n for k in out), (n, release, ids, d, line)
-                            if not sets:  # re-extract only: the next alternative in the line, if any
-                                target = guard.DatasetLayers("ds", out, n, "dataset", "specforge")
-                            elif line.index("--aux-layers") < line.index(" set eagle"):
-                                target = guard.DatasetLayers("ds", out, n, "dataset", "specforge")
+                        target = extracted(auxes[0]) if auxes else data
                         assert guard.check(proposed, target, sem).ok, (n, release, unpatched, ids, d, line)
-    assert seen > 100, seen
+    assert seen > 40 and config_changes > 100, (seen, config_changes)
+
+
+def test_an_off_by_one_draft_is_fixed_by_its_config(tmp_path):
+    """Issue 43 item 15: a draft trained on the toy's [-1, 1, 2] (as tools/acceptance.py trains its
+    drafts) whose config says [0, 2, 3] is served one layer deeper on 0.5.9. The fix is the one-line
+    config change back to [-1, 1, 2] (was: re-extract the data), no line says SpecForge cannot train
+    [-1, 1, 2], and that config passes against the same dataset."""
+    from eaglepatch.acceptance.pipeline import Run
+
+    ids = Run.readings_ids({"num_hidden_layers": 4})
+    assert ids == [-1, 1, 2]
+    ds = manifest(tmp_path, "ds", ids, n=4, fmt="specforge")
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "off", [0, 2, 3]), "--dataset", ds, "--release", "0.5.9")
+    line = fix_line(out)
+    assert rc == 1 and line.startswith("fix: set eagle_aux_hidden_state_layer_ids to [-1, 1, 2] in the draft config"), line
+    assert "cannot train" not in out and "non-negative ids;" not in out, out
+    rc, out, _ = run_guard("--draft-config", draft(tmp_path, "fixed", json.loads(FIX_SET.findall(line)[0])), "--dataset", ds,
+                           "--release", "0.5.9")
+    assert rc == 0 and "\nwarning:" not in out, out
 
 
 def test_a_target_models_config_is_refused(tmp_path):
@@ -464,3 +514,74 @@ def test_a_closed_stdout_ends_quietly(tmp_path, extra, want):
     finally:
         os.close(w)
     assert (p.returncode, p.stderr) == (want, ""), p.stderr
+
+
+# ---- issue 43 items 3 and 17: the release judged for, said; a manifest's release and ids checked ----------
+
+def test_the_release_judged_for_is_printed(tmp_path):
+    """The first line names the release the verdict was judged for and why: the dataset's manifest
+    (the default), --release (which wins, and says which release dumped the data), or, when nothing
+    is recorded, the newest series, said so. JSON carries the same."""
+    from eaglepatch.series import available_series
+
+    newest = list(available_series())[-1]
+    ds = manifest(tmp_path, "ds", [-1, 1, 2], n=4, fmt="specforge", release="0.5.9")
+    off = draft(tmp_path, "off", [0, 2, 3])
+    rc, out, _ = run_guard("--draft-config", off, "--dataset", ds)
+    assert rc == 1 and out.splitlines()[0] == ("release: sglang 0.5.9 with the series (the release that dumped the "
+                                               "dataset, as its manifest records)"), out
+    rc, out, _ = run_guard("--draft-config", off, "--dataset", ds, "--release", "0.5.17")
+    assert rc == 0 and out.splitlines()[0].startswith("release: sglang 0.5.17 with the series (--release, not the "
+                                                      "release that dumped the dataset (sglang 0.5.9)"), out
+    rc, out, _ = run_guard("--draft-config", off, "--dataset", ds, "--release", "0.5.9", "--unpatched")
+    assert out.splitlines()[0] == "release: sglang 0.5.9 unpatched (--release; the dataset was dumped by it too)", out
+    rc, out, _ = run_guard("--draft-config", off, "--dataset", ds, "--json")
+    j = json.loads(out)
+    assert (j["release"], j["release_from"]) == ("0.5.9", "the release that dumped the dataset, as its manifest "
+                                                          "records"), j
+    bare = manifest(tmp_path, "bare", [-1, 1, 2], n=4)
+    rc, out, _ = run_guard("--draft-config", off, "--dataset", bare)
+    assert out.splitlines()[0] == (f"release: sglang {newest} with the series (the newest series: the dataset "
+                                   f"records no release; pass --release R for the release that serves the draft)"), out
+
+
+@pytest.mark.parametrize("release,says", [
+    ("../../etc", "records sglang_release '../../etc', which is no release number"),
+    ("", "records sglang_release '', which is no release number"),
+    ("0.5.12", "the dataset was dumped by sglang 0.5.12, and no series here says how 0.5.12 reads draft ids"),
+])
+def test_a_manifest_release_without_a_series_is_refused(tmp_path, release, says):
+    """A release the manifest records that is no release number, or that no series here reads: one
+    line naming it and --release, exit 2 (was: judged for the newest series, without a word)."""
+    ds = manifest(tmp_path, "ds", [-1, 1, 2], n=4, release=release)
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d", [-1, 1, 2]), "--dataset", ds)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1 and says in lines[0] and "--release" in lines[0], err
+    # --release says which release serves the draft: the recorded one is then only mentioned
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "e", [-1, 1, 2]), "--dataset", ds, "--release", "0.5.9")
+    assert rc == 0 and "not the release that dumped the dataset" in out.splitlines()[0], out + err
+
+
+@pytest.mark.parametrize("ids,n,says", [
+    ([-2, 1, 2], 4, "[-2] name no layer of a 4-layer model"),
+    ([1, 2, 4], 4, "[4] name no layer of a 4-layer model"),
+    ([-1, 1, 99], 61, "[99] name no layer of a 61-layer model"),
+    ([1, 1, 2], 4, "name a layer twice"),
+])
+def test_dataset_ids_out_of_range_are_refused(tmp_path, ids, n, says):
+    """A manifest (or a dump file) whose layer ids name no layer of its model, or one twice: one line,
+    exit 2 (was: compared as if they were layers, and a draft 'matched' them)."""
+    ds = manifest(tmp_path, "ds", ids, n=n)
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "d", ids), "--dataset", ds, "--release", "0.5.9")
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1 and says in lines[0] and "eagle3_layer_ids" in lines[0], err
+    pytest.importorskip("safetensors")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    dump = tmp_path / "x.safetensors"
+    save_file({"input_ids": np.zeros(2, dtype=np.int64)}, str(dump),
+              metadata={"eagle3_layer_ids": json.dumps(ids), "num_hidden_layers": str(n)})
+    rc, out, err = run_guard("--draft-config", draft(tmp_path, "e", ids), "--dataset", dump, "--release", "0.5.9")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and says in lines[0] and str(dump) in lines[0], err

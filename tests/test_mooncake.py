@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -568,6 +569,278 @@ def test_a_read_that_outlasts_its_lease_is_read_again_and_named_when_it_always_d
         w.close()
 
 
+# ---- the package: found before anything loads (issue 43, item 13) --------------------------------
+
+_CHECK = """
+import sys
+sys.path.insert(0, {src!r})
+from eaglepatch.overlay import import_package
+import importlib
+import_package("e3c_mc_check")
+sinks, settings = importlib.import_module("e3c_mc_check.sinks"), importlib.import_module("e3c_mc_check.settings")
+try:
+    sinks.check_mooncake_importable()
+    print("IMPORTABLE")
+except settings.DumpConfigError as exc:
+    print("REFUSED " + str(exc))
+"""
+
+
+def test_the_launch_check_names_a_missing_mooncake_package_and_where_it_comes_from(site, tmp_path):
+    """``sinks.check_mooncake_importable`` (called by the launch check, before any weight loads) in an
+    environment without the package: one line saying so and naming the packages (CUDA 12, CUDA 13,
+    no GPU), that mooncake_master ships in them, and libibverbs1; with the package on the path: no
+    error. Run in fresh interpreters, one with the package's directory on PYTHONPATH and one without."""
+    import os
+    import subprocess
+
+    def run(with_site: bool) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if with_site:
+            env = mooncake.with_site(env, site)
+        p = subprocess.run([sys.executable, "-c", _CHECK.format(src=str(REPO / "src"))], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip()
+
+    assert run(True) == "IMPORTABLE"
+    out = run(False)
+    assert len(out.splitlines()) == 1 and out.startswith("REFUSED EAGLE3_DUMP_SINK=mooncake but the mooncake "
+                                                         "package cannot be imported (No module named"), out
+    for needle in ("pip install mooncake-transfer-engine (CUDA 12)", "mooncake-transfer-engine-cuda13",
+                   "mooncake-transfer-engine-non-cuda", "holds mooncake_master", "libibverbs1"):
+        assert needle in out, (needle, out)
+
+
+def test_the_server_and_the_tools_name_the_same_package():
+    assert sinks.MOONCAKE_INSTALL == mooncake.INSTALL
+
+
+def test_what_mooncake_binds_loopback_and_what_it_binds_on_every_address(master):
+    """The master started as eaglepatch.mooncake.Master starts it (and as serve.py prints the command):
+    its RPC port (``--rpc_address``) and metrics server (``--metrics_host``) listen on 127.0.0.1 only;
+    its HTTP metadata server listens on 0.0.0.0 although ``--http_metadata_server_host=127.0.0.1``
+    says otherwise; a store client (a reader here; the server's sink is the same client) opens ports
+    on every address. serve.py and docs/online.md say so: this test keeps them right."""
+    import os
+
+    got = dict((port, addr) for addr, port in mooncake.listeners(master.proc.pid))
+    assert got.get(master.port) == "127.0.0.1" and got.get(master.metrics_port) == "127.0.0.1", got
+    assert got.get(master.http_port) == "0.0.0.0", got
+    before = set(mooncake.listeners(os.getpid()))
+    reader = mooncake.StoreReader(master.address, master.metadata)
+    new = sorted(set(mooncake.listeners(os.getpid())) - before)
+    assert new and all(addr in ("0.0.0.0", "::") for addr, _ in new), new
+    reader.close()
+
+
+def test_the_reading_command_serve_prints_reads_a_servers_object(master, tmp_path, monkeypatch):
+    """The command tools/serve.py prints once a server with the Mooncake sink answers, run as printed
+    against a stand-in /generate that commits the request's states through the overlay's real
+    MooncakeSink and answers with its handle: it prints the object's tensors, and deletes it."""
+    import json
+    import subprocess
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from eaglepatch import serve
+
+    sink = sinks.MooncakeSink(settings.MooncakeSettings.from_env(master.env()))
+    _SINKS.append(sink)
+    handles = []
+
+    class Generate(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            rid = f"r{len(handles)}"
+            key = dump_mod.request_key(rid)
+            ids, cap, fin = _states([5], LAYERS)
+            tensors = {"input_ids": ids, **{f"layer.{k}": cap[k + 1] for k in LAYERS}, "final": fin}
+            h = dict(sink.commit(key, tensors, dict(META, key=key, rid=rid)), state="written")
+            handles.append(h)
+            body = json.dumps({"text": "x", "meta_info": {"id": rid, "eagle3_dump": h}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PYTHONPATH", str(mooncake.ensure_site(Path(sys.executable))))
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        steps = serve.mooncake_next_steps(url, master.env(), sys.executable)
+        command = [line for line in steps if not line.startswith("#")]
+        assert len(command) == 1, steps
+        p = subprocess.run(["bash", "-c", command[0]], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "'input_ids': (5,)" in p.stdout and "'layer.-1': (5, 16)" in p.stdout and "[-1, 1, 3]" in p.stdout, \
+            p.stdout
+        reader = mooncake.StoreReader(master.address, master.metadata)
+        with pytest.raises(mooncake.StoreError, match="no object"):
+            reader.tensors(handles[0])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+# ---- manifests the reader must refuse (issue 43, item 5) ------------------------------------------
+
+# a valid object: three tensors at 64-byte aligned offsets, 192 bytes in all (what sinks.pack writes)
+_GOOD = {"input_ids": {"shape": [4], "dtype": "torch.int64", "nbytes": 32, "offset": 0},
+         "layer.0": {"shape": [4, 4], "dtype": "torch.float32", "nbytes": 64, "offset": 64},
+         "scale.layer.0": {"shape": [4, 1], "dtype": "torch.bfloat16", "nbytes": 8, "offset": 128}}
+
+
+def _good_manifest(key: str) -> dict:
+    import copy
+
+    return {"version": 1, "handle": key, "tensors": copy.deepcopy(_GOOD),
+            "metadata": {"total_aligned_bytes": 192, "rid": "r", "format": "eagle3-dump/2"}}
+
+
+class _Putter:
+    """A store client that lends the store memory and puts objects with the manifests it is given."""
+
+    def __init__(self, m):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        assert self.store.setup("127.0.0.1", m.metadata, 64 << 20, 16 << 20, "tcp", "", m.address) == 0
+        self.n = 0
+
+    def put(self, data: bytes, man, key: str | None = None) -> str:
+        import json
+
+        self.n += 1
+        key = key or f"obj-{self.n}"
+        if isinstance(man, dict) and man.get("handle") == "{key}":
+            man = dict(man, handle=key)
+        assert self.store.put(key, data) == 0
+        assert self.store.put(key + mooncake.META_SUFFIX, json.dumps(man).encode()) == 0
+        return key
+
+
+def test_a_negative_offset_never_returns_the_bytes_of_an_earlier_object(master):
+    """A tensor of 64 bytes at offset -128 sliced the reader's registered buffer from its end: it
+    returned the bytes of an object read earlier into it (the last 64 bytes of the previous object,
+    without an error). Every field of the manifest is checked before a byte is read: a StoreError,
+    never data."""
+    w = _Putter(master)
+    reader = mooncake.StoreReader(master.address, master.metadata)
+    big = torch.randint(0, 256, ((1 << 20) - 64,), dtype=torch.uint8)  # fills the reader's 1 MiB buffer
+    man = {"version": 1, "handle": "{key}", "metadata": {"total_aligned_bytes": big.numel()},
+           "tensors": {"x": {"shape": [big.numel()], "dtype": "uint8", "nbytes": big.numel(), "offset": 0}}}
+    first = w.put(big.numpy().tobytes(), man)
+    assert torch.equal(reader.tensors(first)[0]["x"], big)
+    bad = _good_manifest("{key}")
+    bad["tensors"]["layer.0"]["offset"] = -128
+    second = w.put(bytes(192), bad)
+    with pytest.raises(mooncake.StoreError, match=r"malformed: tensor 'layer.0' has offset -128, not a non-negative "
+                                                  r"multiple of 64"):
+        reader.tensors(second)
+    # the same object with the manifest as written reads its own bytes (zeros), not the earlier object's
+    third = w.put(bytes(192), _good_manifest("{key}"))
+    got, meta = reader.tensors(third)
+    assert not got["layer.0"].view(torch.uint8).any() and meta == {"rid": "r", "format": "eagle3-dump/2"}
+
+
+def test_handles_that_are_not_the_sinks_and_objects_written_again_are_refused(master):
+    w = _Putter(master)
+    reader = mooncake.StoreReader(master.address, master.metadata)
+    key = w.put(bytes(range(192)), _good_manifest("{key}"))
+    for handle in ({"sink": "file", "file": "abc.safetensors", "state": "written"}, {"sink": "mooncake"}, 7, None,
+                   ""):
+        with pytest.raises(mooncake.StoreError, match="not a Mooncake object's|not a handle of the Mooncake sink"):
+            reader.tensors(handle)
+    # an answer's handle whose object was written again since (another launch with the same rid): its
+    # manifest is not the answer's, and nothing is read
+    answered = _good_manifest(key)
+    answered["metadata"]["rid"] = "another"
+    with pytest.raises(mooncake.StoreError, match="not the one the answer carried"):
+        reader.tensors({"sink": "mooncake", "key": key, "manifest": answered})
+    assert reader.tensors({"sink": "mooncake", "key": key, "manifest": _good_manifest(key)})[1]["rid"] == "r"
+
+
+_NAMES = list(_GOOD)
+_PATHS = ([("version",), ("handle",), ("metadata",), ("tensors",), ("extra",),
+           ("metadata", "total_aligned_bytes"), ("metadata", "rid"), ("metadata", "new")]
+          + [("tensors", n) for n in _NAMES] + [("tensors", n, f) for n in _NAMES
+                                                for f in ("shape", "dtype", "nbytes", "offset", "more")]
+          + [("tensors", n, "shape", i) for n in _NAMES for i in (0, 1)])
+_VALUES = st.one_of(
+    st.integers(-300, 300), st.sampled_from([-64, -1, 0, 8, 32, 63, 64, 96, 128, 136, 192, 256, 1 << 31, 1 << 63]),
+    st.booleans(), st.none(), st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=6),
+    st.sampled_from(["torch.int64", "int64", "uint8", "torch.float32", "bfloat16", "float8_e4m3fn", "complex64",
+                     "torch.Tensor", "float", "torch."]),
+    st.lists(st.integers(-2, 70), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2))
+
+
+_CLIENTS: dict = {}
+
+
+def _mutate(man: dict, path: tuple, value, delete: bool) -> None:
+    node = man
+    for p in path[:-1]:
+        if isinstance(node, dict) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and isinstance(p, int) and p < len(node):
+            node = node[p]
+        else:
+            return
+    last = path[-1]
+    if isinstance(node, dict):
+        if delete:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    elif isinstance(node, list) and isinstance(last, int) and last < len(node):
+        node[last] = value
+
+
+@hsettings(max_examples=120, deadline=None, derandomize=True,
+           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.sampled_from(_PATHS), _VALUES, st.booleans()), min_size=1, max_size=3))
+def test_a_malformed_manifest_is_a_store_error_never_other_bytes(master, edits):
+    """Any manifest, as edited: the reader raises StoreError (one line), or returns exactly the bytes
+    each tensor's own spec names inside its own object, with that dtype and shape; never another
+    exception, never bytes from outside the object. The reader first reads an object of other bytes,
+    so bytes from its buffer's earlier contents would show."""
+    import json
+
+    if master.address not in _CLIENTS:  # one writer and one reader for all the examples of this master
+        _CLIENTS[master.address] = (_Putter(master), mooncake.StoreReader(master.address, master.metadata))
+    w, reader = _CLIENTS[master.address]
+    junk = w.put(b"\xee" * 4096, {"version": 1, "handle": "{key}", "metadata": {"total_aligned_bytes": 4096},
+                                  "tensors": {"j": {"shape": [4096], "dtype": "uint8", "nbytes": 4096, "offset": 0}}})
+    assert reader.tensors(junk)[0]["j"].eq(0xEE).all()
+    data = bytes(range(192))
+    man = _good_manifest("{key}")
+    for path, value, delete in edits:
+        _mutate(man, path, value, delete)
+    w.n += 1
+    key = f"obj-{w.n}"
+    if isinstance(man, dict) and man.get("handle") == "{key}":
+        man["handle"] = key
+    assert w.store.put(key, data) == 0
+    assert w.store.put(key + mooncake.META_SUFFIX, json.dumps(man).encode()) == 0
+    try:
+        got, meta = reader.tensors(key)
+    except mooncake.StoreError as exc:
+        assert "\n" not in str(exc)
+        return
+    for name, t in got.items():
+        spec = man["tensors"][name]
+        off, nbytes = spec["offset"], spec["nbytes"]
+        assert type(off) is int and type(nbytes) is int and 0 <= off and off + nbytes <= len(data), spec
+        assert str(t.dtype) == "torch." + spec["dtype"].removeprefix("torch.") and list(t.shape) == spec["shape"]
+        assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == data[off:off + nbytes], name
+    assert meta == {k: v for k, v in man["metadata"].items() if k != "total_aligned_bytes"}
+
+
 # ---- through a real sglang.Engine (CPU, sglang 0.5.9 with the series) ----------------------------
 
 ENGINE = """
@@ -607,14 +880,16 @@ class _Engine:
     """The engine script as a process: its answers and flush report, and the process held until
     ``done()`` (the store's objects live in its memory segment while it runs)."""
 
-    def __init__(self, engine_setup, env_extra: dict, log: Path, n: int = 4):
+    def __init__(self, engine_setup, env_extra: dict, log: Path, n: int = 4, site: bool = True):
         import json
         import subprocess
 
         from eaglepatch.smoke import HERE as SMOKE_DIR, worker_env
 
         py, tree, ckpt, stubs = engine_setup
-        env = mooncake.with_site(worker_env(tree, stubs), mooncake.ensure_site(py))
+        env = worker_env(tree, stubs)
+        if site:  # the store's package beside the environment
+            env = mooncake.with_site(env, mooncake.ensure_site(py))
         env.update(EAGLE3_DUMP_LAYERS="-1,1,3", **env_extra)
         self.log = log
         with open(log, "w") as fh:
@@ -676,3 +951,17 @@ def test_an_engine_refuses_a_master_it_cannot_reach_before_loading(engine_setup,
                                "EAGLE3_DUMP_MOONCAKE_MASTER": f"127.0.0.1:{port}"}, tmp_path / "e.log", n=1)
     assert e.done() != 0 and not e.answers
     assert f"error: EAGLE3_DUMP_MOONCAKE_MASTER='127.0.0.1:{port}' cannot be reached" in e.stderr, e.stderr
+
+
+def test_an_engine_without_the_mooncake_package_is_refused_before_loading(engine_setup, master, tmp_path):
+    """The sink's package missing from the server's environment (the master reachable): the launch
+    ends with one line saying so and where the package comes from, before any worker starts or any
+    weight loads (no traceback). It was found by the writing rank after the weights loaded: a
+    traceback, and the launch killed. Needs settings.check_launch to call
+    sinks.check_mooncake_importable() (issue 43, item 13a)."""
+    e = _Engine(engine_setup, dict(master.env(), EAGLE3_DUMP_DIR=str(tmp_path)), tmp_path / "e.log", n=1, site=False)
+    assert e.done() != 0 and not e.answers
+    err = e.stderr
+    assert "error: EAGLE3_DUMP_SINK=mooncake but the mooncake package cannot be imported (No module named " \
+           "'mooncake')" in err and "pip install mooncake-transfer-engine (CUDA 12)" in err, err
+    assert "Traceback" not in err, err

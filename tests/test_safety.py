@@ -300,8 +300,9 @@ def test_immutable_target_is_refused_by_the_preflight(small):
         err = one_line_error(r)
         assert str(t) in err and "nothing was changed" in err, err
         assert hashes(small) == before and not leftovers(small)
-        r = apply(small, "--check")
-        assert r.returncode == 0, r.stdout + r.stderr  # nothing pending blocks the other tools
+        r = apply(small, "--check")  # nothing pending blocks the other tools: --check says what apply refuses
+        assert r.returncode == 1 and "but apply would refuse" in one_line_error(r), r.stdout + r.stderr
+        assert str(t) in one_line_error(r) and "pending" not in r.stderr, r.stderr
     finally:
         subprocess.run(["chattr", "-i", str(t)], capture_output=True)
     assert apply(small).returncode == 0 and state(small) == "patched"

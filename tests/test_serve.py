@@ -362,6 +362,14 @@ args = sys.argv[1:]
 host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
 with open(os.path.join(state, "env.json"), "w") as f:
     json.dump({k: v for k, v in os.environ.items() if k.startswith("EAGLE3_DUMP_")}, f)
+import tempfile
+# what sglang 0.5.9's PortArgs leaves in its temp dir: files of NamedTemporaryFile(delete=False), ZMQ IPC
+# sockets bound there
+ipc = socket.socket(socket.AF_UNIX)
+ipc.bind(tempfile.NamedTemporaryFile(delete=False).name + ".ipc")
+with open(os.path.join(state, "launch.json"), "w") as f:
+    json.dump({"argv": args, "tmpdir": tempfile.gettempdir(), "left": sorted(os.listdir(tempfile.gettempdir())),
+               "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}, f)
 WRITER = '''
 import os, signal, sys, time
 state, drain = sys.argv[1], float(os.environ["EAGLE3_DUMP_DRAIN_S"])
@@ -530,3 +538,76 @@ def test_stop_kills_what_outlives_the_drain_and_margin(tmp_path, monkeypatch):
     with pytest.raises(ProcessLookupError):
         os.kill(int(up.read_text()), 0)
     assert signal.getsignal(signal.SIGTERM) is original
+
+
+# ---- issue 43 items 16 and 17: the ready line said once, --quiet, the launch's temp dir, hostile flags -------
+
+def test_a_launch_leaves_nothing_in_the_temp_dir_and_says_ready_once(patched_checkout, tmp_path):
+    """The server gets a temp dir of its own (TMPDIR), in the user's, where SGLang's IPC sockets and
+    files go; serve.py removes it at the stop (was: they stayed in the user's temp dir, one set per
+    launch). Torch's compile cache keeps its place in the user's temp dir. "[serve] ready" is said
+    once, when the server answers (was: also in the start banner, so a log watcher saw it first)."""
+    import tempfile
+
+    rc, err, _, state, port = _serve_and_stop(patched_checkout, tmp_path, "127.0.0.1", "orphan", ["--drain-s", "0.2"])
+    assert rc == 0, err
+    launch = json.loads((state / "launch.json").read_text())
+    tmp = Path(launch["tmpdir"])
+    assert tmp.parent == Path(tempfile.gettempdir()) and tmp.name.startswith("eaglepatch-serve-"), launch
+    assert len(launch["left"]) == 2 and not tmp.exists(), launch  # the file and the socket, gone with the dir
+    user = os.path.join(tempfile.gettempdir(), "torchinductor_" + __import__("getpass").getuser())
+    assert launch["inductor"] == os.environ.get("TORCHINDUCTOR_CACHE_DIR", user), launch  # not under the launch's
+    ready = [ln for ln in err.splitlines() if "[serve] ready" in ln]
+    assert len(ready) == 1 and ready[0].startswith(f"[serve] ready at http://127.0.0.1:{port} "), err
+
+
+def test_quiet(patched_checkout, tmp_path):
+    """--quiet: launch_server gets --log-level warning (no line per batch or request; its HTTP log
+    follows it), and serve.py says only the ready line, warnings and the stop; a --log-level after
+    -- with --quiet is one line, exit 2."""
+    rc, err, _, state, port = _serve_and_stop(patched_checkout, tmp_path, "127.0.0.1", "orphan",
+                                              ["--drain-s", "0.2", "--quiet"])
+    assert rc == 0, err
+    argv = json.loads((state / "launch.json").read_text())["argv"]
+    assert argv[argv.index("--log-level") + 1] == "warning", argv
+    said = [ln for ln in err.splitlines() if ln.strip()]
+    assert said[-3].startswith(f"[serve] ready at http://127.0.0.1:{port} ") and said[-2:] == [
+        "[serve] stopping: waiting up to 30.2 s for the dump to drain", "[serve] server stopped"], err
+    assert all(ln.startswith("warning: ") for ln in said[:-3]), err
+    r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--quiet",
+                 "--print", "--", "--log-level", "debug")
+    assert r.returncode == 2 and "--quiet sets launch_server's --log-level warning" in one_line_error(r), r.stderr
+
+
+def test_a_dump_dir_whose_name_holds_the_separator_is_refused(patched_checkout, tmp_path):
+    """--dump-dir naming an existing directory 'a:b' (or a path under one): ':' separates dump
+    directories, here and in the server, so serve.py refuses it in one line naming the rename or the
+    symbolic link, exit 2, before anything is created (was: split into a and b, both created at the
+    start). A list of absolute directories is still a list."""
+    (tmp_path / "a:b").mkdir()
+    (tmp_path / "x:y").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for value in ("a:b", str(tmp_path / "a:b"), str(tmp_path / "x:y" / "dumps")):
+        for mode in (["--model-path", "m", "--sglang", patched_checkout], ["--cpu-demo", tmp_path / "demo"]):
+            r = run_tool("serve", *mode, "--dump-dir", value, "--print", cwd=tmp_path)
+            err = one_line_error(r)
+            assert r.returncode == 2 and "':' separates dump directories" in err, (value, mode, r.stderr)
+            assert "rename it, or pass a symbolic link to it" in err and "ln -s " in err, err
+            assert sorted(p.name for p in tmp_path.iterdir()) == before, (value, list(tmp_path.iterdir()))
+    r = run_tool("serve", "--model-path", "m", "--sglang", patched_checkout, "--dump-dir",
+                 f"{tmp_path / 'd0'}:{tmp_path / 'd1'}", "--print", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert split_shell(r.stdout.strip())[0]["EAGLE3_DUMP_DIR"] == f"{tmp_path / 'd0'}:{tmp_path / 'd1'}"
+
+
+@pytest.mark.parametrize("host,says", [("no-such-host.invalid", "names no address this machine can resolve"),
+                                       ("192.0.2.1", "is no address of this machine")])
+def test_a_host_that_is_not_here_is_no_taken_port(patched_checkout, tmp_path, host, says):
+    """--host naming nothing (a name that does not resolve) or another machine's address: one line
+    saying so, exit 2, before anything is made (was: "port 30000 ... is taken", exit 1)."""
+    before = sorted(tmp_path.iterdir())
+    r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout,
+                 "--host", host, cwd=tmp_path)
+    err = one_line_error(r)
+    assert r.returncode == 2 and says in err and "taken" not in err and "--host" in err, r.stderr
+    assert sorted(tmp_path.iterdir()) == before

@@ -32,6 +32,7 @@ import_package("e3c_storage_test")
 dump_mod = __import__("e3c_storage_test.dump", fromlist=["DumpWriter"])
 ov_storage = __import__("e3c_storage_test.storage", fromlist=["quantize_rows"])
 identity = __import__("e3c_storage_test.identity", fromlist=["RequestInfo"])
+ov_weights = __import__("e3c_storage_test.weights", fromlist=["served_weights"])
 
 V, H, N = 64, 32, 4  # vocabulary, hidden size, decoder layers
 EPS = 1e-6
@@ -122,11 +123,17 @@ META = {"format": "eagle3-dump/1", "eagle3_layer_ids": json.dumps(LAYERS), "hf_h
         "tp_size": "1", "launch_id": "l"}
 
 
-def _write(directory: Path, layout: str, ids, captured, final, raw_ids=None, placeholder=None) -> tuple:
-    """One request's dump written by the overlay's DumpWriter with ``layout`` (a LAYOUTS key);
-    (path, rid). ``raw_ids``: the ids before a multimodal wrapper's clamp (pad values >= V)."""
+def _write(directory: Path, layout: str, ids, captured, final, model: Path, raw_ids=None, placeholder=None) -> tuple:
+    """One request's dump written by the overlay's DumpWriter with ``layout`` (a LAYOUTS key), the
+    digest of ``model``'s tensors recorded as ``start_dump`` records the served model's; (path, rid).
+    ``raw_ids``: the ids before a multimodal wrapper's clamp (pad values >= V)."""
+    from types import SimpleNamespace
+
     directory.mkdir(parents=True, exist_ok=True)
-    lay = ov_storage.Layout(ov_storage.Storage(*LAYOUTS[layout]), INDICES, True, N, "bfloat16", EPS, V)
+    st = ov_storage.Storage(*LAYOUTS[layout])
+    left = ov_storage.left_out_states(st, INDICES, True, N)
+    served = ov_weights.served_weights(SimpleNamespace(model_path=str(model), load_format="auto"), left)
+    lay = ov_storage.Layout(st, INDICES, True, N, "bfloat16", EPS, V, weights=served)
     w = dump_mod.DumpWriter(str(directory), INDICES, True, 1 << 20, META, vocab_size=V, layout=lay,
                             placeholder_id=placeholder)
     rid = dumps.new_rid()
@@ -144,11 +151,11 @@ IDS = [3, 17, 5, 63, 0, 42, 8, 8, 29, 11]
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory):
+def written(tmp_path_factory, models):
     """The same request's states written in every layout: {layout: (path, rid)}."""
     root = tmp_path_factory.mktemp("dumps")
     captured, final = _states(IDS)
-    return {name: _write(root / name, name, IDS, captured, final) for name in LAYOUTS}
+    return {name: _write(root / name, name, IDS, captured, final, models["right"]) for name in LAYOUTS}
 
 
 def _read(path: Path):
@@ -210,9 +217,10 @@ def test_every_layout_reads_as_the_plain_file(written, models, layout):
     assert all(t.dtype == BF16 and tuple(t.shape) == (len(IDS), H) for t in [*d.layers.values(), d.final])
     last = f"layer.{N - 1}"
     if omit:
+        r = storage.Rebuilder(models["right"])
         assert json.loads(meta["left_out"]) == {
-            "layer.-1": {"rebuild": "embed_tokens", "rows": "vocab"},
-            "final": {"rebuild": "final_norm", "from": last, "eps": EPS}}
+            "layer.-1": {"rebuild": "embed_tokens", "rows": "vocab", "weights": r.weights("embedding")},
+            "final": {"rebuild": "final_norm", "from": last, "eps": EPS, "weights": r.weights("norm")}}
         assert "layer.-1" not in tensors and "final" not in tensors  # no image row: no embedding row stored
         assert d.rebuilt == {"layer.-1": "embed_tokens", "final": "final_norm"}
     else:
@@ -266,7 +274,7 @@ def test_image_rows_are_stored_with_their_positions(tmp_path, models, layout):
     image = torch.randn(3, H).to(BF16) * 4
     captured[INDICES[0]][2:5] = image  # the vision tower's rows
     clamped = torch.as_tensor(raw).clamp(0, V - 1)
-    path, rid = _write(tmp_path, layout, clamped, captured, final, raw_ids=raw, placeholder=ph)
+    path, rid = _write(tmp_path, layout, clamped, captured, final, models["right"], raw_ids=raw, placeholder=ph)
     tensors, _ = _read(path)
     assert tensors["rows.layer.-1"].tolist() == [2, 3, 4] and tensors["layer.-1"].shape[0] == 3
     d = dumps.load_dump(path, ids, rid=rid, rebuilder=storage.Rebuilder(models["right"]))
@@ -293,10 +301,10 @@ def test_embedding_rebuild_is_bit_exact_and_fails_on_wrong_weights_or_shifted_id
     shifted = storage.rebuild_error(stored, right.embedding((ids + 1) % V, BF16))
     for bad in (other, shifted):
         assert not bad["bit_exact"] and bad["max_rel_row"] > 0.5
-    # through the reader: a dump rebuilt from another model's weights is not the stored state
+    # through the reader: another model's weights are refused (the dump records the served ones' digest)
     path, rid = written["bf16-omit"]
-    wrong = dumps.load_dump(path, IDS, rid=rid, rebuilder=storage.Rebuilder(models["other"]))
-    assert not storage.rebuild_error(stored, wrong.layers["layer.-1"])["bit_exact"]
+    with pytest.raises(UsageError, match="another checkpoint"):
+        dumps.load_dump(path, IDS, rid=rid, rebuilder=storage.Rebuilder(models["other"]))
 
 
 def test_final_rebuild_is_within_bf16_of_a_real_rmsnorm_and_fails_on_another_norm_weight(written, models):
@@ -307,8 +315,8 @@ def test_final_rebuild_is_within_bf16_of_a_real_rmsnorm_and_fails_on_another_nor
     assert _row_err(storage.Rebuilder(models["other"]).final(last, EPS), plain.final) > 10 * BF16_ROW_TOL
     assert _row_err(storage.Rebuilder(models["right"]).final(plain.layers["layer.1"], EPS), plain.final) > 0.1
     path, rid = written["bf16-omit"]
-    wrong = dumps.load_dump(path, IDS, rid=rid, rebuilder=storage.Rebuilder(models["other"]))
-    assert _row_err(wrong.final, plain.final) > 10 * BF16_ROW_TOL
+    with pytest.raises(UsageError, match="another checkpoint"):
+        dumps.load_dump(path, IDS, rid=rid, rebuilder=storage.Rebuilder(models["other"]))
 
 
 # ---- what the reader refuses ------------------------------------------------------------------------------

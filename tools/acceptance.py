@@ -132,9 +132,16 @@ def main(argv=None) -> int:
             import subprocess
 
             return subprocess.call([str(py), __file__, *args], env=env)
-        from eaglepatch.acceptance.pipeline import Run
+        from eaglepatch.acceptance.pipeline import SCALES, Run
         from eaglepatch.acceptance.verdicts import outcome
 
+        if dict(SCALES[scale], **overrides)["device"] == "cuda":  # the process that trains: torch is here
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError(f"device=cuda, and torch {torch.__version__} here sees no CUDA device",
+                                 "drop --set device=cuda (the CPU toy trains on cpu)" if a.cpu else
+                                 "run on a machine with a CUDA GPU, or pass --cpu for the CPU toy")
         if not a.cpu and o.sglang_parent is None:
             from eaglepatch.gpucheck.patched_files import lay_patched_files
 

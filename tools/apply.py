@@ -39,6 +39,8 @@ def main(argv=None) -> int:
                                                                                 else argv)])
 
     def body() -> int:
+        # GitPython: the commits of --commit and --fetch
+        cli.require("apply.py", "unidiff", *(["git"] if a.commit or a.fetch is not None else []))
         from eaglepatch.applier import apply_series, fetch_and_apply
         from eaglepatch.errors import UsageError
         from eaglepatch.lock import lock_timeout

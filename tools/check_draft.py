@@ -3,20 +3,23 @@
 this release, and if not, which layer mix-up explains it?
 
   python3 tools/check_draft.py --target TARGET --draft DRAFT --data HELDOUT --states DUMPS \
-      --release 0.5.17 --out REPORT.json [--served SERVED.json | --serve [--site SITE --patched-files DIR]]
+      [--release R] --out REPORT.json [--served SERVED.json | --serve [--site SITE --patched-files DIR]]
 
-TARGET: the checkpoint the draft was trained for (config.json, model.safetensors.index.json: the LM
-head and embedding come from it). DRAFT: the draft directory (config.json with
-eagle_config.eagle_aux_hidden_state_layer_ids, model.safetensors), as SpecForge writes it. HELDOUT:
-held-out data the draft's training predicts on, a specforge-format dataset from tools/extract.py.
-DUMPS: the dump files of the same conversations (tools/extract.py --keep-dumps against a server
-dumping every layer the readings need, with the final state). Steps: guard (the draft's config
-against the data's layers on --release); the prediction (the draft's own forward over HELDOUT,
-greedy chain acceptance per position, and the chain at the answer lengths); the observed figures
-(--serve: the draft served on this GPU by sglang --release, with the series unless --unpatched, with
-EAGLE-3 and these settings, one greedy request per held-out answer, the accept length read from the
-responses' meta_info and written to --served-out, REPORT.served.json by default, in the format
---served reads; --served: such a file; without either the draft is replayed on the states --release
+TARGET: the checkpoint the draft was trained for (config.json and its safetensors weights, sharded
+with model.safetensors.index.json or one model.safetensors: the LM head and embedding come from
+it). DRAFT: the draft directory (config.json with eagle_config.eagle_aux_hidden_state_layer_ids,
+model.safetensors), as SpecForge writes it. HELDOUT: held-out data the draft's training predicts
+on, a specforge-format dataset from tools/extract.py. DUMPS: the dump files of the same
+conversations (tools/extract.py --keep-dumps against a server dumping every layer the readings
+need, with the final state). The release judged for (R below) is --release, else the one that
+dumped HELDOUT, as its manifest records it and tools/guard.py reads it (one that no series here
+reads is refused); the output's first line and the report name it and why. Steps: guard (the
+draft's config against the data's layers on R); the prediction (the draft's own forward over
+HELDOUT, greedy chain acceptance per position, and the chain at the answer lengths); the observed
+figures (--serve: the draft served on this GPU by sglang R, with the series unless --unpatched,
+with EAGLE-3 and these settings, one greedy request per held-out answer, the accept length read
+from the responses' meta_info and written to --served-out, REPORT.served.json by default, in the
+format --served reads; --served: such a file; without either the draft is replayed on the states R
 feeds it by its config, read from DUMPS, and reported as replayed: no server loads a draft then);
 the diagnosis (the draft replayed on each reading a layer mix-up produces: as trained, each aux
 layer one deeper or shallower, upstream's capture-index convention, the last slot's pre-norm and
@@ -52,7 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--served", type=Path, help="a GPU serving run's figures (JSON: accept_length, per_position; "
                                                "--serve writes them); without it or --serve the observed figures "
                                                "are the replay on --states")
-    ap.add_argument("--release", default="0.5.17", help="the sglang release that serves the draft")
+    ap.add_argument("--release", help="the sglang release that serves the draft (default: the release that dumped "
+                                      "--data, as its manifest records; the report and the first line say which "
+                                      "release was judged for, and why)")
     ap.add_argument("--unpatched", action="store_true", help="the release without the series serves it")
     ap.add_argument("--steps", type=int, default=3, help="--speculative-num-steps")
     ap.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (the replay models 1: a chain)")
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
                          prompt_answer_tokens=a.prompt_answer_tokens, lossless=a.lossless)
         # everything a run can be refused for, before the environment is entered or anything loaded
         check.check_settings(i)
-        guard.release_semantics(a.release, unpatched=a.unpatched)
+        if a.release is not None:
+            guard.release_semantics(a.release, unpatched=a.unpatched)
         out = check_output_file(a.out, "--out")
         png = out.with_suffix(".png")
         check_output_file(png, "--out's PNG")
@@ -113,7 +119,9 @@ def main(argv=None) -> int:
         tcfg = check.target_config(a.target)
         check.draft_config(a.draft, tcfg)
         guard.read_draft(a.draft)
-        guard.read_dataset(a.data)
+        # the release judged for: --release, else the one that dumped --data (its manifest), as guard.py judges
+        i.release, i.release_from = guard.judged_release(guard.read_dataset(a.data), a.release)
+        guard.release_semantics(i.release, unpatched=a.unpatched)
         if a.serve and a.served:
             raise UsageError("--serve and --served both give served figures", "pass one of them")
         given = [f for f, v in (("--site", a.site), ("--patched-files", a.patched_files),
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
             if served_out in (out, png, log):
                 raise UsageError(f"--served-out {served_out} is the report, its PNG or its server log",
                                  "pass --served-out another file")
-            plan = serve_check.plan(a.release, a.unpatched, a.site, a.patched_files, a.sglang_parent, a.tp, a.port,
+            plan = serve_check.plan(i.release, a.unpatched, a.site, a.patched_files, a.sglang_parent, a.tp, a.port,
                                     a.server_args, a.serve_timeout_s, served_out, log)
         try:
             return run_check(i, argv, out, png, plan)
@@ -202,7 +210,7 @@ def summary(res: dict) -> str:
     """What stdout shows: guard, predicted and observed per position, each reading, the diagnosis."""
     p, o = res["predicted"], res["observed"]
     fmt = lambda xs: " ".join("-" if x is None else "%.3f" % x for x in (xs or []))  # noqa: E731
-    lines = ["guard: %s" % ("OK" if res["guard"]["ok"] else "MISMATCH"),
+    lines = [res["release"]["line"], "guard: %s" % ("OK" if res["guard"]["ok"] else "MISMATCH"),
              "%-28s accept length %.3f   per position %s" % ("predicted", p["accept_length"], fmt(p["per_position"])),
              "%-28s accept length %.3f   per position %s" % (o["kind"], o["accept_length"], fmt(o.get("per_position")))]
     for r in res.get("readings", []):

@@ -3,6 +3,7 @@
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
       --dump-dir DIR --out OUT [--format specforge|speculators|compact] [--aux-layers=-1,1,29] [--max-len 2048]
+      [--hidden-states-backend file|fp8]
 
 --server is one patched SGLang server, SGLang's router in front of several, or several servers
 (repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
@@ -61,9 +62,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
     ap.add_argument("--format", choices=["specforge", "speculators", "compact"], default="specforge",
                     help="specforge: torch.save samples SpecForge's OfflineEagle3Dataset reads (bf16); speculators: "
-                         "its ArrowDataset (fp8 with hidden_states_scales when the dump is fp8); compact: the dump's "
+                         "its ArrowDataset (see --hidden-states-backend); compact: the dump's "
                          "states as stored (fp8, rebuildable states left out), read by eaglepatch.compact.CompactDataset "
                          "with the model directory")
+    ap.add_argument("--hidden-states-backend", choices=["file", "fp8"], default="file",
+                    help="--format speculators: the speculators --hidden-states-backend the export is for. file "
+                         "(default, as speculators'): the states in the model dtype (an fp8 dump's dequantised), "
+                         "which every backend reads right; fp8: fp8 states with hidden_states_scales (half the "
+                         "bytes), which speculators must train with --hidden-states-backend fp8 (its default file "
+                         "backend would train on the raw fp8 codes, unscaled, without an error). The run's last "
+                         "lines name the speculators flags")
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
     ap.add_argument("--concurrency", type=int, default=4,
                     help="requests in flight, over all servers (give each replica several)")
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
                        max_len=a.max_len, concurrency=a.concurrency,
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
-                       aux_layers=a.aux_layers,
+                       aux_layers=a.aux_layers, hidden_states_backend=a.hidden_states_backend,
                        trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None,
                        log_every=a.log_every)
         return extract(opts)

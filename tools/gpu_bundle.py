@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body() -> int:
+        cli.require("gpu_bundle.py", "packaging")  # wheel names, tags and versions
         from eaglepatch.errors import UsageError
         from eaglepatch.gpucheck import bundle
 

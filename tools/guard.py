@@ -58,13 +58,12 @@ def main(argv=None) -> int:
         data = guard.read_dataset(a.dataset)
         if a.sglang:
             sem = guard.tree_semantics(a.sglang)
+            release, why = None, f"the tree at --sglang {a.sglang}"
+            judged = f"release: the sglang tree at --sglang {a.sglang} (its own reading of draft ids)"
         else:
-            release = a.release
-            if release is None:  # the release that dumped the dataset, else the newest series
-                from eaglepatch.series import available_series
-
-                have = available_series()
-                release = data.release if data.release in have else (list(have)[-1] if have else "0.5.9")
+            # --release, else the release that dumped the dataset (its manifest), else the newest series, said so
+            release, why = guard.judged_release(data, a.release)
+            judged = guard.release_line(release, why, a.unpatched)
             patched = guard.release_semantics(release)
             unpatched = guard.release_semantics(release, unpatched=True)
             sem, other = (unpatched, patched) if a.unpatched else (patched, unpatched)
@@ -73,7 +72,8 @@ def main(argv=None) -> int:
         v = guard.check(draft, data, sem)
         w = guard.check(draft, data, other) if other is not None else None
         if a.json:
-            doc = {"ok": v.ok, "rule": sem.rule, "source": sem.source, "series": sem.series,
+            doc = {"ok": v.ok, "release": release, "release_from": why,
+                   "rule": sem.rule, "source": sem.source, "series": sem.series,
                    "family": draft.family, "servers": v.servers,
                    "served_hf_indices": v.served_hf, "lines": v.lines}
             if w is not None:
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                     "served_hf_indices": w.served_hf, "lines": w.lines}
             text = json.dumps(doc, indent=2)
         else:
-            text = v.text()
+            text = judged + "\n" + v.text()
             if w is not None:
                 text += (f"\n\nalso {other.source.split(' (')[0]} (this reading does not decide the exit code):\n"
                          + "\n".join("  " + ln for ln in w.lines[2:]))

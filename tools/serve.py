@@ -26,8 +26,11 @@ else the dump's default applies.
 
 The server runs in the foreground until Ctrl-C (or SIGTERM), which sends SIGTERM to it and every
 process it started: the dump writer writes its queue for at most EAGLE3_DUMP_DRAIN_S seconds, and
-serve.py waits that long plus 30 s before it kills what is left. --print prints the command instead
-of running it.
+serve.py waits that long plus 30 s before it kills what is left. The server runs with a temporary
+directory of its own (TMPDIR: SGLang's IPC sockets and the files it makes there), removed at the
+stop. "[serve] ready at URL" is said once, when the server answers /health, and nowhere before.
+--quiet: the server logs warnings and errors only, and serve.py says only the ready line and what
+follows it, warnings and the stop. --print prints the command instead of running it.
 
 Exit: 0 stopped by Ctrl-C or SIGTERM (and --print), 1 (or the server's own status) the server failed,
 2 usage error.
@@ -41,6 +44,8 @@ from eaglepatch import cli  # noqa: E402
 from eaglepatch.errors import UsageError, run_main  # noqa: E402
 from eaglepatch.serve import DEFAULT_HOST, DEFAULT_PORT, DUMP_SETTINGS, STOP_MARGIN_S  # noqa: E402
 from eaglepatch.serve.demo import DEMO_LAYERS  # noqa: E402
+
+QUIET_FLAGS = ["--log-level", "warning"]  # --quiet: launch_server's logging (its HTTP log follows it)
 
 
 def main(argv=None) -> int:
@@ -102,8 +107,12 @@ def main(argv=None) -> int:
                          "(default: $EAGLE3_DUMP_WRITERS, else the CPUs the server's rank may use, at most 4)")
     ap.add_argument("--sink", metavar="file|mooncake",
                     help="EAGLE3_DUMP_SINK: mooncake puts each request's states into a Mooncake Store instead of a "
-                         "file (docs/online.md; needs --mooncake-master) (default: $EAGLE3_DUMP_SINK, else file)")
-    for flag, what in (("--mooncake-master", "HOST:PORT of mooncake_master"),
+                         "file (docs/online.md; needs --mooncake-master, and the mooncake package in the server's "
+                         "environment: pip install mooncake-transfer-engine, -cuda13 or -non-cuda, which also "
+                         "installs mooncake_master; checked before the server starts) (default: $EAGLE3_DUMP_SINK, "
+                         "else file)")
+    for flag, what in (("--mooncake-master", "HOST:PORT of mooncake_master (started by you: mooncake_master "
+                                             "--rpc_address=HOST --port=PORT ...; serve.py prints the command)"),
                        ("--mooncake-metadata", "http://HOST:PORT/metadata (the master's HTTP metadata server), "
                                                "etcd://..., or P2PHANDSHAKE (the default)"),
                        ("--mooncake-protocol", "tcp (default) or rdma"),
@@ -122,15 +131,28 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (default: %(default)s)")
     ap.add_argument("--print", action="store_true", dest="print_only",
                     help="print the command (and prepare the CPU demo) instead of running it")
+    ap.add_argument("--quiet", action="store_true",
+                    help=f"the server logs warnings and errors only (launch_server {' '.join(QUIET_FLAGS)}: no line "
+                         "per batch or request), and serve.py says only the ready line, the commands after it, "
+                         "warnings, errors and the stop")
     a = ap.parse_args(argv)
 
     def body() -> int:
+        cli.require("serve.py", "unidiff")  # the tree's series is read before anything starts
         from eaglepatch import serve
 
         if not 0 < a.port < 65536:
             raise UsageError(f"--port {a.port} is out of range", "pass a port from 1 to 65535")
         layers = serve.parse_layers(a.layers) if a.layers is not None else None
         host = serve.check_host(a.host)
+        if a.quiet:
+            given = [f for f in extra if f.split("=", 1)[0] in ("--log-level", "--log-level-http")]
+            if given:
+                raise UsageError(f"--quiet sets launch_server's {' '.join(QUIET_FLAGS)}, and {given[0]} is given "
+                                 "after --", "drop --quiet or that flag")
+            extra[:0] = QUIET_FLAGS
+        if not a.print_only:  # an address or port the server cannot listen on: refused before anything is made
+            serve.refuse_taken_port(host, a.port)
         settings, setting_notes = serve.dump_settings(
             {st.flag: getattr(a, st.flag[2:].replace("-", "_")) for st in serve.DUMP_SETTINGS})
         if a.cpu_demo is not None:
@@ -141,21 +163,25 @@ def main(argv=None) -> int:
 
             plan = cpu_demo_plan(a.cpu_demo, sglang=a.sglang, series_dir=a.series,
                                  layers=layers if layers is not None else DEMO_LAYERS, dump_dir=a.dump_dir,
-                                 host=host, port=a.port, extra=extra, settings=settings)
+                                 host=host, port=a.port, extra=extra, settings=settings,
+                                 **({"say": lambda m: None} if a.quiet else {}))
         else:
             if a.dump_dir is None:
                 raise UsageError("--dump-dir is missing", "pass the directory the server writes its dumps to "
                                  "(EAGLE3_DUMP_DIR; on a shared filesystem for several replicas)")
             plan = serve.production_plan(a.model_path, a.dump_dir, layers, a.sglang, a.series, a.python,
                                          host, a.port, extra, settings)
+        plan.quiet = a.quiet
         for line in plan.notes + setting_notes:
-            print(("" if line.startswith("warning: ") else "[serve] ") + line, file=sys.stderr)
+            if line.startswith("warning: ") or not a.quiet:
+                print(("" if line.startswith("warning: ") else "[serve] ") + line, file=sys.stderr)
         if a.print_only:
             print(plan.shell())
             for line in plan.after_ready:
                 print(line, file=sys.stderr)
             return 0
-        print("+ " + plan.shell(), file=sys.stderr, flush=True)
+        if not a.quiet:
+            print("+ " + plan.shell(), file=sys.stderr, flush=True)
         return serve.run(plan)
 
     return run_main(body)

@@ -6,7 +6,8 @@ footprint, then smoke tests on a patched temporary copy (the tree itself is neve
 
 A release without a series of its own is verified against the nearest older series (and the
 port command is named). Exit: 0 every hunk exact/offset and smoke passed, 1 drift or smoke failure
-(or refused: no series at all, a pending transaction), 2 usage or input error.
+(or refused: no series at all, a pending transaction), 2 usage or input error (Ctrl-C or SIGTERM too:
+the temporary copy is removed).
 """
 import sys
 from pathlib import Path
@@ -28,6 +29,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body() -> int:
+        cli.require("verify.py", "unidiff", *(["pyflakes"] if a.smoke != "none" else []))  # pyflakes: the static smoke
+        import signal
+        import threading
+
+        # SIGTERM as Ctrl-C (as tools/extract.py takes it): the temporary copy is removed on the way out
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
+        try:
+            return verify()
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
+
+    def verify() -> int:
         from eaglepatch.outputs import check_output_file
         from eaglepatch.report import verify_tree, write_json
         from eaglepatch.lock import lock_timeout

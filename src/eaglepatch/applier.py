@@ -288,9 +288,16 @@ def apply_series(tree: UpstreamTree, series: Series, *, check: bool = False, rev
                  command: str | None = None) -> ApplyOutcome:
     """Apply (or with reverse=True remove) `series` on `tree` under the tree's lock.
     `command` is what a later run names to finish an interrupted transaction."""
-    if commit and (reverse or tree.kind != "git"):
-        raise UsageError("--commit needs a git checkout and cannot be combined with --reverse",
-                         "drop --commit, or run it on an SGLang git checkout")
+    if commit and reverse:
+        raise UsageError("--commit cannot be combined with --reverse (the patched branch is left as it is; "
+                         "--reverse restores the files)", "drop --commit, or --reverse")
+    if commit and tree.kind != "git":
+        top = tree.root.parent
+        inside = tree.root.name == "python" and (top / ".git").exists()  # ROOT/python of a checkout
+        raise UsageError(f"--commit needs a git checkout, and {tree.root} holds sglang/ as a site-packages "
+                         f"directory does{f' (it is the python/ directory of the checkout {top})' if inside else ''}",
+                         f"run it on the checkout's root: python3 tools/apply.py {shlex.quote(str(top))} --commit"
+                         if inside else "drop --commit, or run it on an SGLang git checkout")
     series.require_patches()
     require_git()
     with tree_lock(tree.package_parent):
@@ -325,6 +332,11 @@ def _apply_locked(tree, series, check, reverse, force, commit, say, command) -> 
     if check:
         for ln in _fmt_verdicts(chk, series.patches, reverse):
             say(ln)
+        try:  # what apply would refuse before writing (unwritable directories, space, inodes), without writing
+            Transaction(pp, changes, command).preflight()
+        except RefusedError as exc:
+            raise RefusedError(f"{series.name} {'reverses' if reverse else 'applies'} cleanly to {tree.describe()}, "
+                               f"but apply would refuse: {exc.problem}", exc.fix) from None
         say(f"check: {series.name} {'reverses' if reverse else 'applies'} cleanly to {tree.describe()}; "
             f"{len(changes)} file(s) would change; nothing written")
         return ApplyOutcome("checked", chk, changes)
@@ -451,7 +463,21 @@ def fetch_and_apply(release: str, dest: Path | str, series: Series, say: Callabl
         stop_point("fetch-cloned")
         apply_series(UpstreamTree.open(tmp), series, commit=True, say=messages.append, command=command)
         stop_point("fetch-patched")
-        move_new_checkout(tmp, dest, "pass a new directory as DEST")
+        try:
+            move_new_checkout(tmp, dest, "pass a new directory as DEST")
+        except UsageError:
+            if not dest.is_dir():
+                raise
+            # another run (a second --fetch into this DEST) renamed its checkout in first
+            done = _fetched_already(dest, series)
+            if done is None:
+                raise UsageError(f"{dest} was made by another process while this run fetched sglang {release} (it "
+                                 f"is not the patched checkout --fetch makes)", "pass a new directory as DEST") \
+                    from None
+            shutil.rmtree(tmp, ignore_errors=True)
+            say(f"{series.name}: another --fetch made {dest} while this one ran: already fetched, applied and "
+                f"committed ({done.describe()}); this run's copy is removed")
+            return done
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

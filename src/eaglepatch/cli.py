@@ -10,6 +10,32 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+# What the tools import from pyproject.toml's [project] dependencies (module -> the requirement that
+# provides it), which `pip install -e .` installs; tests/test_cli_properties.py keeps the two in step.
+DEPENDENCIES = {"unidiff": "unidiff", "git": "GitPython", "pyflakes": "pyflakes", "tqdm": "tqdm",
+                "packaging": "packaging"}
+INSTALL = "pip install -e . (from the eaglepatch checkout, into the Python that runs the tools)"
+
+
+def missing_modules(modules) -> list:
+    """The modules of ``modules`` this interpreter cannot import (found, not imported)."""
+    import importlib.util
+
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def require(tool: str, *modules: str, fix: str = INSTALL) -> None:
+    """A one-line usage error, before anything is read or written, naming the packages that provide
+    the ``modules`` (``DEPENDENCIES``) this interpreter lacks and how to install them: what a tool
+    run before ``pip install -e .`` says instead of an internal error."""
+    missing = missing_modules(modules)
+    if missing:
+        from .errors import UsageError
+
+        names = [DEPENDENCIES.get(m, m) for m in missing]
+        raise UsageError(f"{tool} needs the Python package(s) {', '.join(names)}, which "
+                         f"{'is' if len(names) == 1 else 'are'} not installed", fix)
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """argparse's ArgumentDefaultsHelpFormatter, less the defaults that say nothing (None, False,

@@ -85,10 +85,11 @@ def _git_paths(g: _Git, root: Path, *names: str) -> list[Path]:
     return [p if p.is_absolute() else root / p for p in map(Path, out)]
 
 
-def check_idle(g: _Git, root: Path) -> None:
+def check_idle(g: _Git, root: Path, *refs: str) -> None:
     """Refuse a repository in the middle of a git operation, or one another git process is
-    writing (its index or HEAD locked): both would be overwritten by, or overwrite, the commit."""
-    locks = ("index.lock", "HEAD.lock")
+    writing (its index, HEAD or one of ``refs`` locked): both would be overwritten by, or overwrite,
+    the commit."""
+    locks = ("index.lock", "HEAD.lock", *(f"{r}.lock" for r in refs))
     paths = _git_paths(g, root, *(b[0] for b in BUSY), *locks)
     for (name, what, how), path in zip(BUSY, paths):
         if path.exists():
@@ -148,7 +149,7 @@ def prepare_commit(tree, series: Series, originals: dict, snapshots: list, chang
 def _prepare(repo, tree, series, originals, snapshots, changes, force) -> CommitPlan:
     g = _Git(repo)
     root = Path(repo.working_tree_dir).resolve()
-    check_idle(g, root)
+    check_idle(g, root, f"refs/heads/{branch_name(series)}")  # the branch ref git update-ref locks
     prefix = _prefix(repo, tree.package_parent)
     final = snapshots[-1]
     paths = [prefix + rel for rel in final]

@@ -25,6 +25,10 @@ Draft configs come in families, each with its own convention (``read_draft``):
   its defaults; both readings are checked;
 - no ids at all: every server's defaults (HF [2, N//2, N-3]).
 
+``judged_release`` says which release a verdict is for (``--release``, else the one the dataset's
+manifest records, which must have a series here, else the newest series, said so); tools/guard.py
+and tools/check_draft.py print it first.
+
 ``check`` compares, per server, the HF indices it would feed the draft with those the dataset's
 manifest (its aux layers) or a dump file (every dumped layer) records, and warns where the
 family's trainer cannot train the ids. ``check_storage`` refuses a dataset whose files that trainer's
@@ -99,6 +103,44 @@ def release_semantics(release: str, patches_root: Path | None = None, unpatched:
             raise
         rule = KNOWN_RELEASES[release]
     return Semantics(rule, f"sglang {release} with the series (series manifest)", series=True, embed_ok=True)
+
+
+def judged_release(data: "DatasetLayers", given: str | None, flag: str = "--release") -> tuple[str, str]:
+    """(release, where it came from, for a sentence) of the sglang release a draft is judged for:
+    ``given`` (``--release``) wins; else the release that dumped ``data``, as its manifest (or dump
+    file) records it, which must be a release with a series here; else, when nothing is recorded,
+    the newest series, said so. A release the manifest records that is no release number, or one
+    without a series, is a usage error (never read by another release's rule without saying so)."""
+    from .series import RELEASE_RE, available_series, check_release
+
+    have = available_series()
+    rec = data.release
+    valid = isinstance(rec, str) and bool(RELEASE_RE.match(rec))
+    if given is not None:
+        check_release(given, flag)
+        if rec is None or rec == given:
+            return given, flag + ("" if rec is None else "; the dataset was dumped by it too")
+        was = f"sglang {rec}" if valid else f"a release recorded as {rec!r}"
+        return given, (f"{flag}, not the release that dumped the dataset ({was}): the dataset's layers stay what "
+                       f"they are, {flag} decides how the draft's ids are read")
+    if rec is not None and not valid:
+        raise UsageError(f"{data.path} records sglang_release {rec!r}, which is no release number",
+                         f"pass {flag} R (the sglang release that serves the draft, e.g. {flag} "
+                         f"{list(have)[-1] if have else '0.5.9'})")
+    if rec is not None:
+        if rec not in have and rec not in KNOWN_RELEASES:
+            raise UsageError(f"the dataset was dumped by sglang {rec}, and no series here says how {rec} reads "
+                             f"draft ids (series: {', '.join(have) or 'none'})",
+                             f"pass {flag} R, the sglang release that serves the draft")
+        return rec, "the release that dumped the dataset, as its manifest records"
+    newest = list(have)[-1] if have else "0.5.9"
+    return newest, (f"the newest series: the dataset records no release; pass {flag} R for the release that "
+                    f"serves the draft")
+
+
+def release_line(release: str, why: str, unpatched: bool = False) -> str:
+    """The line a verdict starts with: which release it was judged for, and why that one."""
+    return f"release: sglang {release} {'unpatched' if unpatched else 'with the series'} ({why})"
 
 
 def _package_parent(root: Path) -> Path:
@@ -365,6 +407,18 @@ def _positive_int(v, where: str) -> int:
     return int(v)
 
 
+def _layer_ids_in_range(ids: list, n: int, where: str) -> None:
+    """A usage error naming ``where`` for layer-output ids a dataset of an ``n``-layer model cannot
+    hold: each is -1 (the embedding output) to n-1 (the last layer's output before the final norm),
+    and none twice."""
+    bad = [k for k in ids if not -1 <= k <= n - 1]
+    if bad or len(set(ids)) != len(ids):
+        what = (f"{bad} name no layer of a {n}-layer model (-1 = embedding output .. {n - 1} = the last layer)"
+                if bad else "name a layer twice")
+        raise UsageError(f"{where}={ids}: {what}", "pass a dataset written by tools/extract.py (its manifest is "
+                         "damaged or hand-edited)")
+
+
 def read_dataset(path: Path | str) -> DatasetLayers:
     path = Path(path)
     if path.is_dir():
@@ -378,6 +432,7 @@ def read_dataset(path: Path | str) -> DatasetLayers:
             m = read_metadata(path)
             ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
             n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
+            _layer_ids_in_range(ids, n, f"{path}: eagle3_layer_ids")
         except ImportError:
             raise UsageError("reading a dump file needs the Python package 'safetensors'",
                              "pip install -e '.[guard]' (safetensors and numpy), or pass the dataset directory") from None
@@ -399,8 +454,10 @@ def read_dataset(path: Path | str) -> DatasetLayers:
                          "run tools/extract.py to completion first")
     ids = _int_list(ids, f"{path}: eagle3_layer_ids")
     n = _positive_int(n, f"{path}: num_hidden_layers")
+    _layer_ids_in_range(ids, n, f"{path}: eagle3_layer_ids")
     fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
-    release = m.get("sglang_release") if isinstance(m.get("sglang_release"), str) else None
+    release = m.get("sglang_release")
+    release = release if release is None or isinstance(release, str) else json.dumps(release)  # judged_release refuses it
     storage = m.get("storage") if isinstance(m.get("storage"), dict) else {}
     return DatasetLayers(str(path), ids, n, "dataset", fmt, release, storage)
 
@@ -511,9 +568,20 @@ def _reading_note(rule: str, reader: str, ids: list, hf: list) -> str:
     return note + ")"
 
 
+# What SpecForge 0.2.0 trains. Its draft (LlamaForCausalLMEagle3) takes exactly three aux states (its fc
+# maps 3 x hidden_size). Training from a dataset (its offline mode, what this project's datasets feed) never
+# reads the draft config's ids: a draft of ids [-1, 1, 2] trains as any other (tools/acceptance.py trains
+# its drafts so). Only its online mode and its own capture read them, through resolve_eagle_capture_layers,
+# which takes exactly three non-negative ids (specforge/algorithms/model_providers.py).
+SPECFORGE_AUX = ("SpecForge 0.2.0's draft (LlamaForCausalLMEagle3, its fc over 3 x hidden_size) takes exactly three "
+                 "aux layers")
+SPECFORGE_ONLINE = ("SpecForge 0.2.0 trains these ids from a dataset, as here (offline; tools/acceptance.py's drafts "
+                    "are trained so); its online mode and its own capture take only three non-negative ids")
+
+
 def _specforge_trains(ids) -> bool:
-    """SpecForge 0.2.0 trains exactly three distinct non-negative EAGLE-3 ids."""
-    return ids is not None and len(ids) == 3 and len(set(ids)) == 3 and min(ids) >= 0
+    """SpecForge 0.2.0 trains a draft of these EAGLE-3 ids from a dataset: exactly three, distinct."""
+    return ids is not None and len(ids) == 3 and len(set(ids)) == 3
 
 
 def _servable(sem: Semantics, hf: list, n: int) -> bool:
@@ -578,9 +646,11 @@ def _specforge_layers(draft: Draft, data: DatasetLayers, sem: Semantics, served:
 
 
 def _sglang_fix(draft: Draft, data: DatasetLayers, sem: Semantics, served: list) -> str:
-    """The fix line of SGLang's reading: ids that the family's trainer can train (SpecForge: three
-    non-negative ids) and this release reads as the dataset's layers, or a dataset of layers that
-    such ids name; each list explained where the release's reading decides its values or order."""
+    """The fix line of SGLang's reading. First the one-line config change: the ids this release reads
+    as the dataset's layers, the layers a draft trained on the dataset learned (its weights stay
+    right; for an off-by-one draft this is the whole fix); where the family's trainer cannot train
+    that many layers (SpecForge: three), a dataset of layers it can and the ids that name them.
+    Each list is explained where the release's reading decides its values or order."""
     n = data.num_layers
     where = ("eagle_aux_hidden_state_layer_ids" if draft.family == EAGLE_CONFIG
              else "eagle_config.eagle_aux_hidden_state_layer_ids")
@@ -595,17 +665,18 @@ def _sglang_fix(draft: Draft, data: DatasetLayers, sem: Semantics, served: list)
                 f"fix: name layers of the dump (HF indices {data.hf}) in the draft config")
     ids = sem.ids_for(data.hf) if _servable(sem, data.hf, n) else None
     if ids is not None and (not specforge or _specforge_trains(ids)):
-        return (f"fix: set {where} to {ids} in the draft config{_reading_note(sem.rule, reader, ids, data.hf)}"
-                + (f", or {again}" if again else ""))
+        return (f"fix: set {where} to {ids} in the draft config (the dataset's layers, which a draft trained on "
+                f"it learned){_reading_note(sem.rule, reader, ids, data.hf)}"
+                + (f", or, for a draft not trained yet, {again}" if again else ""))
     if ids is None:
         why = ("index 0, the embedding output, fails in this tree" if 0 in data.hf and sem.embed_ok is False
                else f"index {n}, the last layer before the final norm, needs the series" if n in data.hf
                and not sem.last_ok else "no list of ids is read as them")
         return (f"fix: no draft config makes {reader} serve the dataset's HF indices {data.hf} ({why})"
                 + (f"; {again}" if again else "; serve with the series (python3 tools/apply.py)"))
-    # the ids that read the dataset's layers are ids SpecForge cannot train
-    head = (f"fix: SpecForge trains exactly three non-negative EAGLE-3 ids, and the ids {reader} reads as this "
-            f"dataset's {len(data.layer_ids)} layers are {ids}")
+    # the ids that read the dataset's layers are more or fewer than SpecForge's draft takes
+    head = (f"fix: {SPECFORGE_AUX}, and the ids {reader} reads as this dataset's {len(data.layer_ids)} layers are "
+            f"{ids}")
     pick = _specforge_layers(draft, data, sem, served)
     if pick is None:
         return head + f"; a {n}-layer model has no three layers such ids name under this release"
@@ -685,17 +756,18 @@ def _training_warnings(draft: Draft, data: DatasetLayers) -> list:
     """Where the trainer of this config family (or of this dataset's format) cannot train the ids."""
     out = []
     n = data.num_layers
-    if draft.family == EAGLE_CONFIG and draft.layer_ids is not None and (
-            len(draft.layer_ids) != 3 or min(draft.layer_ids) < 0):
-        out.append(f"warning: SpecForge 0.2.0 trains exactly three non-negative EAGLE-3 ids; it cannot train "
-                   f"{draft.layer_ids} (speculators can, as HF indices {[k + 1 for k in draft.layer_ids]})")
+    if draft.family == EAGLE_CONFIG and draft.layer_ids is not None and not _specforge_trains(draft.layer_ids):
+        out.append(f"warning: {SPECFORGE_AUX}, once each; it cannot train {draft.layer_ids} (speculators can, as "
+                   f"HF indices {[k + 1 for k in draft.layer_ids]})")
+    elif draft.family == EAGLE_CONFIG and draft.layer_ids is not None and min(draft.layer_ids) < 0:
+        out.append(f"note: {draft.layer_ids}: {SPECFORGE_ONLINE}")
     if draft.family in (SPECULATORS, TOP_LEVEL) and draft.layer_ids is not None:
         if min(draft.layer_ids) < 0 or max(draft.layer_ids) > n or len(set(draft.layer_ids)) != len(draft.layer_ids):
             out.append(f"warning: speculators 0.9.0 rejects {draft.layer_ids}: its ids are distinct HF indices "
                        f"0..{n} (0 = embedding output, -1 is not an id)")
-    if data.dataset_format == "specforge" and (len(data.layer_ids) != 3 or min(data.layer_ids) < 0):
-        out.append(f"warning: this specforge-format dataset holds EAGLE-3 ids {data.layer_ids}; SpecForge 0.2.0 "
-                   f"trains exactly three non-negative ids")
+    if data.dataset_format == "specforge" and len(data.layer_ids) != 3:
+        out.append(f"warning: this specforge-format dataset holds {len(data.layer_ids)} aux layers (EAGLE-3 ids "
+                   f"{data.layer_ids}); {SPECFORGE_AUX}")
     return out
 
 

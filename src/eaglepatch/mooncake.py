@@ -7,9 +7,16 @@ dump puts in the store.
   ``PYTHONPATH`` beside the CPU SGLang environment (``with_site``). Its native code needs Debian's
   ``libibverbs1`` even for TCP (``eaglepatch.sysdeps`` installs it).
 - ``Master``: ``mooncake_master`` on free localhost ports with ``--enable_http_metadata_server``,
-  started and stopped (or killed and restarted) by the caller.
+  started and stopped (or killed and restarted) by the caller; its RPC and metrics servers bound to
+  127.0.0.1 (``--rpc_address``, ``--metrics_host``). Its HTTP metadata server listens on every
+  address whatever ``--http_metadata_server_host`` says, and so do the two ports every store client
+  (the server's sink, a reader) opens (``listeners``; measured with ``WHEEL``, docs/online.md).
+- ``INSTALL``: where the package and ``mooncake_master`` come from (the overlay's
+  ``sinks.MOONCAKE_INSTALL``, held equal by tests/test_mooncake.py).
 - ``StoreReader``: a store client that turns a request's handle (``meta_info["eagle3_dump"]``) or
   key into the dump's tensors and metadata, and into the same ``extract.dumps.Dump`` a file gives.
+  Every field of the manifest is checked before a byte is read (``check_manifest``): a bad one is a
+  ``StoreError`` naming the field, never data.
 """
 
 from __future__ import annotations
@@ -29,10 +36,21 @@ from pathlib import Path
 from . import cpuenv
 
 WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# where the store's package comes from; the overlay's sinks.MOONCAKE_INSTALL says the same on the server
+INSTALL = ("pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) or "
+           "mooncake-transfer-engine-non-cuda (no GPU) into the server's Python environment (the same package "
+           "holds mooncake_master); its native code needs Debian's libibverbs1 even for TCP "
+           "(apt-get install libibverbs1)")
 COMPLETE = ".eaglepatch-complete"
 META_SUFFIX = ":meta"  # the overlay's sinks.META_SUFFIX
 ERROR_SUFFIX = ":error"  # sinks.ERROR_SUFFIX: a failed commit's {"error": why}
 MANIFEST_VERSION = 1
+ALIGN = 64  # the sink's byte alignment of each tensor in an object (sinks.ALIGN, hs-connectors' _TENSOR_ALIGN)
+# the tensor dtypes a manifest may name, with their bytes per element (torch's names, with or without
+# the "torch." prefix, as hs-connectors' _parse_dtype reads them)
+DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+          "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+TOTAL = "total_aligned_bytes"  # the metadata field holding the object's size (the only one not a string)
 LEASE_EXPIRED = -707  # Mooncake's ErrorCode: the read outlasted the master's --default_kv_lease_ttl
 LEASE_TRIES = 4  # reads of one object before a LEASE_EXPIRED is an error
 
@@ -121,6 +139,8 @@ class Master:
         helptext = subprocess.run([str(self.binary), "--helpfull"], capture_output=True, text=True).stdout
         if "-metrics_host" in helptext:  # older masters (the CUDA 13 wheel 0.3.11) bind metrics on all addresses
             args.append("--metrics_host=127.0.0.1")
+        if "-rpc_address" in helptext:  # its RPC port binds 0.0.0.0 by default
+            args.append("--rpc_address=127.0.0.1")
         if self.kv_lease_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.kv_lease_ms}")
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -154,8 +174,123 @@ class Master:
         self.stop()
 
 
+def listeners(pid: int) -> list:
+    """(address, port) of every TCP socket process ``pid`` listens on (Linux: its socket inodes in
+    /proc/<pid>/fd matched with /proc/net/tcp and tcp6); '0.0.0.0' and '::' are every address."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    out = []
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = f[1].split(":")
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))  # each 32-bit word little-endian
+            out.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return sorted(out)
+
+
 class StoreError(RuntimeError):
     """A handle or key whose object is not (or not yet) readable; the message says which and why."""
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def handle_key(handle) -> str:
+    """The object key of a handle (an answer's ``meta_info["eagle3_dump"]`` of the Mooncake sink) or of
+    a key given as it is; StoreError for anything else (a file sink's handle, a malformed one)."""
+    if isinstance(handle, str) and handle:
+        return handle
+    if isinstance(handle, dict):
+        if handle.get("sink", "mooncake") != "mooncake":
+            raise StoreError(f"the handle is a {handle.get('sink')!r} sink's ({str(handle)[:120]}), not a Mooncake "
+                             f"object's; read its file from the dump directory")
+        key = handle.get("key")
+        if isinstance(key, str) and key:
+            return key
+    raise StoreError(f"{str(handle)[:120]!r} is not a handle of the Mooncake sink (an answer's "
+                     f"meta_info['eagle3_dump'] with its 'key') nor a key")
+
+
+def check_manifest(man, key: str) -> dict:
+    """``man`` (a manifest as read) checked field by field for the object ``key``: ``version`` 1,
+    ``handle`` = ``key``, ``metadata`` a dict of strings with ``total_aligned_bytes`` a non-negative
+    int, ``tensors`` a dict of name -> {shape: non-negative ints, dtype: one of ``DTYPES``, nbytes: the
+    shape's elements times the dtype's size, offset: a multiple of ``ALIGN``}, every tensor inside
+    the object and none overlapping another. Returns {name: (offset, nbytes, dtype name, shape)};
+    StoreError (one line naming the field) otherwise, before any byte is read."""
+    def bad(what: str) -> StoreError:
+        return StoreError(f"the manifest of {key} is malformed: {what}; nothing read (the object was not written by "
+                          f"this project's Mooncake sink, or was damaged)")
+
+    if not isinstance(man, dict):
+        raise bad(f"it is a {type(man).__name__}, not an object")
+    extra = sorted(map(str, set(man) - {"version", "handle", "tensors", "metadata"}))
+    if extra:
+        raise bad(f"unknown fields {extra}")
+    if not _int(man.get("version")) or man["version"] != MANIFEST_VERSION:
+        raise StoreError(f"the manifest of {key} is version {man.get('version')!r}; this reader knows version "
+                         f"{MANIFEST_VERSION}")
+    if man.get("handle") != key:
+        raise bad(f"its handle {str(man.get('handle'))[:80]!r} is not the key")
+    meta = man.get("metadata")
+    if not isinstance(meta, dict):
+        raise bad("metadata is not an object")
+    total = meta.get(TOTAL)
+    if not _int(total) or total < 0:
+        raise bad(f"metadata {TOTAL}={total!r} is not a non-negative integer")
+    odd = [k for k, v in meta.items() if not isinstance(k, str) or (k != TOTAL and not isinstance(v, str))]
+    if odd:
+        raise bad(f"metadata {str(odd[0])[:60]!r} is not a string")
+    tensors = man.get("tensors")
+    if not isinstance(tensors, dict):
+        raise bad("tensors is not an object")
+    out, spans = {}, []
+    for name, spec in tensors.items():
+        if not isinstance(spec, dict) or set(spec) != {"shape", "dtype", "nbytes", "offset"}:
+            raise bad(f"tensor {str(name)[:60]!r} is not {{shape, dtype, nbytes, offset}}")
+        shape, dtype, nbytes, offset = spec["shape"], spec["dtype"], spec["nbytes"], spec["offset"]
+        if not isinstance(shape, list) or not all(_int(d) and d >= 0 for d in shape):
+            raise bad(f"tensor {name!r} has shape {str(shape)[:60]}, not a list of non-negative integers")
+        dname = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+        if dname not in DTYPES:
+            raise bad(f"tensor {name!r} has dtype {str(dtype)[:40]!r}, not one of {', '.join(DTYPES)}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not _int(nbytes) or nbytes != numel * DTYPES[dname]:
+            raise bad(f"tensor {name!r} has nbytes {str(nbytes)[:40]}, its shape {shape} of {dname} is "
+                      f"{numel * DTYPES[dname]} bytes")
+        if not _int(offset) or offset < 0 or offset % ALIGN:
+            raise bad(f"tensor {name!r} has offset {str(offset)[:40]}, not a non-negative multiple of {ALIGN}")
+        if offset + nbytes > total:
+            raise bad(f"tensor {name!r} ends at byte {offset + nbytes}, past the object's {total}")
+        out[name] = (offset, nbytes, dname, tuple(shape))
+        spans.append((offset, offset + nbytes, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise bad(f"tensors {a!r} and {b!r} overlap")
+    last = spans[-1][1] if spans else 0
+    if total > -(-last // ALIGN) * ALIGN:
+        raise bad(f"metadata {TOTAL}={total} is more than its tensors take ({last} bytes, aligned)")
+    return out
 
 
 class StoreReader:
@@ -226,7 +361,7 @@ class StoreReader:
     def manifest(self, handle, timeout: float = 0.0) -> dict:
         """The manifest of a handle (``meta_info["eagle3_dump"]``) or key, waiting up to ``timeout``
         seconds for it to appear (the answer may come before the object is in the store)."""
-        key = handle["key"] if isinstance(handle, dict) else str(handle)
+        key = handle_key(handle)
         deadline = time.monotonic() + timeout
         while (code := self.store.is_exist(key + META_SUFFIX)) != 1:
             if self.store.is_exist(key + ERROR_SUFFIX) == 1:
@@ -253,11 +388,13 @@ class StoreReader:
         raw = bytes(buf[:got].numpy())
         try:
             man = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise StoreError(f"the manifest of {key} is not JSON ({exc})") from None
-        if man.get("version") != MANIFEST_VERSION or man.get("handle") != key:
-            raise StoreError(f"the manifest of {key} is version {man.get('version')!r} for {man.get('handle')!r}; "
-                             f"this reader knows version {MANIFEST_VERSION}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise StoreError(f"the manifest of {key} is not JSON ({' '.join(str(exc).split())[:120]})") from None
+        check_manifest(man, key)
+        if isinstance(handle, dict) and "manifest" in handle and handle["manifest"] != man:
+            raise StoreError(f"the store's manifest of {key} is not the one the answer carried: the object was "
+                             f"written again since (another launch, or another request with the same rid); "
+                             f"nothing read")
         return man
 
     def tensors(self, handle, timeout: float = 0.0, delete: bool = False) -> tuple:
@@ -267,7 +404,11 @@ class StoreReader:
         import torch
 
         man = self.manifest(handle, timeout)
-        key, total = man["handle"], int(man["metadata"]["total_aligned_bytes"])
+        key, total = man["handle"], man["metadata"][TOTAL]
+        specs = check_manifest(man, key)
+        size = self.store.get_size(key)
+        if size >= 0 and size != total:  # before a buffer of the manifest's size is allocated
+            raise StoreError(f"the object {key} has {size} bytes, its manifest says {total}; nothing read")
         got, buf = self._read(key, total)
         if got == LEASE_EXPIRED:
             raise self._lease_error(key, total)
@@ -277,13 +418,9 @@ class StoreReader:
         if got != total:
             raise StoreError(f"the object {key} gave {got} bytes, its manifest says {total}")
         out = {}
-        for name, spec in man["tensors"].items():
-            dtype = getattr(torch, str(spec["dtype"]).replace("torch.", ""))
-            end = int(spec["offset"]) + int(spec["nbytes"])
-            if end > total:
-                raise StoreError(f"{key}: tensor {name} ends at byte {end}, past the object's {total}")
-            out[name] = buf[int(spec["offset"]):end].view(dtype).view(tuple(spec["shape"])).clone()
-        meta = {k: v for k, v in man["metadata"].items() if k != "total_aligned_bytes"}
+        for name, (offset, nbytes, dtype, shape) in specs.items():
+            out[name] = buf[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape).clone()
+        meta = {k: v for k, v in man["metadata"].items() if k != TOTAL}
         if delete:
             self.delete(key)
         return out, meta
@@ -300,6 +437,6 @@ class StoreReader:
         """Remove a request's object and manifest (the manifest first: a reader never finds a
         manifest without its data), and its error marker. Forced: this reader's own look at the
         object gave it a lease (Mooncake refuses a plain removal under one for its ``default_kv_lease_ttl``)."""
-        key = handle["key"] if isinstance(handle, dict) else str(handle)
+        key = handle_key(handle)
         for k in (key + META_SUFFIX, key, key + ERROR_SUFFIX):
             self.store.remove(k, force=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .applier import edit_causes, git_apply, plan_series
 from .errors import EaglepatchError, RefusedError
+from .interrupts import stop_point
 from .lock import tree_lock
 from .outputs import owner_writable, scratch_dir, write_atomic
 from .series import Series
@@ -182,11 +183,14 @@ def _read_phase(tree: UpstreamTree, series: Series, level: str, notes: list, say
         # written to this copy, and a link kept as a link would write through into the user's tree
         shutil.copytree(tree.package_parent / "sglang", pp / "sglang", symlinks=False,
                         ignore=_copy_ignore, ignore_dangling_symlinks=True)
+        stop_point("verify-copying")
         for d in tree.package_parent.glob("sglang-*.dist-info"):
             shutil.copytree(d, pp / d.name, symlinks=False, ignore=_copy_ignore, ignore_dangling_symlinks=True)
         owner_writable(pp)  # the copy is ours: a read-only directory of the tree must not stay one
-    except (OSError, shutil.Error) as exc:
+    except BaseException as exc:  # an interrupt (Ctrl-C, SIGTERM: tools/verify.py) too: the copy goes
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, (OSError, shutil.Error)):
+            raise
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "some files could not be copied"
         raise RefusedError(f"cannot copy the tree for the smoke tests: {why}",
                            "free space in the temp dir (TMPDIR) or fix the tree's permissions, or pass --smoke none") \

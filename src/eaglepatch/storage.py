@@ -6,14 +6,18 @@
   ``q.to(dtype) * scale.to(dtype)``, so every reader yields the same tensors.
 - left out: states a reader rebuilds from the target's weights (``Rebuilder``): the embedding
   output of vocabulary rows (``embed_tokens.weight[id]``) and the post-norm final state (the final
-  RMSNorm of the last layer's pre-norm output).
+  RMSNorm of the last layer's pre-norm output). Each left-out entry records the digest of the
+  checkpoint tensor the server ran (the overlay's ``eagle3_capture/weights.py``); ``Rebuilder.check``
+  refuses a directory whose tensor is another.
 
 ``rebuild_error`` measures a rebuild against a stored copy (how the rebuild is proven).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -26,6 +30,23 @@ SINGLE_FILE = "model.safetensors"
 # where a checkpoint keeps its text model: a causal LM ("model."), Kimi-K2.5's wrapper
 # ("language_model.model."), transformers' newer multimodal layout ("model.language_model.")
 PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+# the digest a dump records of the tensor each left-out state is rebuilt from: sha256 of
+# ``digest_head`` and the tensor's raw bytes (the overlay's ``weights.DIGEST_TAG``/``digest_head``,
+# held to each other by tests/test_rebuild_identity.py)
+DIGEST_TAG = b"eaglepatch-rebuild-weights/1\n"
+SOURCES = {"layer.-1": "embedding", "final": "norm"}  # left-out state -> the tensor it is rebuilt from
+RECORD_FIELDS = ("dtype", "sha256", "shape", "tensor")  # a ``weights`` record's
+DUMMY_RECORD = {"load_format": "dummy"}  # what a server with random weights records instead
+STORE_FIX = "EAGLE3_DUMP_REBUILDABLE=store"
+_DIGESTS: dict = {}  # (file identity, tensor name) -> record: each checkpoint file hashed once per process
+_DIGESTS_LOCK = threading.Lock()
+
+
+def digest_head(name: str, dtype: str, shape) -> bytes:
+    """What the digest hashes before the tensor's bytes: ``DIGEST_TAG``, then name, dtype (as the
+    safetensors header spells it) and shape as JSON with sorted keys, then a newline."""
+    return DIGEST_TAG + json.dumps({"dtype": dtype, "shape": [int(x) for x in shape], "tensor": name},
+                                   sort_keys=True).encode() + b"\n"
 
 
 def quantize_rows(x):
@@ -87,13 +108,15 @@ class Rebuilder:
     ``model_dir``: the embedding (``<prefix>embed_tokens.weight``) and the final norm's weight
     (``<prefix>norm.weight``), with ``<prefix>`` one of ``PREFIXES``. Only the shard(s) that hold
     them are opened (the safetensors index, or a single ``model.safetensors``) and only those two
-    tensors loaded, on first use, once (thread-safe). Problems raise ``UsageError``."""
+    tensors loaded, on first use, once (thread-safe); ``check`` refuses a dump whose recorded digest
+    of the served tensor is not this directory's. Problems raise ``UsageError``."""
 
     def __init__(self, model_dir):
         self.model_dir = Path(model_dir)
         self._lock = threading.Lock()
         self._names: dict | None = None  # tensor name -> shard file, of the two tensors
         self._tensors: dict = {}
+        self._records: dict = {}  # which -> the digest record of the tensor loaded (``weights``)
 
     # ---- finding the tensors -------------------------------------------------------------------
     def _fix(self) -> str:
@@ -155,8 +178,10 @@ class Rebuilder:
             from safetensors import safe_open
 
             try:
+                identity = _file_identity(path, name)
                 with safe_open(str(path), framework="pt") as f:
                     t = f.get_tensor(name)
+                    dtype = f.get_slice(name).get_dtype()
             except FileNotFoundError:
                 raise UsageError(f"{path} (the shard that holds {name}) does not exist", self._fix()) from None
             except Exception as exc:
@@ -166,8 +191,38 @@ class Rebuilder:
             if t.dim() != want_dim or not t.dtype.is_floating_point or t.element_size() < 2:
                 raise UsageError(f"{name} in {path} is {t.dtype} {tuple(t.shape)}, not a {want_dim}-d bf16/fp16/fp32 "
                                  f"tensor", self._fix())
+            self._records[which] = _record(identity, name, dtype, t)
             self._tensors[which] = t
             return t
+
+    def weights(self, which: str) -> dict:
+        """The digest record (``tensor``, ``dtype``, ``shape``, ``sha256``) of the tensor ``which``
+        ("embedding" | "norm") this directory rebuilds from, as a dump records the served one's."""
+        self._load(which)
+        return self._records[which]
+
+    def check(self, state: str, recorded, served: str, file: str) -> None:
+        """UsageError (one line) unless ``recorded`` (a dump's ``left_out[state]["weights"]``; None:
+        the file has none) is the record of the tensor this directory rebuilds ``state`` from: the
+        file's ``served`` model path and this directory must hold the same tensor, bit for bit."""
+        if recorded is None:
+            raise UsageError(f"{file} leaves out {state} but records no digest of the weights it is rebuilt from "
+                             f"(written before eaglepatch recorded one), so nothing ties it to {self.model_dir}",
+                             f"dump it again with this checkout's series (python3 tools/apply.py or tools/serve.py), "
+                             f"or with {STORE_FIX}")
+        if recorded == DUMMY_RECORD:
+            raise UsageError(f"{file} was dumped by a server with --load-format dummy (random weights): its left-out "
+                             f"{state} cannot be rebuilt from {self.model_dir} or any model directory",
+                             f"dump with the checkpoint's weights (--load-format auto), or with {STORE_FIX}")
+        mine = self.weights(SOURCES[state])
+        if recorded != mine:
+            def said(r):
+                return f"{r['tensor']} ({r['dtype']} {r['shape']}, sha256 {r['sha256'][:16]})"
+
+            raise UsageError(f"{file} was dumped from {served}, whose {said(recorded)} its {state} is rebuilt from, "
+                             f"but {self.model_dir} holds {said(mine)}: another checkpoint, whose rebuilt states would "
+                             f"silently differ", f"pass the directory the server loaded ({served}), with the weights it "
+                             f"served then, as the model directory (tools/extract.py --model)")
 
     # ---- rebuilding ----------------------------------------------------------------------------
     def embedding(self, ids, dtype=None, hidden_size: int | None = None):
@@ -197,4 +252,28 @@ class Rebuilder:
         return rms_final(pre_norm, w, eps)
 
 
-__all__ = ["FP8_MAX", "SCALE_MIN", "quantize_rows", "dequantize", "rms_final", "rebuild_error", "Rebuilder"]
+def _file_identity(path: Path, name: str):
+    """What names a checkpoint file's tensor in the digest cache: its real path, device, inode, size
+    and change time (a file replaced or rewritten is another)."""
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, name)
+
+
+def _record(identity, name: str, dtype: str, t) -> dict:
+    """The digest record of tensor ``t`` (``name``, its safetensors ``dtype``) loaded from the file of
+    ``identity``: computed from its bytes once per process and file."""
+    import torch
+
+    with _DIGESTS_LOCK:
+        got = _DIGESTS.get(identity)
+    if got is None:
+        shape = [int(x) for x in t.shape]
+        h = hashlib.sha256(digest_head(name, dtype, shape))
+        h.update(t.contiguous().view(torch.uint8).numpy())
+        got = {"tensor": name, "dtype": dtype, "shape": shape, "sha256": h.hexdigest()}
+        with _DIGESTS_LOCK:
+            _DIGESTS[identity] = got
+    return dict(got)
+
+
+__all__ = ["FP8_MAX", "SCALE_MIN", "quantize_rows", "dequantize", "rms_final", "rebuild_error", "Rebuilder", "digest_head"]

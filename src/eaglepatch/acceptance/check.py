@@ -53,7 +53,9 @@ class Inputs:
     data: Path
     states: Path | None = None
     served: Path | None = None
-    release: str = "0.5.17"
+    # the release judged for (``guard.judged_release``: --release, else the one that dumped ``data``) and why
+    release: str | None = None
+    release_from: str = ""
     unpatched: bool = False
     steps: int = 3
     topk: int = 1
@@ -71,11 +73,22 @@ class Inputs:
 
 def _json(path: Path, what: str, fix: str):
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise UsageError(f"{what} {path} does not exist", fix) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})", fix) from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than Python's stack
         raise UsageError(f"{what} {path} is not readable JSON ({type(exc).__name__})", fix) from None
+
+
+def _int_field(cfg: dict, key: str, where: str, fix: str) -> int:
+    """``cfg[key]`` as a positive integer (not a bool, not a string of digits); a usage error naming the
+    file otherwise."""
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UsageError(f"{where} has {key} {v!r}, not a positive integer", fix)
+    return v
 
 
 def check_settings(i: Inputs) -> None:
@@ -97,21 +110,71 @@ def check_settings(i: Inputs) -> None:
                          "e.g. 1")
 
 
+TARGET_FIX = ("pass --target the checkpoint directory the draft was trained for (config.json and its safetensors "
+              "weights: model.safetensors.index.json with its shards, or one model.safetensors)")
+
+
 def target_config(target: Path) -> dict:
-    """The target's config.json (its text config for a multimodal checkpoint) with the LM head's
-    shard index SpecForge's TargetHead reads; a one-line usage error otherwise."""
-    fix = "pass --target the checkpoint directory the draft was trained for (config.json, model.safetensors.index.json)"
-    cfg = _json(Path(target) / "config.json", "the target config", fix)
+    """The target's config.json (its text config for a multimodal checkpoint), with safetensors
+    weights beside it: an index (``model.safetensors.index.json``) or a single ``model.safetensors``
+    (``head_dir`` gives SpecForge's TargetHead, which finds the LM head through an index, one); a
+    one-line usage error otherwise."""
+    cfg = _json(Path(target) / "config.json", "the target config", TARGET_FIX)
     if not isinstance(cfg, dict):
-        raise UsageError(f"the target config {target}/config.json is no JSON object", fix)
+        raise UsageError(f"the target config {target}/config.json is no JSON object", TARGET_FIX)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     for k in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if not isinstance(text.get(k), int) or isinstance(text.get(k), bool):
-            raise UsageError(f"the target config {target}/config.json has no integer {k}", fix)
-    if not (Path(target) / "model.safetensors.index.json").is_file():
-        raise UsageError(f"{target} has no model.safetensors.index.json (SpecForge's TargetHead finds the LM head "
-                         f"through it)", fix)
+        _int_field(text, k, f"the target config {target}/config.json", TARGET_FIX)
+    if not any((Path(target) / f).is_file() for f in (INDEX, SINGLE)):
+        raise UsageError(f"{target} has neither {INDEX} nor {SINGLE} (the LM head and the embedding come from the "
+                         f"target's weights)", TARGET_FIX)
     return text
+
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def _safetensors_names(path: Path, what: str, fix: str) -> list:
+    """The tensor names of the safetensors file ``path`` (its header, read without torch); a one-line
+    usage error naming the file when it is no readable safetensors file (empty, truncated, a
+    directory, another format)."""
+    from .storage_check import header
+
+    try:
+        if not path.is_file():
+            raise UsageError(f"{what} {path} is not a file", fix)
+        size = path.stat().st_size
+        start, _, table = header(path)
+        ends = [e["data_offsets"][1] for e in table.values()]
+        if not isinstance(table, dict) or start + max(ends, default=0) > size:
+            raise ValueError("its tensors end past the end of the file")
+    except UsageError:
+        raise
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path} ({exc.strerror or type(exc).__name__})", fix) from None
+    except Exception as exc:  # struct.error (shorter than a header), JSON, a table of other shape
+        import struct
+
+        why = ("shorter than a safetensors header" if isinstance(exc, struct.error) else str(exc)[:80]
+               if isinstance(exc, ValueError) and "past the end" in str(exc) else type(exc).__name__)
+        raise UsageError(f"{what} {path} is no readable safetensors file (empty, truncated or another format: {why})",
+                         fix) from None
+    return list(table)
+
+
+def head_dir(target: Path, scratch: Path) -> Path:
+    """A directory SpecForge's TargetHead reads the LM head from: ``target`` when it has its index;
+    for a single-file checkpoint, ``scratch`` made a view of it (a link to each of its files and
+    the index a sharded checkpoint would have, its weight map read from the file's header)."""
+    target = Path(target)
+    if (target / INDEX).is_file():
+        return target
+    names = _safetensors_names(target / SINGLE, "the target's weights", TARGET_FIX)
+    scratch.mkdir(parents=True, exist_ok=True)
+    for f in target.iterdir():
+        (scratch / f.name).symlink_to(f.resolve())
+    (scratch / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {k: SINGLE for k in names}}))
+    return scratch
 
 
 def draft_config(draft: Path, target: dict) -> dict:
@@ -124,8 +187,9 @@ def draft_config(draft: Path, target: dict) -> dict:
     if "speculators_model_type" in cfg:
         raise UsageError(f"{draft} is a speculators draft: its weights are not replayed by this tool (it replays "
                          f"SpecForge's LlamaForCausalLMEagle3)", "check its layers with tools/guard.py; " + fix)
-    if cfg.get("hidden_size") != target["hidden_size"]:
-        raise UsageError(f"the draft's hidden_size {cfg.get('hidden_size')} is not the target's {target['hidden_size']}",
+    where = f"the draft config {draft}/config.json"
+    if _int_field(cfg, "hidden_size", where, fix) != target["hidden_size"]:
+        raise UsageError(f"the draft's hidden_size {cfg['hidden_size']} is not the target's {target['hidden_size']}",
                          "pass the draft trained for this target")
     return cfg
 
@@ -327,13 +391,57 @@ def figures(metas: list, steps: int) -> dict:
             "chain_unbounded": round(lang_mod.chain_accept_length(rates), 4)}
 
 
+SAMPLE_FIX = "pass a specforge-format dataset written by tools/extract.py (its samples as it wrote them)"
+
+
+def check_samples(files: list, target: dict, aux_layers: int) -> None:
+    """Each specforge sample of ``files`` as the replay reads it (``train.read_sample``): a torch.save
+    dict of ``input_ids`` [T] (token ids of the target's vocabulary), ``loss_mask`` [T],
+    ``hidden_state`` [1, T, H] and ``aux_hidden_state`` [1, T, aux_layers * H], H the target's
+    hidden size; a one-line usage error naming the first file that is not (unreadable, another
+    format, another model's width). Read memory-mapped: the states are not loaded."""
+    import torch
+
+    H, V = target["hidden_size"], target["vocab_size"]
+    for f in files:
+        try:
+            try:
+                d = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:  # a file torch.save wrote without its zip format cannot be mapped
+                if "mmap" not in str(exc):
+                    raise
+                d = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle, zip and torch's own errors: whatever the bytes are, one line
+            raise UsageError(f"--data sample {f} is not a readable torch.save file ({type(exc).__name__})",
+                             SAMPLE_FIX) from None
+        t = {k: d.get(k) for k in ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")} \
+            if isinstance(d, dict) else {}
+        if not t or not all(isinstance(v, torch.Tensor) for v in t.values()):
+            lack = [k for k, v in t.items() if not isinstance(v, torch.Tensor)] if t else ["a dict of tensors"]
+            raise UsageError(f"--data sample {f} holds no {', '.join(lack)}", SAMPLE_FIX)
+        ids, mask, hs, aux = t["input_ids"], t["loss_mask"], t["hidden_state"], t["aux_hidden_state"]
+        T = ids.shape[0] if ids.dim() == 1 else -1
+        want = {"input_ids": (ids, (T,)), "loss_mask": (mask, (T,)), "hidden_state": (hs, (1, T, H)),
+                "aux_hidden_state": (aux, (1, T, aux_layers * H))}
+        for k, (v, shape) in want.items():
+            if T < 1 or tuple(v.shape) != shape:
+                raise UsageError(f"--data sample {f}: {k} is {list(v.shape)}, not {list(shape)} (T tokens; a "
+                                 f"{H}-wide target, {aux_layers} aux layers as the manifest records)", SAMPLE_FIX)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise UsageError(f"--data sample {f}: input_ids are not token ids of the target's {V}-token vocabulary",
+                             SAMPLE_FIX)
+        if not (hs.dtype.is_floating_point and aux.dtype.is_floating_point):
+            raise UsageError(f"--data sample {f}: the states are {hs.dtype} and {aux.dtype}, not floating point",
+                             SAMPLE_FIX)
+
+
 class Replayer:
     """The draft built from its directory (``train.DraftRun`` with the trained weights), replaying
     samples: the data's own, or ones whose aux states are a reading's slots read from dump files.
     Samples and dumps are read one at a time as the replay goes (a real target's states do not
     fit in memory at once)."""
 
-    def __init__(self, i: Inputs, cfg: dict):
+    def __init__(self, i: Inputs, cfg: dict, target: dict, aux_layers: int, scratch: Path):
         from . import train
 
         self.i = i
@@ -341,9 +449,18 @@ class Replayer:
         if not self.data_files:
             raise UsageError(f"--data {i.data} holds no sample (*.ckpt)", "pass a specforge-format dataset directory "
                              "written by tools/extract.py")
+        check_samples(self.data_files, target, aux_layers)
         self._dumps = dump_index(i.states) if i.states else None
         self._held = {}
-        self.run = train.DraftRun(Path(i.target), cfg, i.steps, i.device)
+        fix = "pass a directory as SpecForge or this project's export writes it (config.json and model.safetensors)"
+        for f in sorted(Path(i.draft).glob("*.safetensors")):
+            _safetensors_names(f, "the draft's weights", fix)
+        try:
+            self.run = train.DraftRun(head_dir(Path(i.target), scratch / "target"), cfg, i.steps, i.device)
+        except (TypeError, ValueError, KeyError, AttributeError, AssertionError) as exc:
+            raise UsageError(f"the draft config {i.draft}/config.json does not build SpecForge's "
+                             f"LlamaForCausalLMEagle3 ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})",
+                             "pass the config.json the draft was trained with") from None
         self.loaded = self.run.load_weights(Path(i.draft))
 
     def replay(self, samples) -> dict:
@@ -454,7 +571,10 @@ def outcome(res: dict) -> tuple[int, str]:
     tolerance of the prediction; 1 otherwise, naming each cause and the diagnosis."""
     bad = []
     if not res["guard"]["ok"]:
-        bad.append("guard: the draft's config does not read the data's layers on this release")
+        rel = res.get("release") or {}
+        on = ("sglang %s %s" % (rel["release"], "unpatched" if rel.get("unpatched") else "with the series")
+              if rel.get("release") else "this release")
+        bad.append("guard: the draft's config does not read the data's layers on %s" % on)
     o, p = res["observed"]["accept_length"], res["predicted"]["accept_length"]
     head = "%s %.3f vs predicted %.3f" % (res["observed"]["kind"], o, p)
     if not res["within_tolerance"]:
@@ -476,15 +596,21 @@ def check(i: Inputs, say=print, serving=None) -> dict:
     """Every step in turn (see the module docstring); the result the report is written from.
     ``serving`` (``serve_check.Serving``): started once the inputs are checked and the draft's
     weights loaded (its server starts while the prediction runs), finished after the prediction
-    (the path of the figures it wrote, read back as ``--served``'s are), stopped whatever happens."""
+    (the path of the figures it wrote, read back as ``--served``'s are), stopped whatever happens.
+    A scratch directory (``head_dir``'s view of a single-file target) is removed at the end."""
+    import shutil
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="eaglepatch-check-draft-"))
     try:
-        return _check(i, say, serving)
+        return _check(i, say, serving, scratch)
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         if serving is not None:
             serving.stop()
 
 
-def _check(i: Inputs, say, serving) -> dict:
+def _check(i: Inputs, say, serving, scratch: Path) -> dict:
     from .. import conventions, guard
 
     import warnings
@@ -495,6 +621,10 @@ def _check(i: Inputs, say, serving) -> dict:
     n = tcfg["num_hidden_layers"]
     draft = guard.read_draft(i.draft)
     data = guard.read_dataset(i.data)
+    if i.release is None:  # the library called without a release: as the tool judges it
+        i.release, i.release_from = guard.judged_release(data, None)
+    release = {"release": i.release, "from": i.release_from, "unpatched": i.unpatched,
+               "line": guard.release_line(i.release, i.release_from, i.unpatched)}
     if data.dataset_format not in (None, "specforge"):
         raise UsageError(f"--data {i.data} is a {data.dataset_format} dataset; the replay reads specforge-format "
                          f"samples", "extract the held-out conversations with tools/extract.py --format specforge")
@@ -511,11 +641,15 @@ def _check(i: Inputs, say, serving) -> dict:
     sem = guard.release_semantics(i.release, unpatched=i.unpatched)
     guard.check_storage(draft, data)
     gv = guard.check(draft, data, sem)
-    res = {"inputs": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(i).items()},
+    if len(data.layer_ids) != 3:
+        raise UsageError(f"--data {i.data} holds {len(data.layer_ids)} aux layers (EAGLE-3 ids {data.layer_ids}); "
+                         f"SpecForge's draft, which the replay runs, takes exactly three",
+                         "extract the held-out conversations with three --aux-layers, the draft's")
+    res = {"release": release, "inputs": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(i).items()},
            "target": {"num_hidden_layers": n, "hidden_size": tcfg["hidden_size"]},
            "guard": {"ok": gv.ok, "served_hf": gv.served_hf, "lines": gv.lines, "reading": sem.source},
            "data": {"hf": data.hf, "layer_ids": data.layer_ids, "format": data.dataset_format}}
-    rep = Replayer(i, dcfg)
+    rep = Replayer(i, dcfg, tcfg, len(data.layer_ids), scratch)
     if serving is not None:  # the inputs are checked and the draft's weights fit: the server starts
         serving.start()      # while the readings are checked and the prediction runs
     res["draft"] = {"config_ids": draft.layer_ids, "family": draft.family, "weights": rep.loaded}
@@ -542,6 +676,7 @@ def _check(i: Inputs, say, serving) -> dict:
         raise UsageError(f"the draft cannot be replayed on what sglang {i.release} feeds it ({why})",
                          "dump the layers it is fed and the final state (tools/serve.py --layers, --final 1) or "
                          "pass --served FILE")
+    say(release["line"])  # every input checked: from here on a refusal is no usage error
     pred = rep.predicted()
     if pred["accept_length"] is None:
         raise UsageError(f"--data {i.data} holds no answer of two tokens or more (loss-masked runs) to replay",

@@ -11,8 +11,11 @@ file name of the series before) and ``input_source``.
 Compact files (format ``eagle3-dump/2``, docs/design.md "Compact storage") store states as fp8 with
 a scale per row and/or leave out what the target's weights rebuild (the embedding rows of the
 vocabulary, the post-norm final state); ``load_dump`` gives the same ``Dump`` for both formats:
-dequantised as speculators' hs-connectors does, rebuilt with an ``eaglepatch.storage.Rebuilder``.
-A value this reader does not know (storage dtype, scale layout, something left out) is refused.
+dequantised as speculators' hs-connectors does, rebuilt with an ``eaglepatch.storage.Rebuilder``
+only when the digest each left-out entry records of the served checkpoint's tensor is that of the
+rebuilder's directory (``Rebuilder.check``: another checkpoint, or a file with no digest, is
+refused in one line). A value this reader does not know (storage dtype, scale layout, something
+left out) is refused.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ MODEL_DTYPES = ("bfloat16", "float16", "float32")
 SCALE_LAYOUTS = {"none": False, "per_token_per_state": True}  # scale_layout -> whether states are fp8
 EMBEDDING = "layer.-1"
 SCALE_PREFIX, ROWS_PREFIX = "scale.", "rows."
-# what a /2 file may leave out: state -> its rebuild kind and the fields of its ``left_out`` entry
+# what a /2 file may leave out: state -> its rebuild kind and the fields of its ``left_out`` entry, besides
+# ``weights`` (the served tensor's digest record, ``WEIGHTS``; a file without it is refused by ``Rebuilder.check``)
 LEFT_OUT = {EMBEDDING: ("embed_tokens", ("rebuild", "rows")), "final": ("final_norm", ("rebuild", "from", "eps"))}
+WEIGHTS = "weights"
 REBUILD_FIX = ("pass the served model's directory with its weights (tools/extract.py --model DIR; "
                "load_dump(..., rebuilder=eaglepatch.storage.Rebuilder(DIR)))")
 
@@ -65,16 +70,30 @@ def rid_key(rid: str) -> str:
     return hashlib.sha256(rid.encode("utf-8")).hexdigest()
 
 
+DIRS_META = "dump_dirs"  # the server's EAGLE3_DUMP_DIR directories, in its order (JSON; the file sink's)
+
+
 def dump_dirs(directory: Path | str) -> list[Path]:
     """The directories of a dump directory as the server's ``EAGLE3_DUMP_DIR`` names them: one, or
-    several separated by ``os.pathsep`` (one per local disk)."""
-    return [Path(part.strip()) for part in str(directory).split(os.pathsep)]
+    several separated by ``os.pathsep`` (one per local disk); ``~`` expanded."""
+    return [Path(os.path.expanduser(part.strip())) for part in str(directory).split(os.pathsep)]
+
+
+def _dir_identity(path: str):
+    """What makes two names one directory: its device and inode where it exists (a symlink, a bind
+    mount), else its real path."""
+    try:
+        st = os.stat(path)
+        return ("inode", st.st_dev, st.st_ino)
+    except OSError:
+        return ("path", os.path.realpath(path))
 
 
 def dump_dir_entries(value) -> list[Path]:
     """``dump_dirs`` of a ``--dump-dir`` value as given (``tools/serve.py`` and ``tools/extract.py``),
-    refused (``UsageError``) when an entry is empty (``Path("")`` would be the working directory) or
-    names a directory already listed, as the server refuses its ``EAGLE3_DUMP_DIR``."""
+    ``~`` expanded, refused (``UsageError``) when an entry is empty (``Path("")`` would be the working
+    directory) or names a directory already listed, as itself or through a link (the server would
+    spread files over one directory twice, and the client look for half of them in the wrong one)."""
     from ..errors import UsageError
 
     parts = [part.strip() for part in str(value).split(os.pathsep)]
@@ -82,10 +101,18 @@ def dump_dir_entries(value) -> list[Path]:
         raise UsageError(f"--dump-dir {str(value)!r} has an empty entry",
                          f"pass one directory, or several separated by {os.pathsep!r} (one per disk), as the "
                          f"server's EAGLE3_DUMP_DIR")
-    norm = [os.path.normpath(os.path.abspath(os.path.expanduser(part))) for part in parts]
+    parts = [os.path.expanduser(part) for part in parts]
+    norm = [os.path.normpath(os.path.abspath(part)) for part in parts]
+    once = "list each directory once, as the server's EAGLE3_DUMP_DIR"
+    seen: dict = {}
     for i, n in enumerate(norm):
         if n in norm[:i]:
-            raise UsageError(f"--dump-dir names {n} twice", "list each directory once, as the server's EAGLE3_DUMP_DIR")
+            raise UsageError(f"--dump-dir names {n} twice", once)
+        ident = _dir_identity(n)
+        if ident in seen:
+            raise UsageError(f"--dump-dir names {seen[ident]} and {n}, which are the same directory "
+                             f"({os.path.realpath(n)})", once)
+        seen[ident] = n
     return [Path(part) for part in parts]
 
 
@@ -179,6 +206,9 @@ def _no_match(path: Path, names, expected, together=()) -> BadDump:
 
 def _plain_states(path: Path, meta: dict, tensors: dict, state_names: list, T: int, H: int) -> dict:
     """``eagle3-dump/1``: every state whole, [T, H] in the model dtype."""
+    if meta["dtype"] not in MODEL_DTYPES:
+        raise BadDump(f"{path.name}: format {FORMAT} with dtype {meta['dtype']!r}, but {FORMAT} files hold their "
+                      f"states in the model dtype ({', '.join(MODEL_DTYPES)}; fp8 states are {FORMAT_COMPACT})")
     expected = set(state_names) | {"input_ids"}
     if set(tensors) != expected:
         raise _no_match(path, tensors, expected)
@@ -235,8 +265,12 @@ def _compact_settings(path: Path, meta: dict, layer_ids: list, has_final: bool) 
         if got != kind:
             raise BadDump(f"{path.name}: left_out[{name!r}] has rebuild kind {got!r}, this reader knows {kind!r}; "
                           f"read it with the eaglepatch of the server's series")
-        if sorted(entry) != sorted(fields):
-            raise BadDump(f"{path.name}: left_out[{name!r}] has fields {sorted(entry)}, this reader knows {list(fields)}")
+        if sorted(set(entry) - {WEIGHTS}) != sorted(fields):
+            raise BadDump(f"{path.name}: left_out[{name!r}] has fields {sorted(entry)}, this reader knows "
+                          f"{list(fields) + [WEIGHTS]}")
+        if WEIGHTS in entry and not _weights_record(entry[WEIGHTS]):
+            raise BadDump(f"{path.name}: left_out[{name!r}][{WEIGHTS!r}]={entry[WEIGHTS]!r} is not a record of a "
+                          f"checkpoint tensor this reader knows; read it with the eaglepatch of the server's series")
     emb, fin = left_out.get(EMBEDDING), left_out.get("final")
     if emb is not None and (emb["rows"] != "vocab" or -1 not in layer_ids):
         raise BadDump(f"{path.name}: left_out[{EMBEDDING!r}]={emb} (rows 'vocab' of a dumped layer.-1 is what this "
@@ -250,6 +284,19 @@ def _compact_settings(path: Path, meta: dict, layer_ids: list, has_final: bool) 
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
             raise BadDump(f"{path.name}: left_out['final'] eps={eps!r} is not a positive number")
     return _Compact(getattr(torch, model), storage, storage == FP8, left_out, vocab)
+
+
+def _weights_record(r) -> bool:
+    """Whether ``r`` is a ``weights`` record this reader knows: a checkpoint tensor's name, dtype,
+    shape and sha256 (``eaglepatch.storage.RECORD_FIELDS``), or the dummy-weights marker."""
+    from ..storage import DUMMY_RECORD, RECORD_FIELDS
+
+    if r == DUMMY_RECORD:
+        return True
+    return (isinstance(r, dict) and sorted(r) == sorted(RECORD_FIELDS) and isinstance(r["tensor"], str)
+            and isinstance(r["dtype"], str) and isinstance(r["shape"], list)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in r["shape"])
+            and isinstance(r["sha256"], str) and re.fullmatch("[0-9a-f]{64}", r["sha256"]) is not None)
 
 
 def _compact_states(path: Path, meta: dict, tensors: dict, state_names: list, T: int, H: int, c: _Compact,
@@ -290,6 +337,8 @@ def _compact_states(path: Path, meta: dict, tensors: dict, state_names: list, T:
     if c.left_out and rebuilder is None:
         raise BadDump(f"{path.name}: the dump leaves out {sorted(c.left_out)}, rebuilt from the target's weights, and "
                       f"no model directory was given to rebuild them; {REBUILD_FIX}")
+    for name in sorted(c.left_out):  # rebuilt only from the very tensors the server ran (UsageError otherwise)
+        rebuilder.check(name, c.left_out[name].get(WEIGHTS), meta.get("model_path", "?"), path.name)
     if EMBEDDING in c.left_out:
         out[EMBEDDING] = _rebuild_embedding(path, tensors, T, H, c, rebuilder, decode)
         rebuilt[EMBEDDING] = LEFT_OUT[EMBEDDING][0]
@@ -516,6 +565,41 @@ def remove_quietly(path: Path) -> None:
         pass
 
 
+EXACT_DIRS_FIX = ("pass the server's EAGLE3_DUMP_DIR exactly, every directory in its order (as this machine sees "
+                  "them), with --dump-dir")
+
+
+def server_dirs(meta: dict) -> list | None:
+    """The server's dump directories a dump's metadata names (``DIRS_META``; None: not named, a
+    series before it or another sink)."""
+    try:
+        dirs = json.loads(meta[DIRS_META])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return dirs if isinstance(dirs, list) and dirs and all(isinstance(d, str) for d in dirs) else None
+
+
+def dirs_problem(meta: dict, dump_dir, key: str | None = None) -> tuple[str, str] | None:
+    """(problem, fix) when the server that wrote a dump (its ``meta``) spreads its files over another
+    number of directories than ``dump_dir`` lists: the client looks for most files where they are not
+    (with fewer, those of the directories left out are never found). ``key``: the file looked for."""
+    theirs, mine = server_dirs(meta), dump_dirs(dump_dir)
+    if theirs is None or len(theirs) == len(mine):
+        return None
+    home = f" (the file of key {key[:16]}... is in its {theirs[spread(key, len(theirs))]})" if key else ""
+    return (f"the server spreads its dump files by key over {len(theirs)} directories (its EAGLE3_DUMP_DIR="
+            f"{os.pathsep.join(theirs)}) but --dump-dir {dump_dir} lists {len(mine)}{home}", EXACT_DIRS_FIX)
+
+
+def check_dump_dirs(meta: dict, dump_dir) -> None:
+    """UsageError (one line) when ``dirs_problem`` finds one: a run that goes on would miss files."""
+    from ..errors import UsageError
+
+    problem = dirs_problem(meta, dump_dir)
+    if problem:
+        raise UsageError(*problem)
+
+
 def no_dump_message(dump_dir: Path, what: str, key: str | None = None) -> tuple[str, str]:
     """(problem, fix) when /generate answered and the server flushed its dumps but the first request's
     file is not there; ``what`` names the request (rid, key ``key``) and the server."""
@@ -524,15 +608,26 @@ def no_dump_message(dump_dir: Path, what: str, key: str | None = None) -> tuple[
     if elsewhere:  # several directories, listed in another order (or another number) than the server's
         return (f"the dump file of {what} is in {elsewhere[0]}, but with --dump-dir {dump_dir} it belongs in "
                 f"{dump_path(dump_dir, key).parent}: the server spreads files over its EAGLE3_DUMP_DIR's "
-                f"directories in their order",
-                "pass the server's EAGLE3_DUMP_DIR exactly, every directory in its order, with --dump-dir")
+                f"directories in their order", EXACT_DIRS_FIX)
     others = any_server_dumps(Path(dump_dir))
+    metas = []
+    for p in others:
+        try:
+            metas.append(read_metadata(p))
+        except Exception:
+            continue
+    for meta in metas:  # the server's own directories, as its files name them
+        problem = dirs_problem(meta, dump_dir, key)
+        if problem:
+            return (f"no dump file appeared for {what} in {dump_dir}: {problem[0]}", problem[1])
     if others:
+        named = any(server_dirs(m) for m in metas)  # the other dumps say the directories are the server's
         return (f"/generate answered and the server flushed its dumps but no dump file appeared for {what} "
                 f"in {dump_dir}, although the directory holds {len(others)} other dump(s)",
-                "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) and rerun")
+                "look for 'EAGLE3_DUMP_DIR: dump ... failed' in the server log (a full disk?) and rerun"
+                + ("" if named else "; if the server's EAGLE3_DUMP_DIR lists more directories than --dump-dir, "
+                   + EXACT_DIRS_FIX))
     return (f"/generate answered and the server flushed its dumps but no dump file appeared for {what} in "
-            f"{dump_dir}: the server runs without EAGLE3_DUMP_DIR, or writes to a directory that is not "
-            f"{dump_dir} on this machine",
-            "start the patched server with EAGLE3_DUMP_DIR=<dir> and pass that same directory, as this "
-            "machine sees it, with --dump-dir")
+            f"{dump_dir}: the server runs without EAGLE3_DUMP_DIR, writes to a directory that is not "
+            f"{dump_dir} on this machine, or spreads its files over more directories than --dump-dir lists",
+            "start the patched server with EAGLE3_DUMP_DIR=<dir> and " + EXACT_DIRS_FIX)

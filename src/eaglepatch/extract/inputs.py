@@ -41,6 +41,7 @@ class Options:
     limit: int | None = None
     mask: str = "auto"
     aux_layers: list | None = None  # EAGLE-3 ids; None: the dumped layers except N-1
+    hidden_states_backend: str = "file"  # --format speculators: the speculators backend the export is for
     trust_remote_code: bool = False
     progress: bool | None = None  # None: only on a terminal
     log_every: float = 30.0  # without the bar: a progress line (samples, tokens/s, seconds per stage) this often

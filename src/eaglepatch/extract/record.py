@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import conventions
 from ..errors import UsageError
-from .writers import SAMPLE_EXT, SAMPLES_DIR, manifest_storage
+from .writers import SAMPLE_EXT, SAMPLES_DIR, layout_problem, manifest_storage
 
 MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
 SETTINGS_FILE = ".extract-settings.json"
@@ -83,8 +83,11 @@ class Settings:
         self.saved = False
         if self.path.is_file():
             have = read_json(self.path, "the settings file")
-            if not isinstance(have, dict):
-                raise UsageError(f"{self.path} is not a settings object", "pass a new --out")
+            why = "it is not a settings object" if not isinstance(have, dict) else settings_problem(have)
+            if why:
+                raise UsageError(f"{self.path} was edited or damaged: {why}",
+                                 f"pass a new --out, or remove {out} and extract again (tools/extract.py writes that "
+                                 f"file with the first sample; it is not meant to be edited)")
             for k in COMPARED:
                 if have.get(k) != want[k]:
                     raise UsageError(f"{out} holds a dataset made with {k}={have.get(k)!r}, this run has {want[k]!r}",
@@ -95,6 +98,35 @@ class Settings:
     def save(self) -> None:
         atomic_json(self.path, self.data)
         self.saved = True
+
+
+_DUMP_LISTS = ("eagle3_layer_ids", "hf_hidden_state_indices")  # recorded as lists of integers
+
+
+def settings_problem(have: dict) -> str:
+    """Why the settings object ``have`` is not one tools/extract.py writes ('' when it is): the
+    fields later stages read (the layout, the first dump's provenance) checked, so a damaged file is
+    one line at the start, never a crash in the middle of a run."""
+    lay = have.get("layout")
+    if lay is not None:
+        why = layout_problem(lay)
+        if why:
+            return why
+    meta = have.get("dump_meta")
+    if meta is None:
+        return ""
+    if not isinstance(meta, dict):
+        return "its dump_meta is not an object"
+    for k, v in meta.items():
+        if k in _DUMP_LISTS:
+            if not (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+                return f"its dump_meta {k} {str(v)[:60]} is not a list of integers"
+        elif v is not None and not isinstance(v, str):
+            return f"its dump_meta {str(k)[:40]} {str(v)[:40]} is not a string"
+    rule = meta.get("layer_id_reading")
+    if rule is not None and rule not in conventions.RULES:
+        return f"its dump_meta layer_id_reading {rule[:40]!r} is not one of {', '.join(conventions.RULES)}"
+    return ""
 
 
 def load_done(out: Path, convs) -> dict:
@@ -265,7 +297,7 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "max_len": o.max_len,
         # how the samples hold the states (dtype, scales, states rebuilt from the model directory) and
         # which reader takes them: tools/guard.py refuses a dataset the draft's trainer cannot read
-        "storage": manifest_storage(o.format, meta),
+        "storage": manifest_storage(o.format, meta, o.hidden_states_backend if o.format == "speculators" else None),
         "data": str(o.data),
         "progress": PROGRESS_FILE,
         "last_run": last_run,

@@ -62,8 +62,8 @@ from .client import NoFlush, RequestError, SGLangClient, TransientError
 from .inputs import Inputs, Options, check_options, read_inputs
 from .record import PROVENANCE, STORAGE_PROVENANCE, Fatal
 from .tokenize import MaskError
-from .writers import (Layout, publish_speculators, resolve_layout, restart_with, sample_rel, stale_temporaries,
-                      write_sample)
+from .writers import (FP8, Layout, check_backend, layers_arg, publish_speculators, resolve_layout, restart_with,
+                      sample_rel, specforge_trains, speculators_train_flags, stale_temporaries, write_sample)
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
 
@@ -147,6 +147,7 @@ class Extractor:
 
         o = self.o
         check_options(o)
+        check_backend(o.format, o.hidden_states_backend)
         client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log,
                               flush_timeout=o.dump_timeout)
         # the server is asked before the tokenizer loads (transformers takes seconds to import); a finished
@@ -180,7 +181,7 @@ class Extractor:
     def _run_locked(self, inp: Inputs, client: SGLangClient) -> int:
         o = self.o
         if inp.settings.data.get("layout"):
-            self.layout = Layout.from_json(inp.settings.data["layout"])
+            self.layout = self._recorded_layout(inp)
         recorded = inp.settings.data.get("dump_meta") or {}
         if recorded:  # a resumed dataset: every dump of this run is compared with its first
             recorded = dict(recorded, **dumps_mod.storage_meta(recorded))  # recorded before issue 30: plain
@@ -207,6 +208,23 @@ class Extractor:
         else:
             self.log(f"nothing to do: all {len(inp.convs)} conversations are already in {o.out}")
         return self.finish(inp, outcomes, time.monotonic() - t0, client)
+
+    def _recorded_layout(self, inp: Inputs) -> Layout:
+        """The layout the dataset was started with; a speculators export for another
+        ``--hidden-states-backend`` than this run's is refused (its samples would mix fp8 and model-dtype
+        states). Datasets from before the flag recorded none: an fp8 dump's export was fp8."""
+        lay = Layout.from_json(inp.settings.data["layout"])
+        if lay.format != "speculators":
+            return lay
+        have = lay.backend or ("fp8" if (inp.settings.data.get("dump_meta") or {}).get("storage_dtype") == FP8
+                               else "file")
+        if have != self.o.hidden_states_backend:
+            raise UsageError(f"{self.o.out} holds a speculators export for --hidden-states-backend {have}, this run "
+                             f"asks {self.o.hidden_states_backend}",
+                             f"rerun with --hidden-states-backend {have} to resume, or pass a new --out")
+        lay = Layout(lay.format, lay.aux, lay.last, lay.num_layers, have)
+        inp.settings.data["layout"] = lay.to_json()  # as recorded from now on (written with the next record)
+        return lay
 
     def sweep_unused(self, inp: Inputs, earlier: bool) -> int:
         """Report, and remove (not with ``--keep-dumps``), the dump files of this dataset's own requests
@@ -431,6 +449,7 @@ class Extractor:
         provenance and layout; BadDump for a file to retry, Fatal for a server that does not match
         the dataset (``url``: the server that answered)."""
         dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, rid=rid, rebuilder=self.rebuilder)
+        dumps_mod.check_dump_dirs(dump.meta, self.o.dump_dir)  # a server spreading over directories not all listed
         m = _provenance_meta(dump)
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
@@ -477,7 +496,16 @@ class Extractor:
             conventions.layer_output_ids(rule, self.o.aux_layers) if self.o.aux_layers is not None else None)
         lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
                              list(want) if want is not None else None, rule=rule,
-                             asked=self.o.aux_layers if self.layout is None else None)  # LayoutError: exit 2
+                             asked=self.o.aux_layers if self.layout is None else None,
+                             backend=self.o.hidden_states_backend)  # LayoutError: exit 2
+        if self.layout is None and self.o.format == "specforge":
+            if want is None:
+                self.log(f"aux layers: EAGLE-3 ids {list(lay.aux)} (every dumped layer but the last, before the "
+                         f"norm: --aux-layers={layers_arg(rule, lay.aux)}); pass --aux-layers= to choose others")
+            elif not specforge_trains(rule, lay.aux):
+                self.log(f"warning: --aux-layers={','.join(map(str, self.o.aux_layers))} (EAGLE-3 ids "
+                         f"{list(lay.aux)}) are not three layers SpecForge 0.2.0 trains (exactly three distinct "
+                         f"non-negative draft ids): its reader loads the dataset, its trainer refuses it")
         if self.layout is not None and lay != self.layout:
             layers = (self.provenance or {}).get("eagle3_layer_ids")
             how = f" ({restart_with(rule, layers)})" if isinstance(layers, list) else ""
@@ -563,6 +591,8 @@ class Extractor:
             f"{len(inp.convs) - len(inp.pending)} already done; {len(skipped)} skipped (no assistant tokens); "
             f"{len(failed)} failed; {self.bad_dumps} bad dumps rejected; {retried} request retries; "
             f"dataset: {man['samples']} samples, {man['tokens']} tokens")
+        if o.format == "speculators" and man["samples"]:
+            self.log(f"train with speculators: {speculators_train_flags(man, out)}")
         if outcomes:
             self.log(f"{self.stage_line()}; {sum(client.flushes)} flushes")
         if len(client.urls) > 1 and outcomes:

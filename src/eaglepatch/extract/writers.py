@@ -18,12 +18,19 @@ another's file.
   ``save_to_disk`` table (``input_ids``, ``loss_mask``, ``seq_len``, torch format) with one row per
   sample, ``OUT/hidden_states/hs_<row>.safetensors`` (hard links to the sample files) and
   ``OUT/token_freq.pt`` (loss-masked token counts, speculators' vocab-mapping input).
-  From an fp8 dump (``storage_dtype`` float8_e4m3fn, docs/design.md "Compact storage") the file
-  holds ``hidden_states`` float8_e4m3fn [T, L+1, H] and ``hidden_states_scales`` float32
-  [T, L+1, 1] (hs-connectors' ``SCALES_KEY``; one scale per token and state, the dump's own,
-  passed on untouched; a state the reader rebuilt, the embedding, is quantised with
-  ``storage.quantize_rows``): speculators reads it with ``--hidden-states-backend fp8``, whose
-  ``FP8Transfer`` yields ``q.to(bf16) * scale.to(bf16)``, broadcast over the hidden size. The
+  The export is written for one speculators ``--hidden-states-backend`` (``Layout.backend``,
+  ``tools/extract.py --hidden-states-backend``): ``file`` (the default, speculators' too) holds the
+  states in the model dtype (an fp8 dump's dequantised, left-out states rebuilt), which every
+  backend reads as they are; ``fp8`` holds ``hidden_states`` float8_e4m3fn [T, L+1, H] and
+  ``hidden_states_scales`` float32 [T, L+1, 1] (hs-connectors' ``SCALES_KEY``; one scale per token
+  and state, an fp8 dump's own passed on untouched; other states, the rebuilt embedding or a bf16
+  dump's, quantised with ``storage.quantize_rows``), half the bytes, which only speculators'
+  ``--hidden-states-backend fp8`` reads right: its ``FP8Transfer`` yields ``q.to(bf16) *
+  scale.to(bf16)``, broadcast over the hidden size, while its default ``file`` backend hands the raw
+  fp8 codes (up to 448) to training, unscaled and without an error. No layout of the file can make
+  the ``file`` backend refuse it (both backends load the same file with the same ``load_file``; the
+  fp8 one only multiplies ``hidden_states`` by ``hidden_states_scales`` afterwards), so fp8 is
+  written only when asked for, and the run, the manifest and the README name the flag. The
   SpecForge export is always in the model dtype (its reader cannot dequantise): the dump's
   states dequantised and rebuilt.
 - ``compact`` (``eaglepatch.compact.CompactDataset``, with the model directory): each sample a
@@ -50,6 +57,7 @@ from .. import conventions
 from ..errors import UsageError
 
 FORMATS = ("specforge", "speculators", "compact")
+BACKENDS = ("file", "fp8")  # speculators' --hidden-states-backend values an export is written for
 SAMPLES_DIR = "samples"
 SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors", "compact": "safetensors"}  # sample file suffix
 COMPACT_FORMAT = "eaglepatch-compact/1"  # a compact sample's metadata "format"
@@ -70,12 +78,16 @@ class Layout:
     """Which dumped tensors a sample holds. Layer ids are EAGLE-3 ids (-1 = embedding output,
     k = output of decoder layer k); ``last`` is N-1 for speculators (its last slot), else None. A
     compact sample holds every dumped layer: ``aux`` is the aux layers its reader yields by default,
-    ``last`` N-1 when it is dumped (the speculators view's last slot), else None."""
+    ``last`` N-1 when it is dumped (the speculators view's last slot), else None. ``backend``
+    (speculators): the ``--hidden-states-backend`` the export is written for, ``file`` (model-dtype
+    states) or ``fp8`` (fp8 states and scales); None: as the dump stores them (fp8 from an fp8 dump),
+    the view ``eaglepatch.compact.CompactDataset`` yields."""
 
     format: str
     aux: tuple  # ascending
     last: int | None
     num_layers: int
+    backend: str | None = None
 
     @property
     def aux_hf(self) -> list:
@@ -86,11 +98,59 @@ class Layout:
         return names + ([f"eagle3:{self.last}:pre_norm"] if self.format == "speculators" else [])
 
     def to_json(self) -> dict:
-        return {"format": self.format, "aux": list(self.aux), "last": self.last, "num_layers": self.num_layers}
+        d = {"format": self.format, "aux": list(self.aux), "last": self.last, "num_layers": self.num_layers}
+        if self.backend is not None:
+            d["backend"] = self.backend
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Layout":
-        return cls(d["format"], tuple(d["aux"]), d["last"], d["num_layers"])
+        return cls(d["format"], tuple(d["aux"]), d["last"], d["num_layers"], d.get("backend"))
+
+    def fp8(self, dump_storage: str) -> bool:
+        """Whether a speculators sample holds fp8 states and scales (from a dump stored in ``dump_storage``)."""
+        return self.backend == "fp8" or (self.backend is None and dump_storage == FP8)
+
+
+def layout_problem(d) -> str:
+    """Why ``d`` (a layout as the settings file records it, ``Layout.to_json``) is not one, or ''."""
+    def ints(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+    if not isinstance(d, dict):
+        return "its layout is not an object"
+    if d.get("format") not in FORMATS:
+        return f"its layout's format {str(d.get('format'))[:40]!r} is not one of {', '.join(FORMATS)}"
+    if not ints(d.get("aux")) or not d["aux"] or min(d["aux"]) < -1:
+        return f"its layout's aux {str(d.get('aux'))[:60]} is not a list of layer ids (-1 or more)"
+    n = d.get("num_layers")
+    if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        return f"its layout's num_layers {str(n)[:40]} is not a positive integer"
+    last = d.get("last")
+    if last is not None and not (isinstance(last, int) and not isinstance(last, bool) and last == n - 1):
+        return f"its layout's last {str(last)[:40]} is not null or {n - 1}"
+    if d.get("backend") not in (None, *BACKENDS):
+        return f"its layout's backend {str(d.get('backend'))[:40]!r} is not one of {', '.join(BACKENDS)}"
+    return ""
+
+
+def check_backend(fmt: str, backend: str) -> None:
+    """UsageError for a ``--hidden-states-backend`` that is not speculators' or not for ``fmt``."""
+    if backend not in BACKENDS:
+        raise UsageError(f"--hidden-states-backend {backend!r} is not known", f"use one of {', '.join(BACKENDS)}")
+    if backend != "file" and fmt != "speculators":
+        raise UsageError(f"--hidden-states-backend {backend} is speculators' and --format is {fmt}",
+                         "drop it, or pass --format speculators")
+
+
+def speculators_train_flags(manifest: dict, out) -> str:
+    """The speculators training flags that read the speculators dataset ``out`` (its ``manifest``) right."""
+    import shlex
+
+    sp = manifest.get("speculators") or {}
+    ids = " ".join(map(str, sp.get("target_layer_ids") or []))
+    return (f"--data-path {shlex.quote(str(out))} --hidden-states-backend {sp.get('hidden_states_backend') or 'file'}"
+            + (f" --target-layer-ids {ids}" if ids else ""))
 
 
 def layers_arg(rule: str, out_ids) -> str:
@@ -112,12 +172,32 @@ def restart_with(rule: str, out_ids) -> str:
     return f"python3 tools/serve.py --layers={arg} ... (EAGLE3_DUMP_LAYERS={arg} when you start sglang yourself)"
 
 
+def specforge_trains(rule: str, out_ids) -> bool:
+    """Whether SpecForge 0.2.0 trains a draft on the output-of-layer ids ``out_ids``: exactly three
+    layers whose draft-config ids, as the dumping release reads them (``conventions.ids_for``: the
+    ``sglang_draft_config`` the manifest records), are distinct and non-negative (its
+    ``resolve_eagle_capture_layers``; its draft's fc layer takes exactly 3 x hidden)."""
+    ids = conventions.ids_for(rule, [k + 1 for k in out_ids]) if len(set(out_ids)) == 3 else None
+    return ids is not None and len(set(ids)) == 3 and min(ids) >= 0
+
+
+def specforge_pick(rule: str, candidates) -> list | None:
+    """Three of ``candidates`` (output-of-layer ids) that SpecForge trains: the highest such, or None."""
+    from itertools import combinations
+
+    picks = [list(c) for c in combinations(sorted(set(candidates)), 3) if specforge_trains(rule, c)]
+    return picks[-1] if picks else None
+
+
 def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, aux=None,
-                   rule: str = conventions.PLUS_ONE, asked=None) -> Layout:
+                   rule: str = conventions.PLUS_ONE, asked=None, backend: str | None = None) -> Layout:
     """The layout for ``fmt`` from the layers the server dumps; ``aux`` (output-of-layer ids)
-    defaults to every dumped layer except the last decoder layer N-1. ``asked``: the ``--aux-layers``
-    ids as typed (read by ``rule``, the server's reading), named in the errors; ``rule`` also writes
-    the ``tools/serve.py --layers`` a fix proposes. A fix never names a layer the model lacks."""
+    defaults to every dumped layer except the last decoder layer N-1, which for ``specforge`` must be
+    three layers SpecForge 0.2.0 trains (``specforge_trains``; refused otherwise, naming three it
+    does train). ``asked``: the ``--aux-layers`` ids as typed (read by ``rule``, the server's
+    reading), named in the errors; ``rule`` also writes the ``tools/serve.py --layers`` a fix
+    proposes. A fix never names a layer the model lacks. ``backend``: the speculators export's
+    (``Layout.backend``)."""
     last = num_layers - 1
     dumped = sorted(dump_ids)
     if asked is not None:
@@ -152,7 +232,26 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
         raise LayoutError("--format specforge needs the final (post-norm) state but the server dumps none",
                           "restart the server with python3 tools/serve.py --final 1 ... (EAGLE3_DUMP_FINAL=1 when you "
                           "start sglang yourself)")
-    return Layout(fmt, tuple(chosen), last if fmt == "speculators" else None, num_layers)
+    if fmt == "specforge" and aux is None and not specforge_trains(rule, chosen):
+        pick = specforge_pick(rule, [k for k in dumped if k != last])
+        ids = conventions.ids_for(rule, [k + 1 for k in chosen])
+        written = f" (a draft config names them {ids} on this server's release)" if ids is not None else ""
+        usual = sorted({1, num_layers // 2 - 1, num_layers - 4})  # SGLang's default capture indices 2, N/2, N-3
+        if pick is not None:
+            fix = (f"pass --aux-layers={layers_arg(rule, pick)} (three of the layers it dumps that SpecForge trains) "
+                   f"or the three the draft names")
+        elif len(usual) == 3 and usual[0] >= 0 and usual[-1] < last and specforge_trains(rule, usual):
+            fix = (f"restart the server dumping three layers SpecForge trains, e.g. SGLang's default ones: "
+                   f"{restart_with(rule, sorted(set(dumped) | set(usual)))}, and pass "
+                   f"--aux-layers={layers_arg(rule, usual)}")
+        else:
+            fix = ("restart the server dumping three layers SpecForge trains (python3 tools/serve.py --layers=...) "
+                   "and pass them as --aux-layers=")
+        raise LayoutError(f"--format specforge without --aux-layers takes every dumped layer but the last "
+                          f"(EAGLE-3 id {last}): {chosen}{written}; SpecForge 0.2.0 trains exactly three distinct "
+                          f"non-negative ids, so its trainer would refuse the dataset", fix)
+    return Layout(fmt, tuple(chosen), last if fmt == "speculators" else None, num_layers,
+                  backend if fmt == "speculators" else None)
 
 
 def sample_rel(fmt: str, conv_id: str) -> str:
@@ -186,14 +285,15 @@ def specforge_sample(layout: Layout, dump, loss_mask) -> dict:
 
 def speculators_states(layout: Layout, dump) -> tuple:
     """(hidden_states [T, L+1, H], scales [T, L+1, 1] or None): the aux layers ascending, then layer
-    ``layout.last`` (N-1, pre-norm). An fp8 dump gives float8_e4m3fn states with float32 scales:
-    each state the dump stores whole as fp8 passes on as stored (``dump.encoded``); the others
-    (rebuilt: the embedding) are quantised from the reader's rows (``storage.quantize_rows``). Any
-    other dump gives its model-dtype states and no scales."""
+    ``layout.last`` (N-1, pre-norm). For the fp8 backend (``Layout.fp8``): float8_e4m3fn states with
+    float32 scales: each state the dump stores whole as fp8 passes on as stored (``dump.encoded``);
+    the others (rebuilt: the embedding; a bf16 dump's) are quantised from the reader's rows
+    (``storage.quantize_rows``). Otherwise the model-dtype states (dequantised, rebuilt) and no
+    scales."""
     import torch
 
     names = [f"layer.{k}" for k in layout.aux] + [f"layer.{layout.last}"]
-    if dump.storage != FP8:
+    if not layout.fp8(dump.storage):
         return torch.stack([dump.layers[n] for n in names], dim=1).contiguous(), None
     from ..storage import quantize_rows
 
@@ -323,17 +423,18 @@ def read_sample(fmt: str, path: Path, rebuilder=None) -> dict:
             "aux": hs[:, :-1, :].reshape(hs.shape[0], -1), "last": hs[:, -1, :]}
 
 
-def manifest_storage(fmt: str, dump_meta: dict) -> dict:
+def manifest_storage(fmt: str, dump_meta: dict, backend: str | None = None) -> dict:
     """The manifest's ``storage``: how the dataset's sample files hold the states, from the dataset's
     dump metadata (``dump_meta``: the first dump's ``storage_dtype``, ``scale_layout``, ``left_out``,
     ``dtype``; absent in an ``eagle3-dump/1`` dump). ``dtype``: the stored states' dtype;
     ``scale_layout``; ``left_out`` (states the reader rebuilds from the model directory);
     ``needs_model_dir``; ``speculators_backend``: the ``--hidden-states-backend`` speculators must
-    train with (``fp8``: hs-connectors' FP8Transfer dequantises; None for other formats);
+    train with (``fp8``: hs-connectors' FP8Transfer dequantises; None for other formats), the
+    export's ``backend`` (``Layout.backend``; None: as the dump stores them);
     ``reader``: what reads it (``tools/guard.py`` refuses a dataset the draft's trainer cannot)."""
     model = dump_meta.get("dtype")
     stored = dump_meta.get("storage_dtype") or model
-    fp8 = stored == FP8
+    fp8 = backend == "fp8" or (backend is None and stored == FP8)
     left_out = dump_meta.get("left_out") or {}
     if isinstance(left_out, str):  # the dump's metadata holds JSON text
         try:
@@ -345,7 +446,7 @@ def manifest_storage(fmt: str, dump_meta: dict) -> dict:
                 "needs_model_dir": bool(left_out), "speculators_backend": None,
                 "reader": "eaglepatch.compact.CompactDataset(OUT, MODEL_DIR, yields='specforge'|'speculators')"}
     if fmt == "speculators":
-        return {"dtype": stored, "scale_layout": PER_TOKEN_PER_STATE if fp8 else "none", "left_out": {},
+        return {"dtype": FP8 if fp8 else model, "scale_layout": PER_TOKEN_PER_STATE if fp8 else "none", "left_out": {},
                 "needs_model_dir": False, "speculators_backend": "fp8" if fp8 else "file",
                 "reader": "speculators ArrowDataset, --hidden-states-backend " + ("fp8" if fp8 else "file")}
     return {"dtype": model, "scale_layout": "none", "left_out": {}, "needs_model_dir": False,

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,6 +203,83 @@ def dump_settings(flags: dict, environ=None) -> tuple[dict, list]:
     return env, ["dump settings: " + ", ".join(used)]
 
 
+# ---- the Mooncake sink (docs/online.md) -----------------------------------------------------------
+
+MOONCAKE_BINDS = ("warning: Mooncake listens on every address whatever it is told: the server's store client "
+                  "opens two TCP ports on 0.0.0.0 and :: (no setting binds them; --mooncake-host only names the "
+                  "address other clients reach it at), and mooncake_master's HTTP metadata server binds 0.0.0.0 "
+                  "despite --http_metadata_server_host (its RPC port follows --rpc_address, its metrics server "
+                  "--metrics_host); measured with mooncake-transfer-engine-non-cuda 0.3.13.post1. Keep these ports "
+                  "behind a firewall where the network is not trusted")
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    return host, port
+
+
+def mooncake_notes(settings: dict) -> list:
+    """With the Mooncake sink (``settings``: ``dump_settings``' variables): where the states go, the
+    ``mooncake_master`` command that binds what the settings name where it has a flag for it, where
+    the package and the master come from, and what Mooncake binds whatever it is told. [] otherwise."""
+    from ..mooncake import INSTALL
+
+    if settings.get("EAGLE3_DUMP_SINK") != "mooncake":
+        return []
+    master = settings["EAGLE3_DUMP_MOONCAKE_MASTER"]
+    metadata = settings.get("EAGLE3_DUMP_MOONCAKE_METADATA") or "P2PHANDSHAKE"
+    host, port = _host_port(master)
+    cmd = f"mooncake_master --rpc_address={host} --port={port} --metrics_host={host}"
+    if metadata.startswith("http://"):
+        mhost, mport = _host_port(metadata[len("http://"):].split("/", 1)[0])
+        cmd += (f" --enable_http_metadata_server=true --http_metadata_server_host={mhost} "
+                f"--http_metadata_server_port={mport}")
+    return [f"Mooncake sink: each request's states go to the store of the mooncake_master at {master} (metadata "
+            f"{metadata}), not to files (the dump directory keeps the stop ledger); each answer's "
+            f"meta_info[\"eagle3_dump\"] names its object. Start the master first ({cmd}); it and the package the "
+            f"server imports come from the package index: {INSTALL}",
+            MOONCAKE_BINDS]
+
+
+def mooncake_next_steps(url: str, settings: dict, python: str) -> list:
+    """What to run once a server with the Mooncake sink answers: a request, then its object read from
+    the store with ``eaglepatch.mooncake.StoreReader`` (tools/extract.py reads dump files only)."""
+    src = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join([src] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    q = json.dumps  # the code holds double-quoted strings only: one single-quoted shell word
+    code = ("import json, urllib.request as u; from eaglepatch.mooncake import StoreReader; "
+            f"a = json.load(u.urlopen(u.Request({q(url + '/generate')}, json.dumps({{\"text\": \"Hello\", "
+            "\"sampling_params\": {\"max_new_tokens\": 1}}).encode(), {\"Content-Type\": \"application/json\"}))); "
+            f"t, m = StoreReader({q(settings['EAGLE3_DUMP_MOONCAKE_MASTER'])}, "
+            f"{q(settings.get('EAGLE3_DUMP_MOONCAKE_METADATA') or 'P2PHANDSHAKE')}).tensors("
+            "a[\"meta_info\"][\"eagle3_dump\"], timeout=30, delete=True); "
+            "print({k: tuple(v.shape) for k, v in t.items()}, m[\"eagle3_layer_ids\"])")
+    return ["# each answer's meta_info[\"eagle3_dump\"] is its object's handle: one request, its states read from "
+            "the store and deleted (tools/extract.py reads dump files only; docs/online.md, \"Reading\")",
+            f"PYTHONPATH={shlex.quote(pythonpath)} {shlex.quote(python)} -c {shlex.quote(code)}"]
+
+
+def check_mooncake(plan: "Plan") -> None:
+    """With the Mooncake sink: the server's interpreter imports the store's package with the
+    environment it will run with, before the server starts (else the writing rank fails after the
+    weights load); UsageError (one line: why, where the package comes from) otherwise."""
+    from ..mooncake import INSTALL
+
+    if plan.env.get("EAGLE3_DUMP_SINK") != "mooncake":
+        return
+    python = str(plan.argv[0])
+    try:
+        r = subprocess.run([python, "-c", "import mooncake.store"], capture_output=True, text=True,
+                           env=plan.environ(), timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise UsageError(f"--sink mooncake: cannot run {python} to look for the mooncake package ({exc})",
+                         "pass --python PY: the interpreter of the server's environment") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["exit status %d" % r.returncode])[-1]
+        raise UsageError(f"--sink mooncake but {python} cannot import the mooncake package the sink needs ({why})",
+                         INSTALL)
+
+
 def stop_grace_s(env: dict) -> float:
     """How long ``run`` waits, after its SIGTERM, before it kills the server: the dump's drain
     (``EAGLE3_DUMP_DRAIN_S`` as passed to the server, its default when not) plus ``STOP_MARGIN_S``."""
@@ -244,6 +322,7 @@ class Plan:
     mkdirs: list = field(default_factory=list)
     after_ready: list = field(default_factory=list)  # lines printed once the server answers
     info_file: Path | None = None  # the CPU demo's serve.json (gets the server's pid at start)
+    quiet: bool = False  # --quiet: serve.py says only the ready line, what follows it, warnings and the stop
 
     def stop_grace_s(self) -> float:
         return stop_grace_s(self.env)
@@ -297,12 +376,36 @@ def _probe_python(python: str) -> dict:
                          "pass --python PY: the interpreter of the environment that has sglang's dependencies") from None
 
 
+def refuse_separator_in_a_name(value, flag: str = "--dump-dir") -> None:
+    """A usage error when ``value`` (a list of directories separated by ``os.pathsep``) holds an
+    existing path whose own name contains the separator (``a:b``, or ``/data/x:y/dumps`` where
+    ``/data/x:y`` exists): split, it would name other directories (``a`` and ``b``), which serving
+    would create, and the server splits ``EAGLE3_DUMP_DIR`` the same way, so no such name can be
+    passed. Nothing is created or read beyond a stat of each candidate."""
+    text = str(value)
+    parts = text.split(os.pathsep)
+    for k in range(len(parts) - 1):
+        head = parts[k + 1].split(os.sep)[0]
+        for i in range(k + 1):
+            joined = os.pathsep.join(parts[i:k + 1]) + os.pathsep + head
+            if os.path.lexists(os.path.expanduser(joined)):
+                link = f"/tmp/dumps-{os.getpid()}"
+                raise UsageError(
+                    f"{flag} {text!r}: {joined!r} exists, and a name holding {os.pathsep!r} cannot be used: "
+                    f"{os.pathsep!r} separates dump directories (serve.py and the server split "
+                    f"EAGLE3_DUMP_DIR there)",
+                    f"rename it, or pass a symbolic link to it whose path has no {os.pathsep!r} "
+                    f"(ln -s {shlex.quote(os.path.abspath(os.path.expanduser(joined)))} {link}; {flag} {link})")
+
+
 def dump_dir_list(value) -> list:
     """``--dump-dir``: one directory, or several separated by ``os.pathsep`` (``EAGLE3_DUMP_DIR=A:B``,
     one per local disk; the server spreads the files by key and ``tools/extract.py --dump-dir A:B``
-    reads them all). Each absolute; any that is missing is created at start."""
+    reads them all). Each absolute; any that is missing is created at start. An existing directory
+    whose name holds the separator is refused first (``refuse_separator_in_a_name``)."""
     from ..extract.dumps import dump_dir_entries
 
+    refuse_separator_in_a_name(value)
     dirs = [d.expanduser().absolute() for d in dump_dir_entries(value)]
     for d in dirs:
         if d.exists() and not d.is_dir():
@@ -347,7 +450,11 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags,
             "--host", host, "--port", str(port), *extra]
     notes.insert(0, f"serving {tree.describe()}, {series.name} applied")
-    return Plan(argv, env, _url(host, port), pp if sglang is not None else None, notes, dump_dirs)
+    notes += mooncake_notes(settings)
+    after = ([f"[serve] next, from another shell in {os.getcwd()}:"]
+             + ["  " + c for c in mooncake_next_steps(_url(host, port), settings, python)]
+             if settings.get("EAGLE3_DUMP_SINK") == "mooncake" else [])
+    return Plan(argv, env, _url(host, port), pp if sglang is not None else None, notes, dump_dirs, after)
 
 
 def _url(host: str, port: int) -> str:
@@ -423,11 +530,8 @@ def _end_group(pgid: int, grace: float = 5.0, term: bool = True, grace_term: flo
             time.sleep(0.1)
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (something holds it), or None when it is free. A
-    server started on a taken port fails to bind while whatever holds it answers /health in its
-    place: the launcher would announce the wrong server, and its data would come from another
-    model."""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """The error binding ``host:port`` gives (as uvicorn binds), or None when it could."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -438,19 +542,46 @@ def port_taken(host: str, port: int) -> str | None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            return exc.strerror or str(exc)
+            return exc
     return None
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on because something holds it, or None when it is free
+    (or cannot be listened on for another reason: ``refuse_taken_port`` names those). A server
+    started on a taken port fails to bind while whatever holds it answers /health in its place: the
+    launcher would announce the wrong server, and its data would come from another model."""
+    import errno
+
+    exc = _bind_error(host, port)
+    return (exc.strerror or str(exc)) if exc is not None and exc.errno == errno.EADDRINUSE else None
 
 
 def refuse_taken_port(host: str, port: int, who: str = "the server",
                       fix: str = "stop that process or pass another --port") -> None:
-    """RefusedError (one line: the port, why, ``fix``) when ``port_taken``; nothing otherwise."""
-    why = port_taken(host, port)
-    if why:
-        from ..errors import RefusedError
+    """Nothing when the server can listen on ``host:port``; else one line: a taken port
+    (RefusedError: the port, why, ``fix``), a host that names no address (UsageError), one that
+    is no address of this machine (UsageError), or another reason the bind gives (RefusedError)."""
+    import errno
+    import socket
 
+    from ..errors import RefusedError
+
+    exc = _bind_error(host, port)
+    if exc is None:
+        return
+    why = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror):
+        raise UsageError(f"--host {host!r} names no address this machine can resolve ({why})",
+                         "pass an IP address of this machine or a name that resolves to one, e.g. --host 127.0.0.1")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        raise UsageError(f"--host {host} is no address of this machine ({why}): {who} could not listen there",
+                         "pass one of this machine's addresses, e.g. --host 127.0.0.1 or --host 0.0.0.0")
+    if exc.errno == errno.EADDRINUSE:
         raise RefusedError(f"port {port} on {host} is taken ({why}): {who} could not listen there, and whatever "
                            "does would answer in its place", fix)
+    raise RefusedError(f"{who} could not listen on {host} port {port} ({why})",
+                       "pass a port this user may listen on (1024 and above unless root) or another --host")
 
 
 def run(plan: Plan, say=None) -> int:
@@ -464,11 +595,41 @@ def run(plan: Plan, say=None) -> int:
 
     u = urlsplit(plan.url)
     refuse_taken_port(u.hostname, u.port)
+    check_mooncake(plan)
     for d in plan.mkdirs:
         Path(d).mkdir(parents=True, exist_ok=True)
-    say("[serve] starting the server (its own log follows; until \"[serve] ready\", warnings, an "
-        "openai_harmony traceback and \"/health ... 503\" lines are its warm-up, not a failure)")
-    proc = subprocess.Popen([str(a) for a in plan.argv], env=plan.environ(), stdin=subprocess.DEVNULL,
+    if not plan.quiet:  # the ready line's own words are not said before it: a log watcher waits for them
+        say("[serve] starting the server (its own log follows; until the ready line, warnings, an "
+            "openai_harmony traceback and \"/health ... 503\" lines are its warm-up, not a failure)")
+    env, tmp = launch_environ(plan)
+    try:
+        return _run(plan, env, say)
+    finally:
+        # what SGLang leaves in its temp dir (the ZMQ IPC sockets of its processes, files it made with
+        # delete=False) goes with this launch; its processes are gone by now
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def launch_environ(plan: Plan) -> tuple[dict, str]:
+    """(the server's environment, the temp dir made for this launch): ``plan.environ()`` with TMPDIR
+    a new directory in this process's temp dir (SGLang 0.5.9's ``PortArgs`` names each ZMQ IPC
+    socket after a ``NamedTemporaryFile(delete=False)`` there, and removes none), which ``run``
+    removes at the stop; torch's compile cache keeps its usual place in the user's temp dir
+    (TORCHINDUCTOR_CACHE_DIR, unless set), so it outlives the launch."""
+    import getpass
+    import tempfile
+
+    env = plan.environ()
+    tmp = tempfile.mkdtemp(prefix="eaglepatch-serve-")
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    env["TMPDIR"] = tmp
+    return env, tmp
+
+
+def _run(plan: Plan, env: dict, say) -> int:
+    """``run`` from the start of the server in ``env`` to its stop."""
+    proc = subprocess.Popen([str(a) for a in plan.argv], env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     if plan.info_file is not None:
         info = json.loads(plan.info_file.read_text())
@@ -517,6 +678,7 @@ def run(plan: Plan, say=None) -> int:
 
 
 __all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "dump_settings", "check_host", "parse_layers",
+           "check_mooncake", "mooncake_notes", "mooncake_next_steps",
            "patched_tree_at", "port_taken", "refuse_taken_port", "run", "stop_grace_s",
            "DUMP_FLAGS", "DUMP_SETTINGS", "STOP_MARGIN_S",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]

@@ -32,11 +32,13 @@ from pathlib import Path
 
 from .. import PINNED_RELEASE, cpuenv
 from ..errors import UsageError
-from . import DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, patched_tree_at, tinychat
+from . import (DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, mooncake_next_steps,
+               mooncake_notes, patched_tree_at, tinychat)
 
 # EAGLE3_DUMP_LAYERS of the demo (4 decoder layers): the embedding output and layers 0-2 (aux layers:
-# speculators takes all four, SpecForge the three non-negative ones it trains), then N-1 = 3, the
-# last layer before the final norm (speculators' last slot; SGLang cannot feed it to a draft)
+# speculators takes all four, SpecForge's draft three: the non-negative ones, which its online mode
+# takes too), then N-1 = 3, the last layer before the final norm (speculators' last slot; SGLang
+# cannot feed it to a draft)
 DEMO_LAYERS = (-1, 0, 1, 2, 3)
 DEMO_CONVERSATIONS = 16
 MARKER = ".eaglepatch-demo"
@@ -161,8 +163,9 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 def _drafts(demo_dir: Path, layers: list, num_layers: int) -> dict:
     """One draft config per trainer whose layers the dataset of the README's commands holds:
-    SpecForge (eagle_config: the three highest dumped EAGLE-3 ids from 0 to N-2: SpecForge 0.2.0
-    trains three non-negative ids, and SGLang serves a draft no id above N-2) and speculators
+    SpecForge (eagle_config: the three highest dumped EAGLE-3 ids from 0 to N-2: SpecForge 0.2.0's
+    draft takes three aux layers, non-negative ids suit its online mode as well as its training from
+    a dataset, and SGLang serves a draft no id above N-2) and speculators
     (speculators_model_type: HF indices = every dumped id but N-1, plus one; its last slot is N-1).
     A trainer whose layers the dump cannot give gets none."""
     from ..smoke.tinyconfig import draft_config
@@ -258,7 +261,8 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     _write_if_changed(data, "".join(json.dumps(r) + "\n" for r in tinychat.conversations(DEMO_CONVERSATIONS)))
     drafts = _drafts(demo_dir, layers, n)
     url = _url(host, port)
-    cmds = next_commands(url, demo_dir, dump_dir, drafts, sorted(k for k in layers if k != n - 1))
+    cmds = (mooncake_next_steps(url, settings, str(py)) if settings.get("EAGLE3_DUMP_SINK") == "mooncake" else
+            next_commands(url, demo_dir, dump_dir, drafts, sorted(k for k in layers if k != n - 1)))
     env = {"SGLANG_USE_CPU_ENGINE": "1", "EAGLE3_DUMP_DIR": str(dump_dir), "EAGLE3_DUMP_LAYERS": ",".join(map(str, layers)),
            # the caller's PYTHONPATH after the tree (as production serving keeps it): a package installed
            # beside the environment (the Mooncake sink's) stays importable
@@ -273,4 +277,5 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     info_file.write_text(json.dumps(info, indent=2) + "\n")
     after = ["[serve] next, from another shell in " + os.getcwd() + ":"] + ["  " + c for c in cmds]
     notes.append(f"model {model}, conversations {data}, dumps {dump_dir} (EAGLE3_DUMP_LAYERS={env['EAGLE3_DUMP_LAYERS']})")
+    notes += mooncake_notes(settings)
     return Plan(argv, env, url, tree, notes, dump_dirs, after, info_file)

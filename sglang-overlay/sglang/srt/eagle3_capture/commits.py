@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import zlib
 from typing import Callable, Dict, List
 
@@ -121,9 +122,12 @@ class CommitPool:
         with self._cond:
             return [self._pending[t] for t in sorted(self._pending)]
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the threads."""
+    def close(self, timeout: float = None) -> bool:
+        """Finish what is queued, then stop the threads; whether they all ended within ``timeout``
+        seconds (None: waits for them)."""
         for q in self._queues:
             q.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in self._threads)

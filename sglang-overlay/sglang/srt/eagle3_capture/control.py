@@ -1,24 +1,34 @@
-"""The launching process talks to the dump writer: flush, state, and no dump during SGLang's warm-up.
+"""The launching process talks to the dump writer: flush, state, stop, and no dump during SGLang's warm-up.
 
 The writer runs in the scheduler process of TP rank 0; the launching process (``launch_server``
 or ``sglang.Engine``) is its ancestor on the same node. ``check_launch`` (in the launching process,
 before any worker starts) picks a control address, abstract on Linux (``@eagle3-dump-...``: no
 file, no path-length limit), and exports it as ``EAGLE3_DUMP_CONTROL``, with a launch id as
-``EAGLE3_DUMP_LAUNCH_ID``; the workers inherit both and the writer listens there
-(``ControlServer``, answering only its own user or root). One JSON line per call:
+``EAGLE3_DUMP_LAUNCH_ID`` and a secret of this launch as ``EAGLE3_DUMP_CONTROL_TOKEN``; the workers
+inherit them and the writer listens there (``ControlServer``). A call is answered only when it
+comes from the server's own user or root (SO_PEERCRED) AND carries the launch's secret: an
+abstract socket is reachable from the whole network namespace (every container on a host network),
+and the secret lives only in this launch's processes. One JSON line per call:
 
 - ``{"op": "flush", "timeout": s}``: answered once every forward submitted before the call is
   written (each file fsynced) or counted as failed: ``{"flushed": true, "written": n, ...}``;
 - ``{"op": "status", "rids": [...]}``: what became of each request's file (``DumpWriter.state``);
+  an answer asks only for what the launch's state table (``states``) cannot give it whole;
 - ``{"op": "pause"}`` / ``{"op": "resume"}``: while paused, prefills are not dumped (counted as
   ``warmup``). The HTTP server pauses the dump from its start until SGLang's own warm-up request
-  has been answered, so the directory holds only the users' requests.
+  has been answered, so the directory holds only the users' requests; a resume that fails is
+  tried again, then reported at error level (and every answer's state says "not dumped").
+- ``{"op": "stop", "why": ...}``: the writer stops (``stops``: no new request is dumped, what it
+  was handed is written for at most ``EAGLE3_DUMP_DRAIN_S``, the ledger names the rest) and answers
+  with the report. The launching process sends it the moment it gets SIGTERM itself (a container
+  runtime signals PID 1 only: without it the scheduler would go on writing until the runtime's
+  SIGKILL cuts the queue), and at the launch's end.
 
 ``install_launcher_hooks`` adds, in the launching process: ``Engine.flush_eagle3_dump(timeout)``;
-a flush in ``Engine.shutdown`` (which SIGKILLs the scheduler) and at the process's exit (a script
-that never calls shutdown: upstream's exit handler, registered before, runs after it); a flush
-before the tokenizer manager kills the process tree (a server's SIGTERM: requests drained, then
-SIGKILL); on every finished answer ``meta_info["eagle3_dump"]`` (its file and its state), and a
+a flush and a stop in ``Engine.shutdown`` (which SIGKILLs the scheduler) and at the process's exit
+(a script that never calls shutdown: upstream's exit handler, registered before, runs after it); a
+stop the moment the tokenizer manager's SIGTERM handler runs (``SignalHandler.sigterm_handler``),
+and before it kills the process tree (each bounded by ``EAGLE3_DUMP_DRAIN_S``); on every finished answer ``meta_info["eagle3_dump"]`` (its file and its state), and a
 refusal of ``n > 1``; and, when the HTTP server is in use, ``POST /eagle3_dump/flush`` (each on a
 thread of its own), the warm-up pause, and a flush when uvicorn stops. A SIGTERM that reaches the
 writing process itself is its own to drain (``DumpWriter.install_sigterm_drain``). What this
@@ -55,13 +65,17 @@ UPSTREAM = {
     "sglang.srt.model_executor.forward_batch_info": ("ForwardBatch.init_new",),
     # a server's SIGTERM drains the requests, then kills the process tree through this name
     # ... and answers every request through TokenizerManager.generate_request (an async generator)
-    "sglang.srt.managers.tokenizer_manager": ("kill_process_tree", "TokenizerManager.generate_request"),
+    "sglang.srt.managers.tokenizer_manager": ("kill_process_tree", "TokenizerManager.generate_request",
+                                              "SignalHandler.sigterm_handler"),
 }
 # ServerArgs fields the series reads without a default (0.5.23: declared in arg_groups/fields)
 SERVER_ARGS = ("tokenizer_worker_num", "dp_size", "nnodes")
 
 
 MAX_FLUSH_TIMEOUT = 7 * 24 * 3600.0  # a week: any longer is a typo, and inf would never answer
+ENV_TOKEN = "EAGLE3_DUMP_CONTROL_TOKEN"  # the launch's secret: a call without it is not answered
+STOP_MARGIN_S = 5.0  # a stop call waits the drain and this much more for the answer
+RESUME_TRIES = 12  # a resume after the warm-up is tried this often (backing off) before it is reported
 
 
 class FlushError(RuntimeError):
@@ -106,12 +120,20 @@ def _peer_allowed(conn) -> bool:
     return uid in (os.getuid(), 0)
 
 
+def _token_ok(request, token: str) -> bool:
+    import hmac
+
+    given = request.get("token") if isinstance(request, dict) else None
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
 # ---- writer side (scheduler process of TP rank 0) ----------------------------------------------
 
 class ControlServer:
-    def __init__(self, writer, path: str):
+    def __init__(self, writer, path: str, token: str):
         self.writer = writer
         self.path = path
+        self.token = token
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(_address(path))
@@ -120,6 +142,8 @@ class ControlServer:
             raise RuntimeError(f"eagle3 dump: cannot listen at {path} ({exc}); another writer of this "
                                f"launch holds it (a data-parallel replica?)") from None
         self.sock.listen(128)  # flushes and status calls of every process that asks
+        self.refused = 0  # calls without the launch's secret
+        self.status_calls = 0  # answers' states asked for here (the state table gives the others)
         self.thread = threading.Thread(target=self._serve, name="eagle3-dump-control", daemon=True)
         self.thread.start()
 
@@ -137,10 +161,19 @@ class ControlServer:
                 return
             try:
                 request = json.loads(_read_line(conn))
+                if not _token_ok(request, self.token):
+                    self.refused += 1
+                    logger.warning("eagle3 dump: a control call without this launch's %s was refused", ENV_TOKEN)
+                    reply = {"ok": False, "flushed": False, "error": f"refused: the call does not carry this "
+                             f"launch's {ENV_TOKEN}"}
+                    conn.sendall((json.dumps(reply) + "\n").encode())
+                    return
                 op = request.get("op")
                 if op == "flush":
-                    reply = self.writer.flush_report(flush_timeout(request.get("timeout")))
+                    reply = dict(self.writer.flush_report(flush_timeout(request.get("timeout"))),
+                                 status_calls=self.status_calls)
                 elif op == "status":
+                    self.status_calls += 1
                     rids = request.get("rids")
                     if not isinstance(rids, list):
                         raise ValueError("status needs a list of request ids")
@@ -149,6 +182,10 @@ class ControlServer:
                 elif op in ("pause", "resume"):
                     self.writer.paused = op == "pause"
                     reply = {"ok": True, "paused": self.writer.paused}
+                elif op == "stop":
+                    why = request.get("why")
+                    reply = dict(self.writer.stopper.stop(why if isinstance(why, str) and why else "a stop call"),
+                                 ok=True)
                 else:
                     reply = {"ok": False, "error": f"unknown op {op!r}"}
             except Exception as exc:  # one bad call must not stop the control thread
@@ -181,11 +218,12 @@ def _read_line(conn) -> str:
 
 def start_server(writer) -> Optional[ControlServer]:
     path = os.environ.get(ENV_CONTROL)
-    if not path:
-        logger.warning("%s is not set (the launching process did not run the series' launch "
-                       "check): the dump cannot be flushed from outside", ENV_CONTROL)
+    token = os.environ.get(ENV_TOKEN)
+    if not path or not token:
+        logger.warning("%s or %s is not set (the launching process did not run the series' launch "
+                       "check): the dump cannot be flushed or stopped from outside", ENV_CONTROL, ENV_TOKEN)
         return None
-    return ControlServer(writer, path)
+    return ControlServer(writer, path, token)
 
 
 # ---- launching process ----------------------------------------------------------------------
@@ -198,10 +236,12 @@ def new_path() -> str:
     return os.path.join(tempfile.gettempdir(), name + ".sock")
 
 
-def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, **fields) -> dict:
+def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, token: Optional[str] = None,
+         **fields) -> dict:
     """Send one call to the writer and return its answer; FlushError when it cannot."""
     path = path or os.environ.get(ENV_CONTROL)
-    if not path:
+    token = token or os.environ.get(ENV_TOKEN)
+    if not path or not token:
         raise FlushError("the dump is not on in this process (EAGLE3_DUMP_DIR was not set when the "
                          "server or Engine started)")
     wait = flush_timeout(timeout)
@@ -209,7 +249,7 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, *
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(wait + 5.0)
             s.connect(_address(path))
-            s.sendall((json.dumps(dict(fields, op=op, timeout=wait)) + "\n").encode())
+            s.sendall((json.dumps(dict(fields, op=op, timeout=wait, token=token)) + "\n").encode())
             line = _read_line(s)
     except (ConnectionRefusedError, FileNotFoundError) as exc:
         raise WriterGone(f"the dump writer did not answer at {path} ({exc})") from None
@@ -220,6 +260,8 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, *
     reply = json.loads(line)
     if op == "flush" and not reply.get("flushed"):
         raise FlushError(reply.get("error") or "the dump writer did not flush")
+    if str(reply.get("error", "")).startswith("refused:"):
+        raise FlushError(reply["error"])
     return reply
 
 
@@ -228,25 +270,81 @@ def flush(timeout: Optional[float] = None) -> dict:
     return call("flush", timeout)
 
 
-_FLUSHED_AT_STOP = set()  # control addresses flushed for a stop already (once per launch)
+_STOPS = {}  # control address -> the thread that stops its writer (one stop per launch)
+_STOPS_LOCK = threading.Lock()
+# the launch's EAGLE3_DUMP_DRAIN_S, its sink and its state table (install_launcher_hooks)
+_LAUNCH = {"drain_s": None, "sink": None, "table": None}
 
 
-def _flush_quietly(why: str, path: Optional[str] = None) -> None:
-    """Flush before the launch stops (once per launch): Engine.shutdown, the server's stop, exit."""
-    path = path or os.environ.get(ENV_CONTROL)
-    if not path or path in _FLUSHED_AT_STOP:
-        return
-    _FLUSHED_AT_STOP.add(path)
+def _drain_s() -> float:
+    got = _LAUNCH["drain_s"]
+    if got is None:
+        from .settings import DumpSettings
+
+        settings = DumpSettings.from_env()
+        got = settings.drain_s if settings is not None else 0.0
+    return got
+
+
+def _stop_writer(why: str, path: str) -> None:
+    """The stop call (on a thread of its own); the outcome goes to the log."""
+    drain = _drain_s()
     try:
-        reply = call("flush", None, path)
-        logger.info("eagle3 dump flushed before %s: %s", why, reply)
-    except WriterGone:  # a SIGTERM reached the scheduler too: it drained its own queue and left
-        logger.warning("eagle3 dump: the writer had stopped before %s (a writer that exits writes its "
-                       "queue first, within EAGLE3_DUMP_DRAIN_S, and names what it could not in "
-                       "eagle3-dump-unwritten.*.json; one that is killed does not)", why)
-    except FlushError as exc:  # Ctrl-C reaches the scheduler too: it may have drained and left
-        logger.error("eagle3 dump: flush before %s failed: %s (a writer that exits writes its queue "
-                     "first, within EAGLE3_DUMP_DRAIN_S; one that is killed does not)", why, exc)
+        reply = call("stop", drain + STOP_MARGIN_S, path, why=why)
+    except WriterGone:  # it ended on its own (a group signal, SGLang's shutdown request): it drained then
+        logger.info("eagle3 dump: the writer had already stopped before %s; what it could not write is named in "
+                    "its eagle3-dump-unwritten.*.json", why)
+        return
+    except FlushError as exc:
+        logger.error("eagle3 dump: the stop before %s failed: %s (files not yet written may be lost)", why, exc)
+        return
+    if not reply.get("stopped"):
+        logger.error("eagle3 dump: the stop before %s did not end within %g s: %s", why, drain,
+                     reply.get("error") or reply)
+    elif reply.get("unwritten"):
+        logger.error("eagle3 dump: stopped before %s: %d requests not written, named in %s", why,
+                     reply["unwritten"], reply.get("ledger") or "the scheduler's log")
+    else:
+        logger.info("eagle3 dump: stopped before %s: every request handed to the writer is written (%s)", why,
+                    ", ".join(f"{reply.get(k)} {k}" for k in ("written", "failed", "dropped", "after_stop")))
+
+
+def stop_soon(why: str, path: Optional[str] = None) -> Optional[threading.Thread]:
+    """Start the launch's stop (once per launch) without waiting for it; the thread doing it."""
+    path = path or os.environ.get(ENV_CONTROL)
+    if not path:
+        return None
+    with _STOPS_LOCK:
+        thread = _STOPS.get(path)
+        if thread is None:
+            thread = _STOPS[path] = threading.Thread(target=_stop_writer, args=(why, path),
+                                                     name="eagle3-dump-stop", daemon=True)
+            thread.start()
+    return thread
+
+
+def _stop_quietly(why: str, path: Optional[str] = None) -> None:
+    """Stop the writer before the launch ends and wait for it (at most the drain and a margin)."""
+    thread = stop_soon(why, path)
+    if thread is not None:
+        thread.join(_drain_s() + 2 * STOP_MARGIN_S)
+
+
+def _flush_then_stop(why: str, path: Optional[str] = None) -> None:
+    """A polite end (Engine.shutdown, a script's exit): everything handed over is written first
+    (the flush's default bound), then the stop (nothing left: it names nothing)."""
+    path = path or os.environ.get(ENV_CONTROL)
+    if not path:
+        return
+    if path not in _STOPS:
+        try:
+            reply = call("flush", None, path)
+            logger.info("eagle3 dump flushed before %s: %s", why, reply)
+        except WriterGone:
+            pass  # the stop below says so
+        except FlushError as exc:  # the stop names what is not written
+            logger.error("eagle3 dump: flush before %s failed: %s", why, exc)
+    _stop_quietly(why, path)
 
 
 def _run_in_thread(fn, *args):
@@ -280,7 +378,7 @@ def _engine_hooks(engine_cls) -> None:
         return flush(timeout)
 
     def shutdown_after_flush(self, *args, **kwargs):
-        _flush_quietly("Engine.shutdown")
+        _flush_then_stop("Engine.shutdown")
         return shutdown(self, *args, **kwargs)
 
     shutdown_after_flush.__doc__ = shutdown.__doc__
@@ -291,17 +389,30 @@ def _engine_hooks(engine_cls) -> None:
 
 def _kill_hooks(tokenizer_manager) -> None:
     """SGLang stops a server on SIGTERM by draining its requests and then killing its process
-    tree (SIGKILL: the scheduler's queue would be lost): flush between the two."""
+    tree (SIGKILL: the scheduler's queue would be lost). The writer is stopped the moment the
+    SIGTERM handler runs (a runtime that signals PID 1 only gives the scheduler no signal of its
+    own, and its SIGKILL comes after a grace period, not after SGLang's drain), and waited for
+    before the tree is killed."""
     kill = tokenizer_manager.kill_process_tree
-    if getattr(kill, "_eagle3_hooks", False):
+    if not getattr(kill, "_eagle3_hooks", False):
+        def kill_process_tree(*args, **kwargs):
+            _stop_quietly("the server stopped")
+            return kill(*args, **kwargs)
+
+        kill_process_tree._eagle3_hooks = True
+        tokenizer_manager.kill_process_tree = kill_process_tree
+    handler_cls = tokenizer_manager.SignalHandler
+    sigterm = handler_cls.sigterm_handler
+    if getattr(sigterm, "_eagle3_hooks", False):
         return
 
-    def kill_process_tree(*args, **kwargs):
-        _flush_quietly("the server stopped")
-        return kill(*args, **kwargs)
+    def sigterm_handler(self, *args, **kwargs):
+        stop_soon("SIGTERM to the launching process")  # on a thread: the event loop goes on
+        return sigterm(self, *args, **kwargs)
 
-    kill_process_tree._eagle3_hooks = True
-    tokenizer_manager.kill_process_tree = kill_process_tree
+    sigterm_handler.__doc__ = sigterm.__doc__
+    sigterm_handler._eagle3_hooks = True
+    handler_cls.sigterm_handler = sigterm_handler
 
 
 STATUS_TIMEOUT = 5.0
@@ -322,13 +433,45 @@ def dump_states(rids, path: Optional[str] = None) -> dict:
     return dump_handles(rids, path)[0]
 
 
-def dump_handles(rids, path: Optional[str] = None) -> tuple:
+def _published(rids) -> tuple:
+    """({rid: state}, {rid: handle}) of the requests the launch's state table gives whole, and the
+    rids it does not (a store's written object: its manifest and whether it is still there are the
+    writer's to say)."""
+    from .identity import request_key
+
+    table, sink = _LAUNCH.get("table"), _LAUNCH.get("sink") or "file"
+    states, handles, ask = {}, {}, []
+    for rid in rids:
+        key = request_key(str(rid))
+        got = table.get(key) if table is not None else None
+        if got is None or (sink != "file" and got in ("written", "kept")):
+            ask.append(rid)
+            continue
+        states[str(rid)] = got
+        handles[str(rid)] = ({"sink": "file", "file": key + ".safetensors"} if sink == "file" else
+                             {"sink": sink, "key": key, "manifest_key": key + ":meta"})
+    return states, handles, ask
+
+
+def _asked(rids, path: Optional[str] = None) -> tuple:
     """({rid: state}, {rid: handle}) from the writer (``DumpWriter.state`` and ``.handle``)."""
     try:
         reply = call("status", STATUS_TIMEOUT, path, rids=list(rids))
         return reply["states"], reply.get("handles") or {}
     except (FlushError, KeyError, ValueError) as exc:
         return {r: f"unknown: the dump writer did not answer ({exc})" for r in rids}, {}
+
+
+def dump_handles(rids, path: Optional[str] = None) -> tuple:
+    """({rid: state}, {rid: handle}): from the launch's state table (``states``) where it has them
+    whole, else from the writer (at ``path``: the writer only)."""
+    rids = [str(r) for r in rids]
+    states, handles, ask = _published(rids) if path is None else ({}, {}, rids)
+    if ask:
+        more_states, more_handles = _asked(ask, path)
+        states.update(more_states)
+        handles.update(more_handles)
+    return states, handles
 
 
 class _StatusBatcher:
@@ -360,7 +503,7 @@ class _StatusBatcher:
                 batch, self._pending = self._pending, []
                 self.calls += 1
                 try:
-                    states, handles = await _run_in_thread(dump_handles, [r for rids, _ in batch for r in rids])
+                    states, handles = await _run_in_thread(_asked, [r for rids, _ in batch for r in rids])
                 except BaseException as exc:  # each waiting answer gets the error
                     for _, future in batch:
                         if not future.done():
@@ -416,7 +559,11 @@ def _answer_hooks(tokenizer_manager_cls) -> None:
         async for out in inner(self, obj, request):
             done = [o for o in _outputs(out) if _finished(o)]
             if done and os.environ.get(ENV_CONTROL):
-                states, handles = await _status_batcher().ask([str(o["meta_info"]["id"]) for o in done])
+                # the launch's state table first (no round trip into the scheduler), the writer for the rest
+                states, handles, ask = _published([str(o["meta_info"]["id"]) for o in done])
+                if ask:
+                    more_states, more_handles = await _status_batcher().ask(ask)
+                    states, handles = dict(states, **more_states), dict(handles, **more_handles)
                 for o in done:
                     rid = o["meta_info"]["id"]
                     where = handles.get(str(rid)) or {"sink": "file", "file": request_key(rid) + ".safetensors"}
@@ -468,7 +615,7 @@ def _http_hooks(http_server) -> None:
             logger.error("eagle3 dump: could not pause for the warm-up: %s", exc)
         async with inner_lifespan(a) as state:
             yield state
-        await _run_in_thread(_flush_quietly, "the server stopped")
+        await _run_in_thread(_stop_quietly, "the server stopped")
 
     app.router.lifespan_context = lifespan
     warmup = http_server._wait_and_warmup
@@ -477,16 +624,37 @@ def _http_hooks(http_server) -> None:
         try:
             return warmup(*args, **kwargs)
         finally:
-            try:
-                call("resume", 30.0)
-            except FlushError as exc:
-                logger.error("eagle3 dump: could not resume after the warm-up: %s", exc)
+            resume_after_warmup()
 
     http_server._wait_and_warmup = wait_and_warmup
     app._eagle3_hooks = True
 
 
-def install_launcher_hooks(server_args) -> None:
+def resume_after_warmup(tries: int = RESUME_TRIES, first_wait: float = 0.25) -> bool:
+    """Resume the dump once SGLang's warm-up is answered; a failed call is tried again (backing
+    off, about a minute in all), then reported at error level. Whether it resumed."""
+    import time
+
+    wait, error = first_wait, None
+    for attempt in range(tries):
+        try:
+            call("resume", 30.0)
+            if attempt:
+                logger.warning("eagle3 dump: resumed after the warm-up at try %d (%s)", attempt + 1, error)
+            return True
+        except WriterGone as exc:  # nobody to resume: the writer has stopped
+            error = exc
+            break
+        except FlushError as exc:
+            error = exc
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
+    logger.error("eagle3 dump: could not resume after the warm-up (%s); the dump stays PAUSED: no request is "
+                 "dumped and every answer's eagle3_dump state says so. Restart the server", error)
+    return False
+
+
+def install_launcher_hooks(server_args, drain_s: Optional[float] = None) -> None:
     """In the launching process: pick the control socket (one per launch: the workers inherit
     it) and add the flush entry points."""
     import sys
@@ -499,17 +667,31 @@ def install_launcher_hooks(server_args) -> None:
                               f"several processes, and the dump's flush lives in one; use --tokenizer-worker-num 1")
     path = os.environ[ENV_CONTROL] = new_path()
     os.environ[ENV_LAUNCH] = uuid.uuid4().hex  # names this launch in every file it writes
+    import secrets
+
+    os.environ[ENV_TOKEN] = secrets.token_hex(16)  # only this launch's processes have it
+    _LAUNCH["drain_s"] = drain_s
+    _LAUNCH["sink"] = (os.environ.get("EAGLE3_DUMP_SINK", "").strip().lower() or "file")
+    from .states import ENV_STATES, StateTable
+
+    try:
+        table = _LAUNCH["table"] = StateTable.create()
+        os.environ[ENV_STATES] = table.path
+    except OSError as exc:  # answers then ask the writer for every state
+        logger.warning("eagle3 dump: no state table (%s): every answer asks the writer for its state", exc)
     # Upstream's Engine registered atexit(self.shutdown) before this ran, bound to the shutdown
     # the class had then; exit handlers run last-registered first, so this flush runs before it
     # (and before multiprocessing ends the workers): a script that never calls shutdown loses nothing.
     import atexit
 
-    atexit.register(_flush_quietly, "the process exited", path)
+    atexit.register(_flush_then_stop, "the process exited", path)
     from sglang.srt.entrypoints import engine
     from sglang.srt.managers import tokenizer_manager
 
     missing = [n for n in ("shutdown",) if not callable(getattr(engine.Engine, n, None))]
     missing += [n for n in ("kill_process_tree",) if not callable(getattr(tokenizer_manager, n, None))]
+    missing += ["SignalHandler.sigterm_handler"] if not callable(
+        getattr(getattr(tokenizer_manager, "SignalHandler", None), "sigterm_handler", None)) else []
     missing += [n for n in ("generate_request",) if not callable(getattr(tokenizer_manager.TokenizerManager, n, None))]
     http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
     if http_server is not None:

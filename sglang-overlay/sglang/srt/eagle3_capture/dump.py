@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import stat
 import struct
 import threading
@@ -50,6 +49,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .settings import (
+    DEFAULT_DRAIN_S,
     ENV_DIR,
     ENV_LAUNCH,
     ENV_LAYERS,
@@ -67,10 +67,11 @@ from .settings import (
     text_config,
 )
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
-from .sinks import FILE_MODE, HOST, FileSink, MooncakeSink, SinkError, _fsync, dump_directories
+from .sinks import HOST, FileSink, MooncakeSink, SinkError, dump_directories
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
-from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage
+from .stops import Stopper, ledger_path
+from .storage import EMBEDDING, SCALE_PREFIX, Layout, Storage, every_embedding_row, left_out_states
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,7 @@ STATES_KEPT = 65536  # requests whose file's state a response can still be told
 IDENTITY_FIELDS = ("launch_id", "model_path", "rid", "prompt_key", "input_source", "lora_id", "mm_hashes",
                    "eagle3_layer_ids", "final", "dtype", "architecture", "storage_dtype", "left_out")
 HEADER_MAX = 100 << 20  # a safetensors header larger than this is not one of ours
-
-
-def unwritten_path(directory: str) -> str:
-    """The ledger a writing process leaves when requests it was handed were not written."""
-    return os.path.join(directory, f"eagle3-dump-unwritten.{HOST}.{os.getpid()}.json")
+CLOSE_JOIN_S = 5.0  # at exit, after the stop: how long the gather and writer threads get to end
 
 
 def identity_of(metadata: Dict[str, str]) -> str:
@@ -191,7 +188,7 @@ class DumpWriter:
         """``layout``: how states are stored (``storage``); None: as computed, every state.
         ``writers``: threads writing files at once (``commits``). ``sink``: where each request's
         states go (``sinks``; None: a file in ``directory``, or in one of its directories when it names
-        several). The stop ledger goes in the first directory."""
+        several). The stop ledger goes in the first directory (``stops``)."""
         self.directory = dump_directories(directory)[0]
         self.indices = list(indices)  # capture indices (= HF indices), ascending
         self.layer_ids = [layer_output_id(i) for i in self.indices]  # -1 = embedding, k = layer k's output
@@ -217,13 +214,21 @@ class DumpWriter:
         self.reprefilled = 0  # prefills again of a request whose file is written (retracted)
         self.paused = False  # set by the control socket: prefills now are not the users'
         self.max_wait_s: Optional[float] = None  # the longest a forward waits for room (None: no bound)
+        self.after_stop = 0  # requests prefilled after a stop began, not dumped
         self.unwritten: "OrderedDict[str, dict]" = OrderedDict()  # rid -> why, of requests not written
+        # requests handed to the writer (a span taken at submit) whose file is neither written nor
+        # failed yet: with ``unwritten``, what the stop ledger names (``ledger_entries``)
+        self._open: "OrderedDict[str, RequestInfo]" = OrderedDict()
+        self._committing: set = set()  # rids whose file a writer thread is committing now
+        self.accepting = True  # False once a stop began: later prefills are not dumped
+        self.host = HOST
         self._states: "OrderedDict[str, str]" = OrderedDict()  # rid -> what became of its file (state())
         self._states_lock = threading.Lock()
         self._current: Optional[_Job] = None  # the job the writer thread works on
-        self._stopping = False  # set when a drain gives up: no further job is written
-        self._sigterm = None  # (our SIGTERM handler, the one before it) once installed
+        self._stopping = False  # set when a drain gives up: no further file is started
         self._control = None
+        self._table = None  # the launch's state table (``states``), once the control socket starts
+        self.stopper = Stopper(self, DEFAULT_DRAIN_S)
         # the host arena: allocated (and page-locked on CUDA) here, once; ranks that write nothing hold none
         self.staging = HostStaging(max_pending_bytes, pinned=torch.cuda.is_available(), allocate=enabled)
         self._partials: Dict[str, _Partial] = {}  # request id -> its rows so far
@@ -242,11 +247,21 @@ class DumpWriter:
             atexit.register(self.close)
 
     def start_control(self) -> None:
-        """Listen for flush and warm-up calls from the launching process (``control``)."""
+        """Listen for flush and warm-up calls from the launching process (``control``), and publish
+        each request's state in the launch's state table (``states``)."""
         from .control import start_server
+        from .states import ENV_STATES, StateTable
 
-        if self.enabled:
-            self._control = start_server(self)
+        if not self.enabled:
+            return
+        path = os.environ.get(ENV_STATES)
+        if path:
+            try:
+                self._table = StateTable.open(path)
+            except OSError as exc:  # the answers ask over the control socket instead
+                logger.warning("%s: cannot open the launch's state table %s (%s): every answer asks the writer "
+                               "for its state", ENV_DIR, path, exc)
+        self._control = start_server(self)
 
     def _side_stream(self):
         """The stream the device-to-host copies run on: after the forward's kernels so far (it
@@ -362,6 +377,9 @@ class DumpWriter:
             elif self.paused:
                 self.warmup += first
                 self._set_state(req, "not dumped: prefilled during SGLang's warm-up (before the server was ready)")
+            elif not self._take_request(req, first):  # a stop began: nothing new is promised
+                self.after_stop += first
+                self._set_state(req, f"not dumped: the server is stopping ({self.stopper.why})")
             elif prefix >= req.prompt_len:
                 pass  # generated tokens prefilled again after a retraction: not prompt rows
             elif prefix and not self.chunked:
@@ -381,11 +399,12 @@ class DumpWriter:
     def _keeps(self, name: str, req: RequestInfo) -> bool:
         """Whether ``req``'s file may hold rows of the tensor ``name``: the embedding's only where
         some of its rows cannot be rebuilt from the vocabulary (a multimodal wrapper's requests,
-        ``input_embeds`` requests), when the layout leaves the others out. The same for every
-        forward of a request, so its chunks always carry the same tensors."""
+        ``storage.every_embedding_row``: ``input_embeds`` and LoRA requests), when the layout leaves
+        the others out. The same for every forward of a request, so its chunks always carry the
+        same tensors."""
         if not self.layout.embedding_partial or name not in (EMBEDDING, SCALE_PREFIX + EMBEDDING):
             return True
-        return self.placeholder_id is not None or req.input_embeds
+        return self.placeholder_id is not None or every_embedding_row(req)
 
     def handle(self, rid: str) -> dict:
         """Where a request's states are (or will be): the sink, its file or object key, and once
@@ -408,6 +427,8 @@ class DumpWriter:
 
     def _set_state(self, req: RequestInfo, state: str) -> None:
         with self._states_lock:
+            if self._table is not None:
+                self._table.put(req.key, state)
             self._states[req.rid] = state
             self._states.move_to_end(req.rid)
             while len(self._states) > STATES_KEPT:
@@ -480,6 +501,7 @@ class DumpWriter:
             self._abandoned.pop(rid, None)
             if partial is not None:
                 self._drop(partial, "it was prefilled again from its start (retracted)")
+                self._reopen(span.req)  # and goes on from its start
             if span.length >= span.total:
                 self._handed(rows, span.req, hold.add, hold.drop)
             else:
@@ -536,7 +558,7 @@ class DumpWriter:
             self._abandoned[req.rid] = req.prompt_len
             while len(self._abandoned) > ABANDONED_KEPT:  # requests that never came back
                 self._abandoned.popitem(last=False)
-        self._set_state(req, "failed: " + why)
+        self._not_written(req, why)
         logger.error("%s: request %s (%d prompt tokens, prefilled in chunks) is not dumped (%d of its "
                      "rows seen): %s; %d dropped so far", ENV_DIR, req.rid, req.prompt_len, rows_seen,
                      why, self.dropped)
@@ -564,15 +586,47 @@ class DumpWriter:
         self._add("reprefilled")
         if self.state(req.rid) == "queued":
             self._set_state(req, "kept")
+        self._written(req)
         return True
 
     def _not_written(self, req: RequestInfo, why: str) -> None:
-        """Name a request this writer will not write (the unwritten ledger, at a stop)."""
+        """Name a request this writer will not write (the stop ledger)."""
         self._set_state(req, "failed: " + why)
         with self._counts_lock:  # named from the forward, gather and writer threads
+            self._open.pop(req.rid, None)
             self.unwritten[req.rid] = {"rid": printable(req.rid), "key": req.key, "why": why}
             while len(self.unwritten) > UNWRITTEN_KEPT:
                 self.unwritten.popitem(last=False)
+
+    def _take_request(self, req: RequestInfo, first: bool) -> bool:
+        """Whether this prefill's rows of ``req`` are taken (no stop has begun); a request's first
+        rows make it pending. One step under the lock the stop turns ``accepting`` off under, so
+        every request taken is pending before the stop's ledger is made."""
+        with self._counts_lock:
+            if not self.accepting:
+                return False
+            if first:
+                self._open[req.rid] = req
+                self._open.move_to_end(req.rid)
+            return True
+
+    def stop_accepting(self) -> None:
+        """A stop began: later prefills are not dumped (``_take_request``)."""
+        with self._counts_lock:
+            self.accepting = False
+
+    def _reopen(self, req: RequestInfo) -> None:
+        """A request handed to the writer (its first rows, or all of them again): pending until its
+        file is written or it fails."""
+        with self._counts_lock:
+            self._open[req.rid] = req
+            self._open.move_to_end(req.rid)
+
+    def _written(self, req: RequestInfo) -> None:
+        """Its file is there: no ledger names it, whatever an earlier try of it did."""
+        with self._counts_lock:
+            self._open.pop(req.rid, None)
+            self.unwritten.pop(req.rid, None)
 
     def _handed(self, rows: Dict[str, torch.Tensor], req: RequestInfo, take, done) -> None:
         """``_write`` with the rows' memory accounted: ``take()`` before (None: nothing to take),
@@ -593,8 +647,10 @@ class DumpWriter:
     def _commit(self, rows: Dict[str, torch.Tensor], req: RequestInfo, done) -> None:
         """Write one request's file (a writer thread)."""
         try:
-            if self._stopping:  # a drain gave up: named in its ledger as not written
+            if self._stopping:  # a drain gave up: still pending, named in its ledger as not written
                 return
+            with self._counts_lock:
+                self._committing.add(req.rid)
             self._commit_file(rows, req)
         except Exception as exc:  # anything but the write itself (counted there): this request only
             self._add("failed")
@@ -602,6 +658,8 @@ class DumpWriter:
             logger.exception("%s: request %s (key %s) was not dumped; %d failed so far",
                              ENV_DIR, printable(req.rid), req.key, self.failed)
         finally:
+            with self._counts_lock:
+                self._committing.discard(req.rid)
             done()
 
     def _commit_file(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
@@ -619,12 +677,13 @@ class DumpWriter:
         for name, host in rows.items():
             if name != "input_ids":
                 out[name] = host[:length]
-        self.layout.cut_embedding(out, raw_ids, all_rows=req.input_embeds)
+        self.layout.cut_embedding(out, raw_ids, all_rows=every_embedding_row(req))
         try:
             where = self.sink.commit(key, out, metadata)
             self._set_handle(req, where)
             self._add("written")
             self._set_state(req, "written")
+            self._written(req)
         except Exception as exc:  # a full or vanished disk or store must not stop serving
             self._add("failed")
             self._not_written(req, f"the write failed: {exc}")
@@ -635,7 +694,7 @@ class DumpWriter:
     def counts(self) -> Dict[str, int]:
         return {"written": self.written, "failed": self.failed, "dropped": self.dropped,
                 "skipped": self.skipped, "probes": self.probes, "warmup": self.warmup,
-                "reprefilled": self.reprefilled, "pending_chunked": len(self._partials), **self.sink.counts()}
+                "reprefilled": self.reprefilled, "after_stop": self.after_stop, "pending_chunked": len(self._partials), **self.sink.counts()}
 
     def flush(self) -> None:
         """Wait until every submitted forward is written, failed, or held as a partial request."""
@@ -653,128 +712,91 @@ class DumpWriter:
         done = threading.Event()
         self._queue.put(done)
         if not done.wait(timeout):
-            return dict(self.counts(), flushed=False,
+            return dict(self.counts(), flushed=False, paused=self.paused,
                         error=f"the dump writer did not catch up within {timeout:g} s")
-        return dict(self.counts(), flushed=True)
+        return dict(self.counts(), flushed=True, paused=self.paused)
 
-    # ---- stops ------------------------------------------------------------------------
+    # ---- stops (``stops``) ------------------------------------------------------------------
+    @property
+    def ledger_path(self) -> str:
+        """This launch's stop ledger (``stops.ledger_path``)."""
+        return ledger_path(self.directory, self.metadata.get("launch_id") or "")
+
     def pending_requests(self) -> List[RequestInfo]:
-        """The requests handed to the writer and not yet written or failed: queued forwards, the
-        one being written, chunked requests whose last chunk has not run."""
-        jobs = [j for j in list(self._queue.queue) + [self._current] if isinstance(j, _Job)]
-        committing = self._pool.pending() if self._pool is not None else []
-        seen, out = set(), []
-        for req in committing + [sp.req for j in jobs for sp in j.spans] + [p.req for p in list(self._partials.values())]:
-            if req.rid not in seen:
-                seen.add(req.rid)
-                out.append(req)
+        """The requests handed to the writer whose file is neither written nor failed: queued
+        forwards, files being written, chunked requests whose last chunk has not run."""
+        with self._counts_lock:
+            return list(self._open.values())
+
+    def ledger_entries(self, pending_why: str, gave_up: bool = False) -> List[dict]:
+        """What the stop ledger names now: every request handed to the writer in this launch and
+        not written, the failed ones with why, the pending ones as such (``gave_up``: the drain
+        ended, and a file a writer thread is committing may still land)."""
+        with self._counts_lock:
+            failed = list(self.unwritten.values())
+            pending = list(self._open.values())
+            committing = set(self._committing)
+        chunked = set(self._partials)
+        out = list(failed)
+        for req in pending:
+            if req.rid in chunked:
+                why = "its last chunk was not prefilled before the stop"
+            elif gave_up and req.rid in committing:
+                why = "being written when the drain ended: its file may still land"
+            else:
+                why = pending_why
+            out.append({"rid": printable(req.rid), "key": req.key, "why": why, "pending": True})
         return out
 
-    def write_ledger(self, pending: List[RequestInfo], why: str) -> Optional[str]:
-        """Durably name what this writer did not write (``unwritten_path``); the ledger is removed
-        when nothing is left to name. Returns its path when one was written."""
-        path = unwritten_path(self.directory)
-        with self._counts_lock:
-            entries = list(self.unwritten.values())
-        entries += [{"rid": printable(r.rid), "key": r.key, "why": why} for r in pending if r.rid not in self.unwritten]
-        if not entries:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                _fsync(self.directory)
-            return None
-        body = {"format": "eagle3-dump-unwritten/1", "launch_id": self.metadata.get("launch_id"), "host": HOST,
-                "pid": os.getpid(), "time": time.time(), "counts": self.counts(), "requests": entries}
-        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
-            with open(tmp, "w") as handle:
-                json.dump(body, handle, indent=1)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, FILE_MODE)
-            os.replace(tmp, path)
-            _fsync(self.directory)
-        except OSError as exc:
-            logger.error("%s: could not write the unwritten-requests ledger %s (%s): %d requests not "
-                         "written: %s", ENV_DIR, path, exc, len(entries), [e["rid"] for e in entries[:20]])
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            return None
-        return path
-
-    def drain(self, seconds: float, why: str) -> bool:
-        """At a stop: name what is pending in the ledger first (a SIGKILL during the drain still
-        leaves the names), write the queue for at most ``seconds``, then leave the ledger of what
-        was not written by then (none: no ledger; the one file being written as the drain gives
-        up may still land). Whether everything queued was written."""
+    def wait_written(self, deadline: float) -> bool:
+        """Wait (until ``deadline``, time.monotonic) for every forward queued so far to be written,
+        failed, or held as a partial chunked request; whether it was."""
         if not self.enabled or self._thread is None or not self._thread.is_alive():
-            return True
-        started = time.monotonic()
-        pending = self.pending_requests()
-        logger.warning("%s: %s: writing the %d requests queued (at most %g s, EAGLE3_DUMP_DRAIN_S) before "
-                       "this process ends", ENV_DIR, why, len(pending), seconds)
-        if pending:
-            self.write_ledger(pending, "the writing process was stopped before its file was written")
+            return not self._open
         done = threading.Event()
         self._queue.put(done)
-        flushed = done.wait(max(seconds, 0.0))
-        if not flushed:
-            self._stopping = True  # the writer starts no other file: the ledger below stays true
-        for p in list(self._partials.values()):
-            self._not_written(p.req, "the server stopped before its last chunk was prefilled")
-        left = self.pending_requests()
-        ledger = self.write_ledger(left, f"not written within the {seconds:g} s drain (EAGLE3_DUMP_DRAIN_S)")
-        logger.warning("%s: %s; drained in %.1f s: %s%s", ENV_DIR, why, time.monotonic() - started,
-                       ", ".join(f"{v} {k}" for k, v in self.counts().items()),
-                       f"; not written: {ledger}" if ledger else "; nothing left unwritten")
-        return flushed
+        return done.wait(max(deadline - time.monotonic(), 0.0))
+
+    def give_up(self) -> None:
+        """A drain ended: no file starts after this (those left stay pending in the ledger)."""
+        self._stopping = True
+
+    def drain(self, seconds: float, why: str) -> bool:
+        """Stop (``stops.Stopper.stop``) with a drain of at most ``seconds``; whether everything
+        handed to the writer was written."""
+        if not self.enabled:
+            return True
+        return bool(self.stopper.stop(why, seconds).get("flushed"))
 
     def install_sigterm_drain(self, seconds: float) -> None:
-        """The writing process owns its SIGTERM (systemd, Slurm, container runtimes and
-        ``kill -TERM -PGID`` signal every process of the group): write the queue for at most
-        ``seconds``, then end as the signal would have (the handler before, or the default)."""
-        if not self.enabled or threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one drain, whatever else arrives
-            try:
-                self.drain(seconds, "SIGTERM")
-            finally:
-                if callable(previous):
-                    signal.signal(signal.SIGTERM, previous)
-                    previous(signum, frame)
-                else:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._sigterm = (on_sigterm, previous)
+        """Every stop drains for at most ``seconds``; SIGTERM to this process is the stop's own
+        (``stops.Stopper.install_sigterm``: a watcher thread, never the main thread, drains)."""
+        self.stopper.drain_s = float(seconds)
+        if self.enabled:
+            self.stopper.install_sigterm()
 
     def close(self) -> None:
-        """Write what is queued, stop answering the control socket, stop the thread (at exit)."""
-        if self._thread is not None and self._thread.is_alive():
-            self.flush()
-        if self._control is not None:  # after the queue is written: a flush in flight is answered
+        """At exit: stop (write what was handed over for at most EAGLE3_DUMP_DRAIN_S, leave the
+        ledger), stop answering the control socket, end the threads (each wait bounded)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        report = self.stopper.stop("the process exited") if alive else {}
+        if self._control is not None:  # after the stop: a stop call in flight is answered
             self._control.close()
             self._control = None
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-            self._pool.close()
-            for p in list(self._partials.values()):
-                self._not_written(p.req, "the server stopped before its last chunk was prefilled")
-                self._drop(p, "the server stopped before its last chunk")
-            if self.unwritten:
-                self.write_ledger([], "")
+        if not alive:
+            return
+        if not report.get("flushed"):  # threads still at a slow or hung disk: the exit takes them
+            return
+        self._queue.put(None)
+        self._thread.join(CLOSE_JOIN_S)
+        stuck = self._thread.is_alive() or not self._pool.close(CLOSE_JOIN_S)
+        for p in list(self._partials.values()):
+            self.staging.release(p.buffers, queued=False)
+        self._partials.clear()
+        if not stuck:  # a writer thread still at a hung disk holds arena rows: leave them to the exit
             self.staging.close()
-        sigterm = self._sigterm
-        if sigterm is not None and signal.getsignal(signal.SIGTERM) is sigterm[0] \
-                and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, sigterm[1] if sigterm[1] is not None else signal.SIG_DFL)
-            self._sigterm = None
-            logger.info("%s: %s; %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()),
-                        self.staging.summary())
+        logger.info("%s: %s; %s", ENV_DIR, ", ".join(f"{v} {k}" for k, v in self.counts().items()),
+                    self.staging.summary())
 
 
 def _numel(shape) -> int:
@@ -804,7 +826,7 @@ def start_dump(runner, target, settings: DumpSettings):
     indices = check_model(architectures, num_layers, settings)
     check_server_args(runner.server_args)
     for directory in settings.directories:
-        check_directory(directory)
+        check_directory(directory, settings.directory)
     from sglang.version import __version__ as sglang_version
 
     if sglang_version.startswith("0.0.0"):  # a source checkout without build metadata
@@ -838,10 +860,18 @@ def start_dump(runner, target, settings: DumpSettings):
         "launch_id": os.environ.get(ENV_LAUNCH) or uuid.uuid4().hex,
         "replica_rank": "0",  # --dp-size > 1 is refused (settings.check_server_args): one replica
     }
+    if settings.mooncake is None:  # the directories files are spread over: a reader listing others is told
+        metadata["dump_dirs"] = json.dumps(settings.directories)
     vocab_size = text_config(hf_config).vocab_size
+    weights = None  # the digest of what a reader rebuilds left-out states from, on the writing rank
+    left = left_out_states(settings.storage, indices, settings.final, num_layers)
+    if left and get_tensor_model_parallel_rank() == 0:
+        from .weights import served_weights
+
+        weights = served_weights(resolved(runner.server_args), left)
     try:
         layout = Layout(settings.storage, indices, settings.final, num_layers, dtype,
-                        getattr(config, "rms_norm_eps", None), vocab_size)
+                        getattr(config, "rms_norm_eps", None), vocab_size, weights=weights)
     except ValueError as exc:
         raise DumpConfigError(f"{ENV_DIR}: {exc}; unset EAGLE3_DUMP_REBUILDABLE (store)") from None
     sink = None

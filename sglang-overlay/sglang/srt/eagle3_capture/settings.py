@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import uuid
 from typing import List, Optional, Sequence
 
@@ -137,16 +138,32 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise DumpConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
 
 
-def _positive(env, name: str, default: float, unit: str) -> float:
-    """A positive finite number from ``env[name]`` (``default`` when unset)."""
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: the longest any wait of the dump may be set to (longer is a typo)
+
+
+def memory_mib() -> int:
+    """This machine's physical memory, MiB."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _positive(env, name: str, default: float, unit: str, most: Optional[float] = None,
+              most_why: str = "") -> float:
+    """A positive finite number from ``env[name]`` (``default`` when unset), at most ``most``
+    (None: ``MAX_SECONDS`` for seconds, this machine's memory for MiB)."""
     raw = env.get(name, "").strip() or repr(default)
     try:
-        value = float(raw)
+        value = float(raw) if raw.isascii() else float("nan")
     except ValueError:
         value = float("nan")
     if not (math.isfinite(value) and value > 0):
         raise DumpConfigError(f"{name}={raw!r} must be a positive finite number of {unit}; "
                               f"use e.g. {name}={default:g}")
+    if most is None:
+        most, most_why = ((MAX_SECONDS, "a week") if unit == "seconds" else
+                          (memory_mib(), "this machine's memory"))
+    if value > most:
+        raise DumpConfigError(f"{name}={raw!r} is more than {most:g} {unit} ({most_why}); "
+                              f"use e.g. {name}={min(default, most):g}")
     return value
 
 
@@ -155,7 +172,7 @@ def _count(env, name: str, most: int) -> Optional[int]:
     raw = env.get(name, "").strip()
     if not raw:
         return None
-    if not (raw.isdigit() and 1 <= int(raw) <= most):
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= most):
         raise DumpConfigError(f"{name}={raw!r} must be a whole number from 1 to {most}; use e.g. {name}=4, "
                               f"or unset it for the default")
     return int(raw)
@@ -172,7 +189,7 @@ def _choice(env, name: str, choices: Sequence[str]) -> str:
 
 def _host_port(name: str, raw: str) -> tuple:
     host, sep, port = raw.strip().rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise DumpConfigError(f"{name}={raw!r} is not host:port; use e.g. {name}=127.0.0.1:50051")
     return host.strip("[]"), int(port)
 
@@ -246,19 +263,21 @@ class DumpSettings:
         layer_ids = None
         raw_layers = env.get(ENV_LAYERS, "").strip()
         if raw_layers:
-            try:
-                layer_ids = [int(part) for part in raw_layers.split(",") if part.strip()]
-            except ValueError:
+            parts = [part.strip() for part in raw_layers.split(",") if part.strip()]
+            if not all(re.fullmatch(r"[-+]?[0-9]{1,6}", part) for part in parts):
                 raise DumpConfigError(
                     f"{ENV_LAYERS}={raw_layers!r} is not a comma-separated list of "
                     f"integers; use e.g. {ENV_LAYERS}=-1,2,30"
-                ) from None
+                )
+            layer_ids = [int(part) for part in parts]
             if not layer_ids:
                 raise DumpConfigError(
                     f"{ENV_LAYERS}={raw_layers!r} names no layer; use e.g. {ENV_LAYERS}=-1,2,30"
                 )
         final = _parse_bool(ENV_FINAL, env.get(ENV_FINAL, "1"))
-        cap_mb = _positive(env, ENV_MAX_PENDING_MB, DEFAULT_MAX_PENDING_MB, "MiB")
+        # the arena is allocated (and page-locked on CUDA) whole at start: half the memory at most
+        cap_mb = _positive(env, ENV_MAX_PENDING_MB, DEFAULT_MAX_PENDING_MB, "MiB", memory_mib() // 2,
+                           "half of this machine's memory: the arena is allocated and page-locked whole at start")
         dirs = _directories(directory)
         sink = _sink(env)
         if len(dirs) > 1 and sink["sink"] != "file":
@@ -317,9 +336,34 @@ def _directories(value: str) -> List[str]:
     return dirs
 
 
-def check_directory(directory: str) -> None:
-    """The dump directory must exist and take a file; nothing is left behind."""
+def _joined_name(value: str) -> Optional[str]:
+    """An existing path that neighbouring entries of the directory list ``value`` name together
+    (``a:b`` split at its ``:``), or None."""
+    parts = value.split(os.pathsep)
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts)):
+            joined = os.pathsep.join(parts[i:j + 1]).strip()
+            if os.path.lexists(joined):
+                return joined
+    return None
+
+
+def check_directory(directory: str, value: Optional[str] = None) -> None:
+    """The dump directory (one entry of the ``EAGLE3_DUMP_DIR`` list ``value``) must exist and
+    take a file; nothing is left behind."""
     if not os.path.isdir(directory):
+        value = directory if value is None else value
+        joined = _joined_name(value) if os.pathsep in value else None
+        if joined is not None:
+            raise DumpConfigError(
+                f"{ENV_DIR}={value!r}: {joined!r} is one directory whose name holds {os.pathsep!r}, which "
+                f"separates dump directories; rename it, or point {ENV_DIR} at a symbolic link to it whose "
+                f"path has no {os.pathsep!r}")
+        if os.pathsep in value:
+            raise DumpConfigError(
+                f"{ENV_DIR}={value!r} names {directory!r}, which is not an existing directory ({os.pathsep!r} "
+                f"separates the directories of the list); create each directory of the list, or point "
+                f"{ENV_DIR} elsewhere")
         raise DumpConfigError(
             f"{ENV_DIR}={directory!r} is not an existing directory; create it "
             f"(mkdir -p {directory}) or point {ENV_DIR} elsewhere"
@@ -622,14 +666,20 @@ def check_launch(server_args) -> None:
             return
         check_server_args(server_args)
         hf_config = _model_config(server_args).hf_config
-        check_model(getattr(hf_config, "architectures", None) or [],
-                    text_config(hf_config).num_hidden_layers, settings)
+        num_layers = text_config(hf_config).num_hidden_layers
+        indices = check_model(getattr(hf_config, "architectures", None) or [], num_layers, settings)
+        from .weights import check_launch as check_weights
+
+        check_weights(server_args, settings, indices, num_layers)  # omit: weights readers can check
         for directory in settings.directories:
-            check_directory(directory)
+            check_directory(directory, settings.directory)
         if settings.mooncake is not None:
+            from .sinks import check_mooncake_importable
+
+            check_mooncake_importable()  # the sink's package, before any weight loads
             settings.mooncake.check_reachable()
         from .control import install_launcher_hooks
 
-        install_launcher_hooks(server_args)
+        install_launcher_hooks(server_args, settings.drain_s)
     except DumpConfigError as exc:
         raise SystemExit(f"error: {exc}") from None

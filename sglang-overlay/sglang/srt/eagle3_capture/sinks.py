@@ -37,7 +37,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .settings import dump_directories
+from .settings import DumpConfigError, dump_directories
 
 ALIGN = 64  # byte alignment of each tensor in a Mooncake object (hs-connectors' _TENSOR_ALIGN)
 MANIFEST_VERSION = 1
@@ -91,6 +91,34 @@ NO_ROOM, NOT_FOUND, RPC_FAIL, RPC_TIMEOUT = -200, -704, -900, -901  # NO_AVAILAB
 
 class SinkError(RuntimeError):
     """A commit that did not happen; the message says why (the request's answer and log show it)."""
+
+
+# where the store's Python package comes from (the package index; pick the build that matches the
+# server's accelerator) and what its native code needs; mooncake_master ships in the same package
+MOONCAKE_INSTALL = ("pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) or "
+                    "mooncake-transfer-engine-non-cuda (no GPU) into the server's Python environment (the same "
+                    "package holds mooncake_master); its native code needs Debian's libibverbs1 even for TCP "
+                    "(apt-get install libibverbs1)")
+
+
+def mooncake_missing() -> Optional[str]:
+    """Why ``mooncake.store`` cannot be imported in this environment (None: it can), in one line."""
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: F401
+    except ImportError as exc:  # no package, or its native library (libibverbs) missing
+        return (f"EAGLE3_DUMP_SINK=mooncake but the mooncake package cannot be imported "
+                f"({' '.join(str(exc).split())[:200]}); {MOONCAKE_INSTALL}")
+    return None
+
+
+def check_mooncake_importable() -> None:
+    """For the launch check (``settings.check_launch``, before any worker starts or any weight
+    loads): the Mooncake sink's package imports here, in the launching process's environment, which
+    the writing rank inherits; DumpConfigError (one line: the reason and where the package comes
+    from) otherwise."""
+    why = mooncake_missing()
+    if why is not None:
+        raise DumpConfigError(why)
 
 
 class FileSink:
@@ -169,12 +197,10 @@ class MooncakeSink:
     def __init__(self, cfg):
         """``cfg``: ``settings.MooncakeSettings``. Connects now (the writer's start), puts this
         sink's sentinel object and starts the thread that watches the master and expires objects."""
-        try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        except ImportError as exc:
-            raise SinkError(f"EAGLE3_DUMP_SINK=mooncake but the mooncake package cannot be imported ({exc}); "
-                            f"pip install mooncake-transfer-engine (CUDA) or mooncake-transfer-engine-non-cuda, "
-                            f"and Debian's libibverbs1") from None
+        why = mooncake_missing()
+        if why is not None:
+            raise SinkError(why)
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         self.cfg = cfg
         self.store = MooncakeDistributedStore()
         code = self.store.setup(cfg.local_host, cfg.metadata_server, cfg.segment_bytes, cfg.buffer_bytes,

@@ -13,7 +13,11 @@ vocabulary is ``embed_tokens.weight[id]``, so only the other rows (image rows of
 wrapper, every row of an ``input_embeds`` request) are stored, with their positions
 (``rows.layer.-1``); and the post-norm ``final``, when the last layer's pre-norm output is dumped
 too, is that output's final RMSNorm, so it is not copied at all. The file's ``left_out`` says what
-was left out and how to rebuild it (docs/design.md, "Compact storage").
+was left out and how to rebuild it (docs/design.md, "Compact storage"), and each entry the
+digest of the checkpoint tensor it is rebuilt from (``weights``), which a reader checks against
+the model directory it is given. A request whose embedding rows may not be the vocabulary's
+(``every_embedding_row``: ``input_embeds``, or a LoRA adapter, which may target ``embed_tokens``
+or add tokens) stores all of them.
 """
 
 from __future__ import annotations
@@ -75,18 +79,43 @@ class Storage:
         return self.rebuildable == "omit"
 
 
+def left_out_states(storage: Storage, indices: List[int], final: bool, num_layers: int) -> List[str]:
+    """The states a writer with these settings leaves out (rebuilt by readers from the target's
+    weights): the embedding output when it is dumped (its vocabulary rows), the post-norm final
+    state when the last layer's pre-norm output (capture index N) is dumped too."""
+    out = []
+    if storage.omit and 0 in indices:
+        out.append(EMBEDDING)
+    if storage.omit and final and num_layers in indices:
+        out.append("final")
+    return out
+
+
+def every_embedding_row(req) -> bool:
+    """Whether a request (``identity.RequestInfo``) stores all its embedding rows when the layout
+    leaves the vocabulary's out: an ``input_embeds`` request (its ids are placeholders) and a
+    request with a LoRA adapter (SGLang's adapters may target ``embed_tokens`` and add tokens, and
+    load at run time, so its rows need not be the checkpoint's ``embed_tokens.weight[id]``)."""
+    return bool(req.input_embeds or req.lora_id)
+
+
 class Layout:
     """What one writer stores of its layers: decided once, at start, from the settings and the
-    layers (capture indices, ascending) it dumps."""
+    layers (capture indices, ascending) it dumps. ``weights``: left-out state -> the record of
+    the checkpoint tensor it is rebuilt from (``weights.served_weights``), written into its
+    ``left_out`` entry; a writer that writes files has it for every state it leaves out (its
+    files are refused by every reader otherwise)."""
 
     def __init__(self, storage: Storage, indices: List[int], final: bool, num_layers: int,
-                 model_dtype: str, rms_norm_eps: Optional[float], vocab_size: int):
+                 model_dtype: str, rms_norm_eps: Optional[float], vocab_size: int,
+                 weights: Optional[Dict[str, dict]] = None):
         self.storage = storage
         self.fp8 = storage.fp8
+        left = left_out_states(storage, indices, final, num_layers)
         # the embedding: only rows not from the vocabulary (needs a per-forward decision)
-        self.embedding_partial = storage.omit and 0 in indices
+        self.embedding_partial = EMBEDDING in left
         # the final state: never copied when the pre-norm last layer (capture index N) is dumped
-        self.final_left_out = storage.omit and final and num_layers in indices
+        self.final_left_out = "final" in left
         if self.final_left_out and rms_norm_eps is None:
             raise ValueError("the model's config names no rms_norm_eps, so the final state cannot be rebuilt")
         left_out: Dict[str, dict] = {}
@@ -95,6 +124,9 @@ class Layout:
         if self.final_left_out:
             left_out["final"] = {"rebuild": "final_norm", "from": f"layer.{num_layers - 1}",
                                  "eps": float(rms_norm_eps)}
+        for name, entry in left_out.items():
+            if weights and name in weights:
+                entry["weights"] = dict(weights[name])
         self.left_out = left_out
         self.compact = self.fp8 or bool(left_out)
         self.model_dtype = model_dtype
@@ -137,8 +169,8 @@ class Layout:
 
     def cut_embedding(self, out: Dict[str, torch.Tensor], raw_ids: torch.Tensor, all_rows: bool) -> None:
         """Keep only the embedding rows a reader cannot rebuild (``raw_ids`` >= the vocabulary:
-        a multimodal wrapper's pad values; ``all_rows``: an ``input_embeds`` request), with their
-        positions; no row to keep: no embedding tensor at all."""
+        a multimodal wrapper's pad values; ``all_rows``: a request of ``every_embedding_row``), with
+        their positions; no row to keep: no embedding tensor at all."""
         if not self.embedding_partial or EMBEDDING not in out:
             return
         keep = torch.ones_like(raw_ids, dtype=torch.bool) if all_rows else raw_ids >= self.vocab_size
