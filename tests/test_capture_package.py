@@ -954,10 +954,13 @@ def test_release_facts_decide_the_moe_dense_and_draft_refusals(monkeypatch):
     settings.check_server_args(_args(enable_lora=True, lora_paths=["a=/x"]))  # LoRA is not refused
     monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.17")
     settings.check_server_args(_args(tp_size=2, moe_dense_tp_size=1))  # 0.5.17's capture gathers them
-    for algo in ("DFLASH", "dspark"):
+    for algo in ("DFLASH", "dspark"):  # the package follows the release's DFlash setter: the dump goes beside it
+        settings.check_server_args(_args(speculative_algorithm=algo))
+    settings.check_server_args(_args(speculative_algorithm="EAGLE3"))
+    monkeypatch.setitem(settings.RELEASE_FACTS, "0.5.17", dict(settings.RELEASE_FACTS["0.5.17"], draft_setters=()))
+    for algo in ("DFLASH", "dspark"):  # a release whose setter the package does not follow refuses
         with pytest.raises(settings.DumpConfigError, match="--speculative-algorithm %s sets the captured layers" % algo.upper()):
             settings.check_server_args(_args(speculative_algorithm=algo))
-    settings.check_server_args(_args(speculative_algorithm="EAGLE3"))
     monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.99")
     with pytest.raises(settings.DumpConfigError, match="no launch-rule facts for sglang 0.5.99"):
         settings.check_server_args(_args())
@@ -1021,3 +1024,21 @@ def test_nodes_of_one_tp_group_must_agree_on_the_dump(tmp_path, second):
         assert all(x.startswith("REFUSED the EAGLE3_DUMP_* variables differ between the nodes") for x in lines), lines
         assert lines[0] == lines[1] and "node 0: " in lines[0] and "node 1: " in lines[0] and "\n" not in lines[0]
         assert "set the same EAGLE3_DUMP_DIR" in lines[0]
+
+
+def test_the_dump_reads_its_layers_as_the_named_family(monkeypatch):
+    """EAGLE3_DUMP_READING: the dump's layer list read as a DFlash/DSpark draft's ids are on this release
+    (id k = the output of layer k: index k + 1) rather than as EAGLE-3 ids (on 0.5.17 a list whose first id
+    is not 1 names capture indices); a release that serves neither family refuses it in one line."""
+    monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.17")
+    monkeypatch.setattr(settings, "UPSTREAM_EAGLE_ID_MAPPING", "plus_one_if_first_is_one")  # 0.5.17's release.py
+    env = {"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "0,2"}
+    assert settings.DumpSettings.from_env(env).capture_indices(4) == [0, 2]
+    for family in ("dflash", "dspark"):
+        got = settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_READING=family))
+        assert got.family == family and got.capture_indices(4) == [1, 3]
+    monkeypatch.setattr(settings, "SERIES_RELEASE", "0.5.9")
+    with pytest.raises(settings.DumpConfigError, match="EAGLE3_DUMP_READING=dflash: sglang 0.5.9 serves no dflash"):
+        settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_READING="dflash")).capture_indices(4)
+    with pytest.raises(settings.DumpConfigError, match="EAGLE3_DUMP_READING='medusa' is not one of"):
+        settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_READING="medusa"))

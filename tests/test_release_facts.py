@@ -8,6 +8,7 @@ check on a release's source with one of them renamed reports exactly that one.""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -181,6 +182,18 @@ def release_fact_problems(release: str, root: Path) -> list:
                for p in arg_groups if "\ndef resolving_view(" in p.read_text()}
     if (view is None and defines) or (view is not None and view not in defines):
         problems.append(f"resolving_view {view!r}, the source defines {sorted(defines)}")
+    # every draft setter of deepseek_v2.py other than EAGLE-3's is one the package follows (a release
+    # adding a family's setter fails here until the package follows it), setting layers_to_capture
+    # from the ids as the declared reading says
+    model = (root / "sglang/srt/models/deepseek_v2.py").read_text()
+    setters = set(re.findall(r"\n    def (set_\w+_layers_to_capture)\(", model)) - {"set_eagle3_layers_to_capture"}
+    if setters != set(facts["draft_setters"]):
+        problems.append(f"draft_setters {sorted(facts['draft_setters'])}, the source defines {sorted(setters)}")
+    body = model.split("def set_dflash_layers_to_capture", 1)[-1].split("\n    def ", 1)[0]
+    if setters and "self.model.layers_to_capture = [val + 1 for val in layer_ids]" not in body:
+        problems.append("set_dflash_layers_to_capture no longer sets layers_to_capture = [val + 1 ...]")
+    if setters and not all(facts["draft_readings"].get(f) == "plus_one" for f in ("dflash", "dspark")):
+        problems.append(f"draft_readings {facts['draft_readings']}, deepseek_v2.py's setter sets [val + 1 ...]")
     fields = [root / "sglang/srt/server_args.py"] + sorted((root / "sglang/srt/arg_groups/fields").glob("*.py"))
     declared = "".join(p.read_text() for p in fields if p.exists())
     problems += [f"absent field {f} is declared" for f in facts["absent_fields"] if f"\n    {f}:" in declared]
@@ -194,6 +207,10 @@ def test_release_facts_match_the_release_s_source(release):
 
 def test_release_facts_check_fails_on_another_release_s_facts(monkeypatch):
     """The control: 0.5.23's facts read against 0.5.9's source disagree on every declared point."""
+    facts_059 = settings_facts.RELEASE_FACTS["0.5.9"]
     monkeypatch.setitem(settings_facts.RELEASE_FACTS, "0.5.9", settings_facts.RELEASE_FACTS["0.5.23"])
     got = release_fact_problems("0.5.9", unpacked_release("0.5.9", quiet=True))
     assert {g.split()[0] for g in got} >= {"draft_ids_on_runner", "allreduce_fusion_mark", "resolving_view"}, got
+    monkeypatch.setitem(settings_facts.RELEASE_FACTS, "0.5.17", facts_059)
+    got = release_fact_problems("0.5.17", unpacked_release("0.5.17", quiet=True))
+    assert any(g.startswith("draft_setters") for g in got), got  # 0.5.17 sets DFlash's capture itself

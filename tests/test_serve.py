@@ -611,3 +611,46 @@ def test_a_host_that_is_not_here_is_no_taken_port(patched_checkout, tmp_path, ho
     err = one_line_error(r)
     assert r.returncode == 2 and says in err and "taken" not in err and "--host" in err, r.stderr
     assert sorted(tmp_path.iterdir()) == before
+
+
+def _draft(d: Path, cfg: dict) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_draft_config_dumps_what_the_draft_reads(patched_checkout, tmp_path):
+    """--draft-config: a DFlash draft's ids (Kimi-K2.7's layout) go to the server with the DFlash reading
+    (EAGLE3_DUMP_READING=dflash: id k = the output of layer k on every release), an EAGLE-3 draft's with the
+    release's EAGLE-3 reading; a DSpark draft without its ids gets sglang's default for this target's layers;
+    --layers with --draft-config, a DSpark draft with --final 0 and a speculators draft are refused in one line."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                   "text_config": {"num_hidden_layers": 61}}))
+    base = ["--model-path", model, "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--print"]
+    k27 = _draft(tmp_path / "k27", {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 6,
+                                    "dflash_config": {"target_layer_ids": [1, 12, 24, 35, 47, 58], "block_size": 8,
+                                                      "mask_token_id": 163838}})
+    r = run_tool("serve", *base, "--draft-config", k27)
+    assert r.returncode == 0, r.stderr
+    env = split_shell(r.stdout.strip())[0]
+    assert env["EAGLE3_DUMP_LAYERS"] == "1,12,24,35,47,58" and env["EAGLE3_DUMP_READING"] == "dflash", env
+    eagle = _draft(tmp_path / "eagle", {"architectures": ["LlamaForCausalLMEagle3"],
+                                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}})
+    r = run_tool("serve", *base, "--draft-config", eagle)
+    env = split_shell(r.stdout.strip())[0]
+    assert env["EAGLE3_DUMP_LAYERS"] == "2,30,58" and "EAGLE3_DUMP_READING" not in env, (r.stdout, r.stderr)
+    dspark = _draft(tmp_path / "dspark", {"architectures": ["DSparkDraftModel"], "num_hidden_layers": 3,
+                                          "dflash_config": {"block_size": 7}, "dspark_config": {"markov_rank": 1}})
+    r = run_tool("serve", *base, "--draft-config", dspark)
+    env = split_shell(r.stdout.strip())[0]
+    from eaglepatch import conventions
+
+    assert env["EAGLE3_DUMP_LAYERS"] == ",".join(map(str, conventions.build_target_layer_ids(61, 3))), r.stdout
+    assert env["EAGLE3_DUMP_READING"] == "dspark" and "build_target_layer_ids" in r.stderr, r.stderr
+    for args, needle in ((["--draft-config", k27, "--layers=1,2"], "both name the layers"),
+                         (["--draft-config", dspark, "--final", "0"], "post-norm final state"),
+                         (["--draft-config", tmp_path / "absent"], "does not exist")):
+        r = run_tool("serve", *base, *args)
+        assert r.returncode == 2 and needle in one_line_error(r), (args, r.stderr)

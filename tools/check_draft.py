@@ -29,6 +29,12 @@ REPORT.json and a PNG beside it (REPORT.png) of the per-position acceptance, pre
 (tools/acceptance.py --cpu's) by itself; --serve needs a CUDA GPU (sglang's EAGLE-3 decoding runs
 CUDA and Triton kernels) and is refused without one.
 
+DFlash and DSpark drafts (their config's family, read as tools/guard.py reads it): the layer
+verdict alone, for the release judged as above and the model file of --target's architectures
+(tools/guard.py's table), with the readings of every release and model file; nothing is replayed or
+served (the replay runs SpecForge's EAGLE-3 draft only), the report says so, and the measured part's
+flags (--states, --served, --serve, ...) are refused. --target needs only its config.json then.
+
 Exit: 0 guard passes and the observed accept length is within --tolerance of the predicted (with
 --lossless, every served answer equals the data's too), 1 it is not or guard fails (the diagnosis on
 the last line), or the server failed, 2 usage error (one line, nothing written).
@@ -116,9 +122,19 @@ def main(argv=None) -> int:
             if p is not None and not p.is_dir():
                 raise UsageError(f"{flag} {p} is not a directory",
                                  f"pass {flag} a directory (tools/check_draft.py --help)")
+        cfg = check.target_text_config(a.target)
+        check.draft_config(a.draft, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg)
+        draft = guard.read_draft(a.draft)
+        if draft.family in (guard.DFLASH, guard.DSPARK):
+            return run_block(a, i, draft, cfg, out)
+        # an EAGLE-3 draft: its target's model file must serve EAGLE-3 drafts (deepseek_v2.py, kimi_k25.py)
+        cell = guard.conventions.config_cell(cfg)
+        if cell not in guard.conventions.SERIES_MODEL_FILES:
+            raise UsageError(f"sglang serves no EAGLE-3 draft on {guard.conventions.CELL_NAMES[cell]} (the model file "
+                             f"of --target {a.target}: it has no set_eagle3_layers_to_capture)",
+                             "check a DFlash or DSpark draft for this target")
         tcfg = check.target_config(a.target)
         check.draft_config(a.draft, tcfg)
-        guard.read_draft(a.draft)
         # the release judged for: --release, else the one that dumped --data (its manifest), as guard.py judges
         i.release, i.release_from = guard.judged_release(guard.read_dataset(a.data), a.release)
         guard.release_semantics(i.release, unpatched=a.unpatched)
@@ -157,6 +173,38 @@ def main(argv=None) -> int:
                 plan.cleanup()
 
     return run_main(body)
+
+
+def run_block(a, i, draft, cfg: dict, out: Path) -> int:
+    """A DFlash/DSpark draft: guard's layer verdict for the release judged (as for EAGLE-3 drafts) on the
+    target's model file, the readings table, and what is not checked; the report at ``out`` (no PNG:
+    nothing is measured). The measured part's flags are refused: nothing would read them."""
+    from eaglepatch import conventions, guard
+    from eaglepatch.acceptance import check
+    from eaglepatch.outputs import write_atomic
+
+    name = conventions.FAMILY_NAMES[draft.family]
+    given = [f for f, v in (("--states", a.states), ("--served", a.served), ("--serve", a.serve),
+                            ("--lossless", a.lossless), ("--prompt-answer-tokens", a.prompt_answer_tokens),
+                            ("--device", a.device), ("--site", a.site), ("--patched-files", a.patched_files),
+                            ("--sglang-parent", a.sglang_parent), ("--server-args", a.server_args),
+                            ("--served-out", a.served_out)) if v]
+    if given:
+        raise UsageError(f"{', '.join(given)}: the measured check (the replay, serving) is EAGLE-3-only; for a {name} "
+                         f"draft check_draft gives the layer verdict alone", f"drop {', '.join(given)}")
+    data = guard.read_dataset(a.data)
+    i.release, i.release_from = guard.judged_release(data, a.release)
+    guard.release_semantics(i.release, unpatched=a.unpatched)
+    guard.check_storage(draft, data)  # RefusedError (exit 1): a dataset the draft's trainer cannot read
+    res = check.check_block(i, draft, data, cfg)
+    code, line = check.block_outcome(res)
+    res.update(exit=code, verdict=line, png={"path": None, "why": f"no PNG: nothing is measured for a {name} draft"})
+    write_atomic(out, json.dumps(res, indent=2) + "\n", "--out")
+    print("\n".join([res["release"]["line"], f"model file: {conventions.CELL_NAMES[res['model_file']]} (--target's "
+                                                 f"architectures {res['target']['architectures']})"]
+                    + res["guard"]["lines"] + [""] + res["readings_lines"] + [f"not checked: {res['not_checked']}"]))
+    print(line, file=sys.stderr)
+    return code
 
 
 def run_check(i, argv, out: Path, png: Path, plan) -> int:

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Extract EAGLE-3 training hidden states from patched SGLang servers into a dataset.
+"""Extract draft-training hidden states (EAGLE-3, DFlash, DSpark) from patched SGLang servers into a dataset.
 
   python tools/extract.py --server http://127.0.0.1:30000 --model MODEL_DIR --data conv.jsonl \
       --dump-dir DIR --out OUT [--format specforge|speculators|compact] [--aux-layers=-1,1,29] [--max-len 2048]
       [--hidden-states-backend file|fp8]
+  python tools/extract.py ... --format dflash|dspark --draft-config DRAFT_DIR   (or --aux-layers=IDS)
 
 --server is one patched SGLang server, SGLang's router in front of several, or several servers
 (repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
@@ -13,9 +14,15 @@ directory shared by all of them; DIR as this machine sees it is --dump-dir). --f
 also needs the last decoder layer N-1 in the server's --layers (EAGLE3_DUMP_LAYERS: its output before
 the final norm is speculators' last slot). --format compact keeps every dumped state as the server
 stored it (EAGLE3_DUMP_DTYPE=fp8, EAGLE3_DUMP_REBUILDABLE=omit) and is read with
-eaglepatch.compact.CompactDataset(OUT, MODEL_DIR), which yields SpecForge's or speculators' tensors. Rerunning with the same --out resumes: done samples are
-skipped, edited conversations are extracted again; dump files of this dataset's requests that no
-sample used (failed or killed runs) are reported and removed.
+eaglepatch.compact.CompactDataset(OUT, MODEL_DIR), which yields SpecForge's or speculators' tensors.
+--format dflash and dspark write SpecForge 0.2.0's offline DFlash and DSpark samples (training.strategy
+dflash|dspark) for the draft --draft-config names: its dflash_config.target_layer_ids (DSpark: also
+dspark_target_layer_ids), read as SGLang reads that family's ids on the release that dumped and the
+target's model file (id k = output of layer k on deepseek_v2/kimi_k25), never as EAGLE-3 ids;
+DSpark samples also hold the post-norm final state (EAGLE3_DUMP_FINAL=1) (docs/dflash.md).
+Rerunning with the same --out resumes: done samples are skipped, edited conversations are extracted
+again; dump files of this dataset's requests that no sample used (failed or killed runs) are
+reported and removed.
 Exit: 0 all samples done, 1 some samples failed (listed in OUT/manifest.json), 2 usage or input error.
 """
 import argparse
@@ -60,11 +67,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR as seen from here: one shared directory, or "
                     "the several it names (A:B, one per disk, in its order)")
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
-    ap.add_argument("--format", choices=["specforge", "speculators", "compact"], default="specforge",
+    ap.add_argument("--format", choices=["specforge", "speculators", "compact", "dflash", "dspark"],
+                    default="specforge",
                     help="specforge: torch.save samples SpecForge's OfflineEagle3Dataset reads (bf16); speculators: "
                          "its ArrowDataset (see --hidden-states-backend); compact: the dump's "
                          "states as stored (fp8, rebuildable states left out), read by eaglepatch.compact.CompactDataset "
-                         "with the model directory")
+                         "with the model directory; dflash, dspark: SpecForge 0.2.0's offline DFlash / DSpark samples "
+                         "for the draft --draft-config names (the family must be the draft's)")
+    ap.add_argument("--draft-config", type=Path, metavar="DIR",
+                    help="--format dflash|dspark: the DFlash or DSpark draft's directory (or its config.json); its "
+                         "target_layer_ids are read as SGLang reads that family's ids on the release that dumped "
+                         "and the target's model file")
     ap.add_argument("--hidden-states-backend", choices=["file", "fp8"], default="file",
                     help="--format speculators: the speculators --hidden-states-backend the export is for. file "
                          "(default, as speculators'): the states in the model dtype (an fp8 dump's dequantised), "
@@ -84,7 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--aux-layers", type=_layer_ids, metavar="IDS",
                     help="EAGLE-3 ids (-1 = embedding output, k = output of layer k) of the draft's aux layers, "
                          "read as the server reads draft ids, e.g. --aux-layers=-1,1,29 (with '=': a value that "
-                         "starts with '-') (default: the dumped layers except the last layer N-1)")
+                         "starts with '-') (default: the dumped layers except the last layer N-1); with --format "
+                         "dflash|dspark instead of --draft-config: the draft's target_layer_ids, read as that "
+                         "family's ids are, e.g. --aux-layers=1,12,24,35,47,58")
     ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
                     help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
     ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use (those of requests no sample used are "
@@ -111,7 +126,8 @@ def main(argv=None) -> int:
                        max_len=a.max_len, concurrency=a.concurrency,
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
-                       aux_layers=a.aux_layers, hidden_states_backend=a.hidden_states_backend,
+                       aux_layers=a.aux_layers, draft_config=a.draft_config,
+                       hidden_states_backend=a.hidden_states_backend,
                        trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None,
                        log_every=a.log_every)
         return extract(opts)

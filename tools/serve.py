@@ -70,6 +70,10 @@ def main(argv=None) -> int:
                          "last layer before the final norm, which speculators needs), e.g. --layers=-1,1,29,60 "
                          "(production default: upstream's capture indices 2,N/2,N-3; CPU demo default: "
                          f"{','.join(map(str, DEMO_LAYERS))})")
+    ap.add_argument("--draft-config", type=Path, metavar="DIR",
+                    help="dump the layers this draft reads (an EAGLE-3, DFlash or DSpark config: its directory or "
+                         "config.json), read exactly as the served release reads that family's ids "
+                         "(EAGLE3_DUMP_LAYERS and EAGLE3_DUMP_READING); instead of --layers")
     ap.add_argument("--sglang", type=Path, metavar="ROOT",
                     help="the patched sglang tree to serve (default: production: the installed sglang, which must be "
                          "patched in place; CPU demo: sglang 0.5.9 fetched and patched into the cache)")
@@ -144,6 +148,13 @@ def main(argv=None) -> int:
         if not 0 < a.port < 65536:
             raise UsageError(f"--port {a.port} is out of range", "pass a port from 1 to 65535")
         layers = serve.parse_layers(a.layers) if a.layers is not None else None
+        draft = None
+        if a.draft_config is not None:
+            if a.layers is not None:
+                raise UsageError("--layers and --draft-config both name the layers to dump",
+                                 "pass one: the draft's config, whose layers are read as the served release reads them, "
+                                 "or the layer ids by hand")
+            draft = serve.draft_dump(a.draft_config, a.model_path, demo=a.cpu_demo)
         host = serve.check_host(a.host)
         if a.quiet:
             given = [f for f in extra if f.split("=", 1)[0] in ("--log-level", "--log-level-http")]
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
             serve.refuse_taken_port(host, a.port)
         settings, setting_notes = serve.dump_settings(
             {st.flag: getattr(a, st.flag[2:].replace("-", "_")) for st in serve.DUMP_SETTINGS})
+        if draft is not None:
+            layers = draft.apply(settings, setting_notes)
         if a.cpu_demo is not None:
             if a.python:
                 raise UsageError("--python is for production serving; the CPU demo runs in the cached CPU environment",

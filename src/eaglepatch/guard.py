@@ -23,7 +23,13 @@ Draft configs come in families, each with its own convention (``read_draft``):
   ``eagle_config`` and does not serve this family;
 - top-level ids without either: vLLM reads them as HF indices, SGLang ignores them and captures
   its defaults; both readings are checked;
-- no ids at all: every server's defaults (HF [2, N//2, N-3]).
+- no ids at all: every server's defaults (HF [2, N//2, N-3]);
+- DFlash and DSpark (``dflash_config.target_layer_ids``, else ``target_layer_ids``; DSpark's
+  ``dspark_target_layer_ids`` first; none: sglang's ``build_target_layer_ids``): read through the
+  readings table (``conventions.draft_rule``: release x family x model file, from the series
+  manifests) on the model file serving the target (``data_cell``); ``check_block`` gives their
+  verdict, ``readings`` the table of what every release and model file feeds the draft. A config
+  with fields of two families is refused (``config_family``; ``--family`` names one).
 
 ``judged_release`` says which release a verdict is for (``--release``, else the one the dataset's
 manifest records, which must have a series here, else the newest series, said so); tools/guard.py
@@ -298,6 +304,7 @@ def tree_semantics(root: Path | str) -> Semantics:
 # ---- the draft and the dataset ----------------------------------------------------------------
 
 EAGLE_CONFIG, SPECULATORS, TOP_LEVEL, NO_IDS = "eagle_config", "speculators", "top-level", "none"
+DFLASH, DSPARK = conventions.DFLASH, conventions.DSPARK
 FAMILIES = {
     EAGLE_CONFIG: "SGLang/SpecForge eagle_config: EAGLE-3 ids, read by SGLang through its release's capture rule",
     SPECULATORS: "speculators (speculators_model_type): top-level HF indices (0 = embedding output, k = output of "
@@ -306,7 +313,18 @@ FAMILIES = {
     TOP_LEVEL: "top-level eagle_aux_hidden_state_layer_ids without eagle_config: vLLM reads them as HF indices, "
                "SGLang ignores them and captures its defaults",
     NO_IDS: "no layer ids: every server captures its defaults",
+    DFLASH: "DFlash (SpecForge's and z-lab's dflash fields: dflash_config.target_layer_ids, else target_layer_ids; "
+            "none: sglang's build_target_layer_ids): served by sglang --speculative-algorithm DFLASH",
+    DSPARK: "DSpark (dspark_target_layer_ids, else dflash_config.target_layer_ids, else target_layer_ids; none: "
+            "sglang's build_target_layer_ids): served by sglang --speculative-algorithm DSPARK",
 }
+# the --family names: conventions' families; eagle3 is every EAGLE-3 config shape above
+FAMILY_CHOICES = conventions.FAMILIES
+
+
+def table_family(family: str) -> str:
+    """The readings table's family of a config family (EAGLE-3 for every eagle shape)."""
+    return family if family in (DFLASH, DSPARK) else conventions.EAGLE3
 
 
 @dataclass
@@ -315,6 +333,14 @@ class Draft:
     layer_ids: list | None  # as written; None: the servers' defaults
     use_aux: bool
     family: str = EAGLE_CONFIG
+    # DFlash/DSpark: where the ids were read, the draft's layers (its default ids), what the config says
+    # of its target and blocks (read, shown, not compared), and the ids sglang checks at start
+    ids_field: str | None = None
+    draft_layers: int | None = None
+    num_target_layers: int | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    checked_ids: list | None = None  # the dflash_config/target_layer_ids list sglang range-checks at start
 
 
 def _int_list(v, where: str) -> list:
@@ -324,16 +350,19 @@ def _int_list(v, where: str) -> list:
 
 
 # what only a draft's config holds: an eagle_config (SGLang/SpecForge), speculators' own fields, ids at the
-# top level (vLLM), a draft vocabulary (SpecForge and ModelOpt templates), or a draft architecture
+# top level (vLLM), a draft vocabulary (SpecForge and ModelOpt templates), DFlash/DSpark fields, or a draft
+# architecture
 DRAFT_FIELDS = ("eagle_config", "speculators_model_type", "speculators_config", "eagle_aux_hidden_state_layer_ids",
-                "draft_vocab_size")
-DRAFT_ARCHITECTURE = re.compile(r"eagle|speculator", re.I)
+                "draft_vocab_size", "dflash_config", "dspark_config", "dspark_target_layer_ids")
+DRAFT_ARCHITECTURE = re.compile(r"eagle|speculator|dflash|dspark", re.I)
+EAGLE_ARCHITECTURE = re.compile(r"eagle|speculator", re.I)
+DSPARK_PREFIXED = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 
 
 def _refuse_target_config(cfg: dict, path: Path) -> None:
-    """A usage error for a config that holds nothing of a draft's (``DRAFT_FIELDS``, an Eagle or
-    speculator architecture): most likely the target model's own config.json, whose layers would
-    otherwise be read as "none configured"."""
+    """A usage error for a config that holds nothing of a draft's (``DRAFT_FIELDS``, an Eagle,
+    speculator, DFlash or DSpark architecture): most likely the target model's own config.json,
+    whose layers would otherwise be read as "none configured"."""
     if any(k in cfg for k in DRAFT_FIELDS):
         return
     archs = cfg.get("architectures")
@@ -344,16 +373,116 @@ def _refuse_target_config(cfg: dict, path: Path) -> None:
     n = text.get("num_hidden_layers", cfg.get("num_hidden_layers"))
     what = ", ".join(([f"architectures {archs}"] if archs else [])
                      + ([f"{n} decoder layers"] if isinstance(n, int) and not isinstance(n, bool) else []))
-    looks = f"it looks like a target model's config ({what})" if what else "it is no EAGLE-3 draft's config"
+    looks = f"it looks like a target model's config ({what})" if what else "it is no draft's config"
     raise UsageError(f"draft config {path}: {looks}: it has no eagle_config, no speculators_model_type, no "
-                     f"eagle_aux_hidden_state_layer_ids and no draft architecture",
-                     "pass the EAGLE-3 draft's config.json: a draft's config names a draft architecture (e.g. "
-                     "LlamaForCausalLMEagle3) and the target's layers it reads, in "
-                     "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, SpecForge) or as "
-                     "eagle_aux_hidden_state_layer_ids beside speculators_model_type (speculators, vLLM)")
+                     f"eagle_aux_hidden_state_layer_ids, no dflash_config and no draft architecture",
+                     "pass the draft's config.json: a draft's config names a draft architecture (e.g. "
+                     "LlamaForCausalLMEagle3, DFlashDraftModel, DSparkDraftModel) and the target's layers it reads, in "
+                     "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, SpecForge), as "
+                     "eagle_aux_hidden_state_layer_ids beside speculators_model_type (speculators, vLLM) or in "
+                     "dflash_config.target_layer_ids (DFlash, DSpark)")
 
 
-def read_draft(path: Path | str) -> Draft:
+def _markov_rank(cfg: dict) -> int:
+    """The largest markov_rank the config names anywhere sglang or SpecForge looks (DSpark's head)."""
+    spots = [cfg.get("dspark_markov_rank"), cfg.get("markov_rank")]
+    for nested in ("dflash_config", "dspark_config", "text_config"):
+        if isinstance(cfg.get(nested), dict):
+            spots.append(cfg[nested].get("markov_rank"))
+    return max([v for v in spots if isinstance(v, int) and not isinstance(v, bool)], default=0)
+
+
+def family_markers(cfg: dict) -> dict:
+    """{family: [what in the config says so]} for EAGLE-3 (eagle3), DFlash and DSpark: what a config
+    holds of each family. DSpark drafts nest their fields under dflash_config (SpecForge, sglang 0.5.23),
+    so dflash_config alone says "DFlash or DSpark"; a DSpark marker decides between them."""
+    archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)] \
+        if isinstance(cfg.get("architectures"), list) else []
+    dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    eagle = [f"architecture {a}" for a in archs if EAGLE_ARCHITECTURE.search(a)]
+    eagle += [k for k in ("eagle_config", "speculators_model_type", "eagle_aux_hidden_state_layer_ids") if k in cfg]
+    dspark = [f"architecture {a}" for a in archs if re.search("dspark", a, re.I)]
+    if isinstance(dc.get("projector_type"), str) and dc["projector_type"].startswith("dspark"):
+        dspark.append(f"dflash_config.projector_type {dc['projector_type']!r}")
+    if _markov_rank(cfg) > 0:
+        dspark.append(f"markov_rank {_markov_rank(cfg)}")
+    dspark += [k for k in ("dspark_config",) + DSPARK_PREFIXED if k in cfg]
+    dflash = [f"architecture {a}" for a in archs if re.search("dflash", a, re.I)]
+    if "dflash_config" in cfg:
+        dflash.append("dflash_config")
+    return {conventions.EAGLE3: eagle, DFLASH: dflash, DSPARK: dspark}
+
+
+def config_family(cfg: dict, path: Path, given: str | None = None) -> str:
+    """The family a draft config belongs to (``conventions.FAMILIES``): ``given`` (--family) when
+    the config can be that; else what its fields say; a one-line usage error where they say two
+    (pass --family: the --speculative-algorithm the draft is served with)."""
+    m = family_markers(cfg)
+    dflash_arch = [x for x in m[DFLASH] if x.startswith("architecture")]
+    if given is not None:
+        if given not in FAMILY_CHOICES:
+            raise UsageError(f"--family {given!r} is no draft family", f"pass one of {', '.join(FAMILY_CHOICES)}")
+        return given
+    said = {f: why for f, why in ((conventions.EAGLE3, m[conventions.EAGLE3]), (DSPARK, m[DSPARK]),
+                                  (DFLASH, dflash_arch if m[DSPARK] else m[DFLASH])) if why}
+    if len(said) > 1:
+        what = "; ".join(f"{conventions.FAMILY_NAMES[f]}: {', '.join(w)}" for f, w in said.items())
+        raise UsageError(f"draft config {path} reads as more than one draft family ({what})",
+                         f"pass --family ({', '.join(said)}), the --speculative-algorithm sglang serves the draft with")
+    return next(iter(said), conventions.EAGLE3)
+
+
+def _opt_int(v, where: str, lo: int = 0) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise UsageError(f"{where}={v!r} is not an integer >= {lo}", "write a plain JSON integer")
+    return v
+
+
+def _read_block_draft(cfg: dict, path: Path, family: str) -> Draft:
+    """A DFlash or DSpark draft config, read where sglang's ``parse_dflash_draft_config`` /
+    ``parse_dspark_draft_config`` read it (the same fields SpecForge 0.2.0 and z-lab's ``dflash``
+    write): ids from ``dflash_config.target_layer_ids`` (the key present wins, even as null), else a
+    top-level ``target_layer_ids``; DSpark: a top-level ``dspark_target_layer_ids`` wins over both.
+    The draft's ``num_hidden_layers`` (its text config's, where it has one) is required: sglang
+    refuses a DFlash/DSpark draft without it, and it picks the default ids."""
+    dc = cfg.get("dflash_config", {})
+    if dc is None:
+        dc = {}
+    if not isinstance(dc, dict):
+        raise UsageError(f"{path}: dflash_config is a {type(dc).__name__}, not an object",
+                         'write it as {"target_layer_ids": [...], "mask_token_id": ...}')
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    layers = _opt_int(text.get("num_hidden_layers"), f"{path}: num_hidden_layers", 1)
+    if layers is None:
+        raise UsageError(f"draft config {path} has no num_hidden_layers (sglang refuses a "
+                         f"{conventions.FAMILY_NAMES[family]} draft without it)",
+                         "pass the draft's own config.json as its trainer wrote it")
+    key = "target_layer_ids"
+    field, ids = (f"dflash_config.{key}", dc[key]) if key in dc else (key, cfg.get(key))
+    checked = None
+    if ids is not None:
+        checked = ids = _int_list(ids, f"{path}: {field}")
+    else:
+        field = None
+    if family == DSPARK and cfg.get("dspark_target_layer_ids") is not None:
+        field, ids = "dspark_target_layer_ids", _int_list(cfg["dspark_target_layer_ids"],
+                                                          f"{path}: dspark_target_layer_ids")
+    block = dc.get("block_size", cfg.get("block_size"))
+    if family == DSPARK and cfg.get("dspark_block_size") is not None:
+        block = cfg["dspark_block_size"]
+    return Draft(str(path), ids, True, family, ids_field=field, draft_layers=layers,
+                 num_target_layers=_opt_int(dc.get("num_target_layers", cfg.get("num_target_layers")),
+                                            f"{path}: num_target_layers", 1),
+                 block_size=_opt_int(block, f"{path}: block_size", 1),
+                 mask_token_id=_opt_int(dc.get("mask_token_id", cfg.get("mask_token_id")), f"{path}: mask_token_id"),
+                 checked_ids=checked)
+
+
+def read_draft(path: Path | str, family: str | None = None) -> Draft:
+    """The draft config at ``path`` (a file or its directory), its family told by its fields (or
+    ``family``, --family: eagle3, dflash, dspark)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -366,6 +495,9 @@ def read_draft(path: Path | str) -> Draft:
     key = "eagle_aux_hidden_state_layer_ids"
     top = cfg.get(key)
     _refuse_target_config(cfg, path)
+    fam = config_family(cfg, path, family)
+    if fam in (DFLASH, DSPARK):
+        return _read_block_draft(cfg, path, fam)
     if "eagle_config" in cfg and "speculators_model_type" not in cfg:
         eagle = cfg["eagle_config"]
         if not isinstance(eagle, dict):
@@ -385,12 +517,16 @@ def read_draft(path: Path | str) -> Draft:
 @dataclass
 class DatasetLayers:
     path: str
-    layer_ids: list  # EAGLE-3 ids of the draft's aux layers (a dump: every dumped layer)
+    layer_ids: list  # layer-output ids of the draft's aux layers (-1 = embedding; a dump: every dumped layer)
     num_layers: int
     kind: str = "dataset"  # dataset | dump
     dataset_format: str | None = None
     release: str | None = None  # the sglang release that dumped it, where recorded
     storage: dict = field(default_factory=dict)  # the manifest's "storage": how the sample files hold the states
+    family: str | None = None  # the draft family the dataset was written for, where recorded (eagle3, dflash, dspark)
+    architecture: str | None = None  # the target's architecture, where recorded
+    draft_ids: list | None = None  # the draft-config ids the dataset records for its family, where it does
+    model_file: str | None = None  # the model file its draft ids were read on, where recorded (a cell of the table)
 
     @property
     def hf(self) -> list:
@@ -419,7 +555,49 @@ def _layer_ids_in_range(ids: list, n: int, where: str) -> None:
                          "damaged or hand-edited)")
 
 
+DAMAGED = "pass a dataset written by tools/extract.py (its manifest is damaged or hand-edited)"
+# where a manifest (or a dump's metadata) may record the draft family it was written for, and that
+# family's own draft ids (the DFlash/DSpark datasets record both readings: the draft's ids and the HF indices)
+FAMILY_KEYS = ("draft_family", "family")
+DRAFT_ID_KEYS = ("draft_layer_ids", "target_layer_ids", "dflash_target_layer_ids")
+
+
+def _manifest_layers(m: dict, where: str) -> list | None:
+    """The dataset's layers as layer-output ids, from ``eagle3_layer_ids`` (layer-output ids) and/or
+    ``hf_hidden_state_indices`` (HF indices, = ids + 1): whichever is recorded; both must agree."""
+    ids, hf = m.get("eagle3_layer_ids"), m.get("hf_hidden_state_indices")
+    if ids is not None:
+        ids = _int_list(ids, f"{where}: eagle3_layer_ids")
+    if hf is not None:
+        hf = _int_list(hf, f"{where}: hf_hidden_state_indices")
+        if ids is not None and [k + 1 for k in ids] != hf:
+            raise UsageError(f"{where}: eagle3_layer_ids {ids} and hf_hidden_state_indices {hf} name other layers "
+                             f"(HF index = layer-output id + 1)", DAMAGED)
+        ids = [h - 1 for h in hf] if ids is None else ids
+    return ids
+
+
+def _recorded_family(m: dict, where: str) -> tuple[str | None, list | None, str | None]:
+    """(family, its draft ids, the model file it was read on) a manifest records, each None where it
+    records none: tools/extract.py's DFlash/DSpark datasets keep them in ``draft`` (``family``,
+    ``target_layer_ids``, ``reading.model_file``); top-level ``draft_family``/``family`` are read too."""
+    block = m.get("draft") if isinstance(m.get("draft"), dict) else {}
+    fam = next((v for v in [block.get("family")] + [m.get(k) for k in FAMILY_KEYS] if v is not None), None)
+    if fam is not None and fam not in conventions.FAMILIES:
+        raise UsageError(f"{where}: draft family {fam!r} is none of {', '.join(conventions.FAMILIES)}", DAMAGED)
+    ids = next((v for v in [block.get("target_layer_ids")] + [m.get(k) for k in DRAFT_ID_KEYS] if v is not None), None)
+    reading = block.get("reading") if isinstance(block.get("reading"), dict) else {}
+    cell = reading.get("model_file")
+    if cell is not None and cell not in conventions.CELLS:
+        raise UsageError(f"{where}: draft.reading.model_file {cell!r} is no model file of the readings table "
+                         f"({', '.join(conventions.CELLS)})", DAMAGED)
+    return fam, (_int_list(ids, f"{where}: draft ids") if ids is not None else None), cell
+
+
 def read_dataset(path: Path | str) -> DatasetLayers:
+    """The layers a dataset directory's manifest (tools/extract.py: EAGLE-3, DFlash and DSpark
+    datasets alike) or a dump file records, in layer-output ids; the release, format, storage,
+    draft family and target architecture where recorded."""
     path = Path(path)
     if path.is_dir():
         path = path / "manifest.json"
@@ -430,7 +608,10 @@ def read_dataset(path: Path | str) -> DatasetLayers:
 
         try:
             m = read_metadata(path)
-            ids = _int_list(json.loads(m["eagle3_layer_ids"]), f"{path}: eagle3_layer_ids")
+            meta = {k: json.loads(m[k]) for k in ("eagle3_layer_ids", "hf_hidden_state_indices") if k in m}
+            ids = _manifest_layers(meta, str(path))
+            if ids is None:
+                raise KeyError("eagle3_layer_ids")
             n = _positive_int(m["num_hidden_layers"], f"{path}: num_hidden_layers")
             _layer_ids_in_range(ids, n, f"{path}: eagle3_layer_ids")
         except ImportError:
@@ -441,25 +622,28 @@ def read_dataset(path: Path | str) -> DatasetLayers:
         except Exception as exc:
             raise UsageError(f"{path} is not a readable eagle3 dump ({type(exc).__name__})",
                              "pass a dataset directory or a dump file") from None
-        return DatasetLayers(str(path), ids, n, "dump", release=m.get("sglang_version"))
+        arch = m.get("architecture") if isinstance(m.get("architecture"), str) else None
+        return DatasetLayers(str(path), ids, n, "dump", release=m.get("sglang_version"), architecture=arch)
     m = _read_json(path, "dataset manifest", "pass the dataset directory written by tools/extract.py")
     if not isinstance(m, dict):
         raise UsageError(f"{path} is a JSON {type(m).__name__}, not a manifest", "pass the dataset directory written by "
                          "tools/extract.py")
-    ids = m.get("eagle3_layer_ids")
     model = m.get("model") if isinstance(m.get("model"), dict) else {}
     n = model.get("num_hidden_layers", m.get("num_hidden_layers"))
+    ids = _manifest_layers(m, str(path))
     if ids is None or n is None:
         raise UsageError(f"{path} records no layer ids (no sample was extracted yet?)",
                          "run tools/extract.py to completion first")
-    ids = _int_list(ids, f"{path}: eagle3_layer_ids")
     n = _positive_int(n, f"{path}: num_hidden_layers")
     _layer_ids_in_range(ids, n, f"{path}: eagle3_layer_ids")
     fmt = m.get("dataset_format") if isinstance(m.get("dataset_format"), str) else None
     release = m.get("sglang_release")
     release = release if release is None or isinstance(release, str) else json.dumps(release)  # judged_release refuses it
     storage = m.get("storage") if isinstance(m.get("storage"), dict) else {}
-    return DatasetLayers(str(path), ids, n, "dataset", fmt, release, storage)
+    family, draft_ids, cell = _recorded_family(m, str(path))
+    arch = model.get("architecture")
+    return DatasetLayers(str(path), ids, n, "dataset", fmt, release, storage, family,
+                         arch if isinstance(arch, str) else None, draft_ids, cell)
 
 
 # ---- storage: can the trainer's reader take the dataset's files? -------------------------------
@@ -480,11 +664,15 @@ def check_storage(draft: Draft, data: DatasetLayers, backend: str = "file", comp
         return
     fmt, dtype = data.dataset_format, data.storage.get("dtype")
     left_out = sorted(data.storage.get("left_out") or {})
-    specforge = draft.family in (EAGLE_CONFIG, NO_IDS)  # SpecForge trains (and writes) these; speculators the others
-    trainer = "specforge" if specforge else "speculators"
-    reader = ("SpecForge's OfflineEagle3Dataset, which reads bf16 .ckpt files only" if specforge
+    specforge = draft.family in (EAGLE_CONFIG, NO_IDS, DFLASH, DSPARK)  # SpecForge trains (and writes) these
+    trainer = ("specforge" if draft.family in (EAGLE_CONFIG, NO_IDS) else draft.family if specforge
+               else "speculators")
+    reader = ("SpecForge's OfflineEagle3Dataset, which reads bf16 .ckpt files only" if trainer == "specforge"
+              else f"SpecForge 0.2.0's {conventions.FAMILY_NAMES[draft.family]} offline reader (dflash_family_data), "
+                   f"which reads the states as stored, without per-row scales" if specforge
               else f"speculators' ArrowDataset (--hidden-states-backend {backend})")
-    again = f"re-extract into a new --out with --format {trainer}"
+    again = (f"re-extract into a new --out with --format {trainer}" if trainer in ("specforge", "speculators")
+             else f"re-extract into a new --out in the {conventions.FAMILY_NAMES[draft.family]} format")
     if fmt == "compact" or left_out:
         raise RefusedError(f"{data.path} is a {fmt or 'compact'} dataset (states as the dump stores them: "
                            f"{dtype or 'model dtype'}, {', '.join(left_out) or 'nothing'} left out, rebuilt from the "
@@ -796,6 +984,252 @@ def check(draft: Draft, data: DatasetLayers, sem: Semantics) -> Verdict:
     lines += _training_warnings(draft, data)
     lines += [s["fix"] for s in servers.values() if s["fix"]]
     return Verdict(ok, lines, servers)
+
+
+# ---- model files and the DFlash/DSpark families ------------------------------------------------
+
+def data_cell(data: DatasetLayers, given: str | None, flag: str = "--model-file") -> tuple[str | None, str]:
+    """(cell, where it came from) of the model file the verdict is for: ``given`` (--model-file)
+    wins; else the one serving the architecture the dataset records (an architecture no covered
+    model file serves is a usage error), else the model file its draft ids were read on; None where
+    nothing says."""
+    if data.architecture:
+        rec, what = conventions.target_cell([data.architecture]), f"the dataset's target ({data.architecture})"
+    else:
+        rec, what = data.model_file, "the dataset's draft reading"
+    if given is not None:
+        conventions.check_cell(given, flag)
+        if rec is None or rec == given:
+            return given, flag + ("" if rec is None else f"; {what} is served by it too")
+        return given, f"{flag}, not the file of {what}: {rec}"
+    if rec is not None:
+        return rec, f"the file of {what}, as its manifest records"
+    return None, "none recorded"
+
+
+# the reading of a DFlash/DSpark id, in words, per rule of the table
+BLOCK_RULE_TEXT = {conventions.PLUS_ONE: "id k names the output of layer k (HF index k+1)",
+                   conventions.IDENTITY: "id k names the input of layer k (HF index k)"}
+
+
+@dataclass
+class Feed:
+    """What sglang ``release`` feeds a DFlash/DSpark draft on a model file (a cell of the table)."""
+    served: bool
+    why: str | None = None  # not served: why
+    ids: list = field(default_factory=list)  # the ids sglang resolves (the config's, or its default)
+    how: str = ""
+    rule: str | None = None
+    capture: list = field(default_factory=list)  # HF index of each id, in the config's order
+    served_hf: list = field(default_factory=list)  # what the draft is fed: HF indices, ascending (layer order)
+    problems: list = field(default_factory=list)
+
+
+def block_ids(draft: Draft, n: int) -> tuple[list, str, list]:
+    """(ids, how they were found, problems) of a DFlash/DSpark draft served with an ``n``-layer target,
+    as sglang resolves them (``_resolve_dflash_aux_hidden_state``): the config's ids; none: its
+    ``build_target_layer_ids`` over the runtime target's layers and the draft's; the
+    dflash_config/target_layer_ids list range-checked at start (0..n-1) even where DSpark's own
+    ``dspark_target_layer_ids`` replaces it."""
+    problems = []
+    if draft.checked_ids is not None:
+        bad = [v for v in draft.checked_ids if not 0 <= v < n]
+        if bad:
+            problems.append(f"sglang refuses to start: target_layer_ids {bad} are out of range for a {n}-layer target "
+                            f"(ids are 0..{n - 1})")
+    if draft.layer_ids is not None:
+        return list(draft.layer_ids), draft.ids_field or "", problems
+    how = f"none configured: sglang's build_target_layer_ids({n} target layers, {draft.draft_layers} draft layers)"
+    try:
+        ids = conventions.build_target_layer_ids(n, draft.draft_layers)
+    except ValueError as exc:
+        return [], how, problems + [f"sglang refuses to start: {exc}"]
+    if draft.num_target_layers is not None and draft.num_target_layers != n:
+        try:
+            theirs = conventions.build_target_layer_ids(draft.num_target_layers, draft.draft_layers)
+        except ValueError:
+            theirs = None
+        how += (f"; SpecForge and z-lab's dflash build the default from the config's num_target_layers "
+                f"{draft.num_target_layers}" + (f": {theirs}" if theirs is not None else ""))
+    return ids, how, problems
+
+
+def block_feed(draft: Draft, n: int, release: str, cell: str, patches_root: Path | None = None,
+               patched: bool = True) -> Feed:
+    """``Feed`` of a DFlash/DSpark ``draft`` on sglang ``release``'s ``cell`` (an ``n``-layer target),
+    read through the table (``conventions.draft_rule``) and what the cell's capture reaches (with the
+    series, or ``patched`` False: as released; ``conventions.reaches_last``)."""
+    try:
+        rule = conventions.draft_rule(release, draft.family, cell, patches_root=patches_root)
+    except UsageError as exc:
+        return Feed(False, exc.problem)
+    ids, how, problems = block_ids(draft, n)
+    hf = conventions.capture(rule, ids)
+    top = n if conventions.reaches_last(cell, patched) else n - 1
+    neg = [k for k in ids if k < 0]
+    past = [k for k in ids if k >= n]
+    last = [k for k, h in zip(ids, hf) if 0 <= k < n and h > top]
+    if neg:
+        problems.append(f"ids {neg} name no layer: {conventions.FAMILY_NAMES[draft.family]} ids are layer ids "
+                        f"0..{n - 1}, sglang captures nothing for them (fewer states than the draft expects)")
+    if past:
+        problems.append(f"ids {past} name no layer of a {n}-layer target: sglang captures fewer states than the "
+                        f"draft expects")
+    if last:
+        problems.append(f"id {last[0]} names the output of the last layer (HF {n}), which "
+                        f"{conventions.CELL_NAMES[cell]} never captures (it captures at the input of layers "
+                        f"0..{n - 1}): sglang captures fewer states than the draft expects")
+    good = [h for k, h in zip(ids, hf) if 0 <= k < n and 0 <= h <= top]
+    if len(set(good)) != len(good):
+        problems.append(f"ids {ids} repeat a layer: sglang captures it once")
+    return Feed(True, None, ids, how, rule, hf, sorted(set(good)), problems)
+
+
+def _block_ids_for(rule: str, hf: list, n: int, cell: str, patched: bool = True) -> list | None:
+    """The ids ``rule`` reads on ``cell`` as exactly the HF indices ``hf``, ascending; None: none can."""
+    ids = [h - 1 for h in hf] if rule == conventions.PLUS_ONE else list(hf)
+    top = n if conventions.reaches_last(cell, patched) else n - 1
+    ok = all(0 <= k < n for k in ids) and all(h <= top for h in hf) and len(set(ids)) == len(ids)
+    return ids if ok and conventions.capture(rule, ids) == list(hf) else None
+
+
+def _holds(served: list, data: DatasetLayers) -> str:
+    if data.kind == "dump":
+        missing = [h for h in served if h not in data.hf]
+        return f"the dump lacks HF {missing}" if missing else "the dump holds them"
+    if served == data.hf:
+        return "the dataset holds them, as trained"
+    missing = [h for h in served if h not in data.hf]
+    return f"the dataset lacks HF {missing}" if missing else f"the dataset holds them, not as trained ({data.hf})"
+
+
+def _block_fix(draft: Draft, data: DatasetLayers, feed: Feed, release: str, cell: str, patched: bool = True) -> str:
+    n = data.num_layers
+    where = draft.ids_field or "dflash_config.target_layer_ids"
+    fed = f"HF indices {feed.served_hf} (layer-output ids {_ids_of(feed.served_hf)})"
+    if data.kind == "dump":
+        return f"fix: dump the layers the draft is fed: {fed}"
+    ids = _block_ids_for(feed.rule, data.hf, n, cell, patched)
+    again = f"extract a dataset of the layers it is fed: {fed}" if feed.served_hf and not feed.problems[1:] else None
+    if ids is not None:
+        return (f"fix: set {where} to {ids} in the draft config (the ids sglang {release} reads on "
+                f"{conventions.CELL_NAMES[cell]} as the dataset's layers, which a draft trained on it learned)"
+                + (f", or, for a draft not trained yet, {again}" if again else ""))
+    return (f"fix: no {conventions.FAMILY_NAMES[draft.family]} ids make sglang {release} feed "
+            f"{conventions.CELL_NAMES[cell]} the dataset's HF indices {data.hf}"
+            + (f"; {again}" if again else ""))
+
+
+def check_block(draft: Draft, data: DatasetLayers, release: str, cell: str, unpatched: bool = False,
+                patches_root: Path | None = None) -> Verdict:
+    """The verdict for a DFlash/DSpark draft: the HF indices sglang ``release`` (with the series, or
+    ``unpatched``: the same reading) feeds it on ``cell`` against the dataset's layers."""
+    n = data.num_layers
+    name = conventions.FAMILY_NAMES[draft.family]
+    head = [f"draft:   {draft.path} ({name}: {draft.ids_field or 'no ids'}"
+            + (f" {draft.layer_ids}" if draft.layer_ids is not None else "")
+            + f", {draft.draft_layers} draft layers)",
+            f"dataset: {data.path} ({n} decoder layers"
+            f"{', ' + data.dataset_format + ' format' if data.dataset_format else ''}"
+            f"{', written for ' + conventions.FAMILY_NAMES[data.family] + ' drafts' if data.family else ''})"]
+    ds = (f"dataset: layer-output ids (output of layer k, -1 = embedding) {data.layer_ids} -> HF hidden_states "
+          f"indices {data.hf}" + (" (every dumped layer)" if data.kind == "dump" else ""))
+    feed = block_feed(draft, n, release, cell, patches_root, patched=not unpatched)
+    if not feed.served:
+        lines = head + [f"NOT SERVED (SGLang): {feed.why}", ds]
+        return Verdict(False, lines, {"sglang": {"ok": False, "served_hf": None, "fix": None, "not_served": feed.why}})
+    problems = list(feed.problems)
+    why = _compare(feed.served_hf, data)
+    if why:
+        problems.insert(0, why)
+    series = ("unpatched" if unpatched else "with the series") + (
+        " (the series routes these ids, never rereads them: the same reading without it)"
+        if cell in conventions.SERIES_MODEL_FILES else "")
+    desc = [f"reading: {name} ids on {conventions.CELL_NAMES[cell]}, sglang {release} {series}: "
+            f"{BLOCK_RULE_TEXT[feed.rule]} (series manifest, capture_semantics.draft_readings)",
+            f"SGLang draft: {name} ids {feed.ids} ({feed.how}) -> HF hidden_states indices {feed.capture} -> served "
+            f"in layer order {feed.served_hf} (= layer-output ids {_ids_of(feed.served_hf)})"]
+    lines = head + ([f"MISMATCH (SGLang): {p}" for p in problems] or [
+        f"OK (SGLang): the draft is served the hidden states {'the dump holds' if data.kind == 'dump' else 'it was trained on'}"])
+    lines += desc + [ds]
+    if feed.ids and feed.ids != sorted(feed.ids):
+        lines.append(f"note: the config lists its ids as {feed.ids}; sglang feeds the layers in ascending order "
+                     f"{feed.served_hf}, which is the order the dataset must hold them in")
+    if data.family and data.family != draft.family:
+        lines.append(f"warning: the dataset was written for {conventions.FAMILY_NAMES[data.family]} drafts, the draft is "
+                     f"a {name} draft: its trainer may not read it")
+    not_checked = [f"block_size {draft.block_size}" if draft.block_size is not None else "block_size",
+                   f"mask_token_id {draft.mask_token_id}" if draft.mask_token_id is not None else "mask_token_id"]
+    lines.append(f"not checked: {', '.join(not_checked)} (read, not compared with anything)"
+                 + ("; the samples' target_last_hidden_states (DSpark's training target, which the server does not "
+                    "feed the draft)" if draft.family == DSPARK else ""))
+    fix = _block_fix(draft, data, feed, release, cell, not unpatched) if problems else None
+    if fix:
+        lines.append(fix)
+    return Verdict(not problems, lines, {"sglang": {"ok": not problems, "served_hf": feed.served_hf, "fix": fix}})
+
+
+def not_served(draft: Draft, data: DatasetLayers, why: str) -> Verdict:
+    """The verdict where the release serves no draft of this family on the dataset's model file."""
+    return Verdict(False, [f"draft:   {draft.path} ({FAMILIES[draft.family]})",
+                           f"dataset: {data.path} ({data.num_layers} decoder layers)",
+                           f"NOT SERVED (SGLang): {why}"],
+                   {"sglang": {"ok": False, "served_hf": None, "fix": None, "not_served": why}})
+
+
+def readings(draft: Draft, data: DatasetLayers, judged: tuple | None = None,
+             patches_root: Path | None = None) -> tuple[list, list]:
+    """(lines, rows) of the readings table for this draft: per release with a series and per model
+    file, the HF indices sglang feeds it (with the series and unpatched where they differ) or that
+    it serves no such draft there, and whether the dataset holds them. ``judged``: (release, cell,
+    unpatched) of the verdict, marked with '*'. Empty for drafts SGLang does not read (speculators)."""
+    fam = table_family(draft.family)
+    if draft.family == SPECULATORS:
+        return [], []
+    n = data.num_layers
+    rows = []
+    for r in conventions.known_releases(patches_root):
+        for cell in conventions.CELLS:
+            if fam == conventions.EAGLE3:
+                if cell not in conventions.SERIES_MODEL_FILES:
+                    rows.append({"release": r, "model_file": cell, "series": None, "served_hf": None})
+                    continue
+                for unp in (False, True):
+                    try:
+                        sem = release_semantics(r, patches_root, unpatched=unp)
+                    except UsageError:
+                        continue
+                    served = _sglang(draft, data, sem)[2]
+                    rows.append({"release": r, "model_file": cell, "series": not unp, "served_hf": served})
+            else:  # the reading is the release's own; with the series the capture also reaches id N-1
+                feeds = [block_feed(draft, n, r, cell, patches_root, patched=p) for p in (True, False)]
+                served = [f.served_hf if f.served else None for f in feeds]
+                for series, hf in ([(None, served[0])] if served[0] == served[1] else zip((True, False), served)):
+                    rows.append({"release": r, "model_file": cell, "series": series, "served_hf": hf})
+    for row in rows:
+        row["dataset"] = _holds(row["served_hf"], data) if row["served_hf"] is not None else None
+    lines = [f"readings: the HF hidden_states indices sglang feeds this draft ({conventions.FAMILY_NAMES[fam]}), per "
+             f"release and model file (* = this verdict's):"]
+    for r in conventions.known_releases(patches_root):
+        groups: list = []  # (outcome, [cell labels], judged?)
+        for row in (x for x in rows if x["release"] == r):
+            label = conventions.CELL_NAMES[row["model_file"]]
+            if row["series"] is not None:
+                label += " with the series" if row["series"] else " unpatched"
+            mine = judged is not None and judged[0] == r and judged[1] == row["model_file"] and (
+                row["series"] is None or row["series"] == (not judged[2]))
+            out = ("not served" if row["served_hf"] is None else f"{row['served_hf']}: {row['dataset']}")
+            key = (out, row["series"])
+            g = next((g for g in groups if g[0] == key), None)
+            if g is None:
+                groups.append((key, [label], [mine]))
+            else:
+                g[1].append(label)
+                g[2].append(mine)
+        for k, ((out, _), labels, mine) in enumerate(groups):
+            star = "*" if any(mine) else " "
+            lines.append(f" {star}{('sglang ' + r + ':') if k == 0 else '':<15} {', '.join(labels)}: {out}")
+    return lines, rows
 
 
 # ---- output ------------------------------------------------------------------------------------

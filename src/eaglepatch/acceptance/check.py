@@ -714,6 +714,88 @@ def _check(i: Inputs, say, serving, scratch: Path) -> dict:
     return res
 
 
+# ---- DFlash and DSpark drafts: the layer verdict only ------------------------------------------------------
+
+# what check_draft does not check for a DFlash/DSpark draft, said in its report and on its last line
+BLOCK_NOT_CHECKED = ("the accept length: check_draft replays EAGLE-3 drafts only (SpecForge's LlamaForCausalLMEagle3 "
+                     "forward over the held-out data); a DFlash/DSpark draft's block prediction is not replayed and "
+                     "nothing is served, so no prediction, observed figure or diagnosis is made; its block_size, "
+                     "mask_token_id and weights are read or left as they are, not checked")
+# the flags of the measured part, refused for a DFlash/DSpark draft (nothing would read them)
+MEASURED_FLAGS = ("--states", "--served", "--serve", "--lossless", "--prompt-answer-tokens")
+
+
+def target_text_config(target: Path) -> dict:
+    """The target's config.json as a dict (a one-line usage error otherwise); its weights are not needed."""
+    cfg = _json(Path(target) / "config.json", "the target config", TARGET_FIX)
+    if not isinstance(cfg, dict):
+        raise UsageError(f"the target config {target}/config.json is no JSON object", TARGET_FIX)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for k in ("num_hidden_layers", "hidden_size"):
+        _int_field(text, k, f"the target config {target}/config.json", TARGET_FIX)
+    return cfg
+
+
+def target_cell(cfg: dict, data, target: Path) -> str:
+    """The readings table's cell of the target (its config's architectures), which must be the one the
+    dataset records where it records one."""
+    from .. import conventions
+
+    cell = conventions.config_cell(cfg)
+    rec = conventions.target_cell([data.architecture]) if data.architecture else data.model_file
+    if rec is not None and rec != cell:
+        raise UsageError(f"--data {data.path} was dumped from a target served by {conventions.CELL_NAMES[rec]}, "
+                         f"--target {target} is served by {conventions.CELL_NAMES[cell]}",
+                         "pass the target the dataset was dumped from")
+    return cell
+
+
+def check_block(i: Inputs, draft, data, cfg: dict) -> dict:
+    """The report for a DFlash/DSpark draft: guard's layer verdict (``guard.check_block``) for the
+    release judged (as for EAGLE-3 drafts) on the target's model file, the readings table, and what
+    is not checked (``BLOCK_NOT_CHECKED``)."""
+    from .. import conventions, guard
+
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    n = text["num_hidden_layers"]
+    if data.num_layers != n:
+        raise UsageError(f"--data {data.path} records {data.num_layers} decoder layers, the target {n}",
+                         "pass the dataset dumped from this target")
+    cell = target_cell(cfg, data, i.target)
+    release = {"release": i.release, "from": i.release_from, "unpatched": i.unpatched,
+               "line": guard.release_line(i.release, i.release_from, i.unpatched)}
+    v = guard.check_block(draft, data, i.release, cell, i.unpatched)
+    table, rows = guard.readings(draft, data, (i.release, cell, i.unpatched))
+    served = v.servers["sglang"]
+    return {"release": release, "family": draft.family, "model_file": cell,
+            "inputs": {k: (str(v_) if isinstance(v_, Path) else v_) for k, v_ in vars(i).items()},
+            "target": {"num_hidden_layers": n, "hidden_size": text["hidden_size"],
+                       "architectures": cfg.get("architectures")},
+            "guard": {"ok": v.ok, "served_hf": served.get("served_hf"), "lines": v.lines,
+                      "reading": f"sglang {i.release} {conventions.CELL_NAMES[cell]}, series manifest draft_readings",
+                      **({"not_served": served["not_served"]} if served.get("not_served") else {})},
+            "data": {"hf": data.hf, "layer_ids": data.layer_ids, "format": data.dataset_format,
+                     "family": data.family},
+            "draft": {"config_ids": draft.layer_ids, "ids_from": draft.ids_field, "family": draft.family,
+                      "block_size": draft.block_size, "mask_token_id": draft.mask_token_id},
+            "readings": rows, "readings_lines": table, "not_checked": BLOCK_NOT_CHECKED}
+
+
+def block_outcome(res: dict) -> tuple[int, str]:
+    """(exit code, the one line) of a DFlash/DSpark report: the layer verdict alone decides."""
+    from .. import conventions
+
+    rel = res["release"]
+    on = "sglang %s %s on %s" % (rel["release"], "unpatched" if rel.get("unpatched") else "with the series",
+                                 conventions.CELL_NAMES[res["model_file"]])
+    name = conventions.FAMILY_NAMES[res["family"]]
+    if res["guard"]["ok"]:
+        return 0, (f"passed: guard: the {name} draft's config reads the data's layers on {on} (the layers only: the "
+                   f"accept length is not checked for {name} drafts)")
+    why = res["guard"].get("not_served") or "the draft's config does not read the data's layers"
+    return 1, f"failed: guard: {why} ({on}; the accept length is not checked for {name} drafts)"
+
+
 # ---- the picture ----------------------------------------------------------------------------------------
 
 def plot(res: dict, path: Path) -> str:

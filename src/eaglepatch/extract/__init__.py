@@ -21,6 +21,9 @@ NEEDS = {
 }
 NEEDS["speculators"] = dict(NEEDS["specforge"], datasets="datasets")
 NEEDS["compact"] = dict(NEEDS["specforge"])  # safetensors samples, read back by eaglepatch.compact
+NEEDS["dflash"] = NEEDS["dspark"] = dict(NEEDS["specforge"])  # torch.save samples, as SpecForge's EAGLE-3 ones
+# the project extra that installs a format's needs (pyproject.toml), where it is another format's
+EXTRA = {"dflash": "specforge", "dspark": "specforge"}
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
@@ -34,7 +37,7 @@ def missing_modules(fmt: str) -> list:
 def install_fix(fmt: str, missing) -> str:
     """How to install what ``--format fmt`` misses: CPU torch first (a plain ``pip install torch``
     pulls the CUDA build and its nvidia-* wheels), then the format's extra."""
-    extra = f"pip install -e '.[extract-{fmt}]' (from the eaglepatch checkout)"
+    extra = f"pip install -e '.[extract-{EXTRA.get(fmt, fmt)}]' (from the eaglepatch checkout)"
     if "torch" in missing:
         return f"{CPU_TORCH} (the CPU build; a plain pip install torch pulls CUDA), then {extra}"
     return extra

@@ -19,7 +19,7 @@ from . import record as rec_mod
 from .data import load_conversations
 from .dumps import dump_dir_entries
 from .tokenize import ChatTokenizer
-from .writers import FORMATS
+from .writers import ALL_FORMATS, DRAFT_FORMATS
 
 
 @dataclass
@@ -40,7 +40,9 @@ class Options:
     keep_dumps: bool = False
     limit: int | None = None
     mask: str = "auto"
-    aux_layers: list | None = None  # EAGLE-3 ids; None: the dumped layers except N-1
+    # EAGLE-3 ids (dflash/dspark: the draft's target_layer_ids); None: the dumped layers except N-1
+    aux_layers: list | None = None
+    draft_config: Path | None = None  # --format dflash|dspark: the draft's directory (or config.json) naming its layers
     hidden_states_backend: str = "file"  # --format speculators: the speculators backend the export is for
     trust_remote_code: bool = False
     progress: bool | None = None  # None: only on a terminal
@@ -56,6 +58,7 @@ class Inputs:
     done: dict
     pending: list
     settings: rec_mod.Settings
+    draft: object = None  # --format dflash|dspark: the draft's ``drafts.DraftSpec``
 
 
 def model_config(model_dir: Path) -> dict:
@@ -104,8 +107,11 @@ def url_problem(url: str) -> str:
 
 
 def check_options(o: Options) -> None:
-    if o.format not in FORMATS:
-        raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(FORMATS)}")
+    if o.format not in ALL_FORMATS:
+        raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(ALL_FORMATS)}")
+    if o.draft_config is not None and o.format not in DRAFT_FORMATS:
+        raise UsageError(f"--draft-config reads a DFlash or DSpark draft's layers and --format is {o.format}",
+                         "pass --format dflash or dspark, or name an EAGLE-3 draft's layers with --aux-layers=")
     nums = {"--max-len": o.max_len, "--concurrency": o.concurrency, "--max-attempts": o.max_attempts,
             "--log-every": o.log_every,
             "--dump-timeout": o.dump_timeout, "--request-timeout": o.request_timeout}
@@ -165,7 +171,14 @@ def read_inputs(o: Options, check_server=None) -> Inputs:
     there are any, before the tokenizer loads: an unreachable server is named without waiting for
     transformers to import."""
     cfg = model_config(o.model)
-    check_aux_range(o, cfg["num_hidden_layers"])
+    draft = None
+    if o.format in DRAFT_FORMATS:  # the draft's layers, checked before any request
+        from . import drafts
+
+        draft = drafts.options_spec(o.format, o.draft_config, o.aux_layers)
+        drafts.check_spec(draft, cfg["num_hidden_layers"], o.model)
+    else:
+        check_aux_range(o, cfg["num_hidden_layers"])
     all_convs = load_conversations(o.data)
     convs = all_convs[: o.limit] if o.limit is not None else all_convs
     done = rec_mod.load_done(Path(o.out), all_convs)
@@ -182,7 +195,9 @@ def read_inputs(o: Options, check_server=None) -> Inputs:
             "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
     settings = rec_mod.Settings(Path(o.out), want)
     lay = settings.data.get("layout")
-    if lay and o.aux_layers is not None:
+    if lay and draft is not None:
+        check_resumed_draft(o, draft, settings, lay)
+    elif lay and o.aux_layers is not None:
         # --aux-layers reads as the dataset's server read draft ids (recorded from its first dump)
         rule = conventions.dump_rule(settings.data.get("dump_meta") or {})
         asked = sorted(set(conventions.layer_output_ids(rule, o.aux_layers)))
@@ -190,4 +205,15 @@ def read_inputs(o: Options, check_server=None) -> Inputs:
             raise UsageError(f"{o.out} holds aux layers (output-of-layer ids) {lay.get('aux')}, --aux-layers "
                              f"{','.join(map(str, o.aux_layers))} asks {asked} ({conventions.RULES[rule]})",
                              "rerun with the dataset's --aux-layers (or none) to resume, or pass a new --out")
-    return Inputs(cfg, all_convs, convs, tok, done, pending, settings)
+    return Inputs(cfg, all_convs, convs, tok, done, pending, settings, draft)
+
+
+def check_resumed_draft(o: Options, draft, settings, lay: dict) -> None:
+    """A resumed DFlash/DSpark dataset: the draft's layers, read on the release and model file of the
+    dataset's dumps, must be the ones it holds."""
+    from . import drafts
+
+    dl = drafts.draft_layers(draft, settings.data.get("dump_meta") or {})
+    if dl.ascending != lay.get("aux"):
+        raise UsageError(f"{o.out} holds layer-output ids {lay.get('aux')}, this run's {dl.describe()}",
+                         "rerun with the dataset's draft to resume, or pass a new --out")

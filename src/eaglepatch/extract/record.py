@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .. import conventions
 from ..errors import UsageError
+from . import drafts
 from .writers import SAMPLE_EXT, SAMPLES_DIR, layout_problem, manifest_storage
 
 MANIFEST_FORMAT = "eaglepatch-hidden-states/2"
@@ -254,8 +255,10 @@ def _draft_config(meta: dict, hf_aux) -> dict | None:
             "layer_id_reading": rule}
 
 
-def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict) -> dict:
-    """The manifest of ``o.out``: what the dataset holds, in both layer conventions."""
+def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes, last_run: dict, draft=None) -> dict:
+    """The manifest of ``o.out``: what the dataset holds, in both layer conventions. ``draft``
+    (``--format dflash|dspark``): the draft's ``drafts.DraftLayers``, recorded as ``draft`` (its ids as
+    its family reads them on the release and model file that dumped, and their HF indices)."""
     recs = [done[c.id] for c in convs if c.id in done and not done[c.id].get("skipped")]
     failed = sorted(({"id": x.conv_id, "reason": x.reason} for x in outcomes if x.status == "failed"),
                     key=lambda r: r["id"])
@@ -283,8 +286,8 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "dump_layer_ids": meta.get("eagle3_layer_ids"),
         # the eagle_config a draft trained on this dataset needs on the sglang release that dumped it
         # (the ids read as that release reads them: eaglepatch.conventions, README "Layer ids")
-        "sglang_draft_config": _draft_config(meta, hf_aux),
-        "final": {"specforge": "post_norm", "compact": meta.get("final")}.get(o.format),
+        "sglang_draft_config": _draft_config(meta, hf_aux) if draft is None else drafts.sglang_draft_config(draft),
+        "final": {"specforge": "post_norm", "dspark": "post_norm", "compact": meta.get("final")}.get(o.format),
         "model": {"path": str(o.model), "served_path": meta.get("model_path"),
                   "architecture": meta.get("architecture") or cfg.get("architecture"),
                   "hidden_size": cfg["hidden_size"], "num_hidden_layers": n,
@@ -302,7 +305,13 @@ def manifest(o, cfg: dict, tok, settings: Settings, convs, done: dict, outcomes,
         "progress": PROGRESS_FILE,
         "last_run": last_run,
     }
-    if o.format == "specforge":
+    if draft is not None:
+        m["draft"] = drafts.manifest_block(draft)
+    if o.format in ("dflash", "dspark"):
+        m["layout"] = ("samples/<hh>/<id>-<hash>.ckpt: torch.save dict input_ids [T], loss_mask [T], "
+                       "hidden_states [T,L*H] (the draft's layers ascending, as SGLang feeds them)"
+                       + (", target_last_hidden_states [T,H] (final, post-norm)" if o.format == "dspark" else ""))
+    elif o.format == "specforge":
         m["layout"] = ("samples/<hh>/<id>-<hash>.ckpt: torch.save dict input_ids [T], loss_mask [T], "
                        "hidden_state [1,T,H] (final, post-norm), aux_hidden_state [1,T,L*H] (aux layers ascending)")
     elif o.format == "compact":

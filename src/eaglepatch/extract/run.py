@@ -56,6 +56,7 @@ from pathlib import Path
 from .. import conventions
 from ..errors import UsageError
 from ..storage import Rebuilder
+from . import drafts
 from . import dumps as dumps_mod
 from . import record as rec_mod
 from .client import NoFlush, RequestError, SGLangClient, TransientError
@@ -118,6 +119,7 @@ class Extractor:
         self.unused: set = set()  # rids of this run's requests whose dump no sample has used yet
         self.earlier_removed = 0  # unused dump files of earlier runs removed at the start
         self.reading: str | None = None  # the dataset's layer-id reading (its first dump's), once known
+        self.draft = None  # --format dflash|dspark: the draft's ``drafts.DraftSpec`` (``read_inputs``)
         # what rebuilds the states a compact dump leaves out: --model's weights, read on first use
         self.rebuilder = Rebuilder(opts.model)
         # seconds spent per stage, summed over the worker threads (``record`` on the main thread): where
@@ -153,6 +155,7 @@ class Extractor:
         # the server is asked before the tokenizer loads (transformers takes seconds to import); a finished
         # dataset reruns without a server
         inp = read_inputs(o, check_server=lambda: client.check_reachable(self.serve_hint()))
+        self.draft = inp.draft
         out = Path(o.out)
         created = not out.exists()
         top = out  # the outermost directory this run creates
@@ -376,6 +379,11 @@ class Extractor:
             out.status = "skipped"
             out.reason = "no assistant tokens" + (" after truncation" if enc.truncated else "")
             return None
+        if self.draft is not None and not drafts.has_two_consecutive(enc.loss_mask):
+            out.status = "skipped"  # SpecForge's DFlash/DSpark readers raise on such a sample, mid-training
+            out.reason = ("no two consecutive assistant tokens (SpecForge 0.2.0's DFlash and DSpark readers refuse "
+                          "such a sample)")
+            return None
         if max(enc.input_ids) >= inp.cfg["vocab_size"]:
             raise Fatal(f"conversation {conv.id!r} has token id {max(enc.input_ids)} >= the model's vocab_size "
                         f"{inp.cfg['vocab_size']} (tokenizer/model mismatch)", "use the served model's tokenizer")
@@ -492,6 +500,20 @@ class Extractor:
     def _first_dump(self, dump, cfg: dict) -> None:
         """The layout from the first dump; it must equal the one the dataset was started with."""
         rule = conventions.dump_rule(dump.meta)  # --aux-layers reads as this server reads draft ids
+        if self.draft is not None:  # DFlash/DSpark: the draft's ids read as its family reads them there
+            dl = drafts.draft_layers(self.draft, dump.meta)
+            lay = drafts.resolve_layout(self.o.format, dl, dump.layer_ids, dump.final is not None,
+                                        cfg["num_hidden_layers"])  # LayoutError: exit 2
+            if self.layout is None:
+                self.log(f"layers: the {dl.describe()}; hidden_states holds them in layer order"
+                         + (", target_last_hidden_states the post-norm final state" if self.o.format == "dspark"
+                            else ""))
+                if list(self.draft.ids) != sorted(self.draft.ids):
+                    self.log(f"warning: the draft names its layers out of layer order ({list(self.draft.ids)}); SGLang "
+                             f"feeds them in layer order, as hidden_states holds them (a Hugging Face forward that "
+                             f"concatenates them in the config's order feeds the draft something else)")
+            self._take_layout(lay, dump, rule)
+            return
         want = self.layout.aux if self.layout else (
             conventions.layer_output_ids(rule, self.o.aux_layers) if self.o.aux_layers is not None else None)
         lay = resolve_layout(self.o.format, dump.layer_ids, dump.final is not None, cfg["num_hidden_layers"],
@@ -506,6 +528,10 @@ class Extractor:
                 self.log(f"warning: --aux-layers={','.join(map(str, self.o.aux_layers))} (EAGLE-3 ids "
                          f"{list(lay.aux)}) are not three layers SpecForge 0.2.0 trains (exactly three distinct "
                          f"non-negative draft ids): its reader loads the dataset, its trainer refuses it")
+        self._take_layout(lay, dump, rule)
+
+    def _take_layout(self, lay: Layout, dump, rule: str) -> None:
+        """``lay`` (from the first dump) as the dataset's layout, which must be the one it was started with."""
         if self.layout is not None and lay != self.layout:
             layers = (self.provenance or {}).get("eagle3_layer_ids")
             how = f" ({restart_with(rule, layers)})" if isinstance(layers, list) else ""
@@ -575,7 +601,11 @@ class Extractor:
                                 for u, n, a, f in zip(client.urls, client.answered, client.put_aside, client.flushes)],
                     "stage_seconds": {k: round(v, 3) for k, v in self.stage_s.items()},
                     "concurrency": o.concurrency}
-        man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run)
+        draft = None
+        meta = inp.settings.data.get("dump_meta")
+        if self.draft is not None and meta:  # the draft's layers as the dataset's dumps read them
+            draft = drafts.draft_layers(self.draft, meta)
+        man = rec_mod.manifest(o, inp.cfg, inp.tok, inp.settings, inp.all_convs, inp.done, outcomes, last_run, draft)
         if inp.settings.saved:  # the table first: a manifest is never written beside a stale table
             if o.format == "speculators":
                 try:
@@ -588,9 +618,14 @@ class Extractor:
         self.log(
             f"summary: {len(ok)} extracted ({toks} tokens, {sum(x.nbytes for x in ok) / 2**20:.1f} MiB) in {wall:.1f} s "
             f"({len(ok) / wall if wall > 0 else 0:.2f} samples/s, {toks / wall if wall > 0 else 0:.0f} tokens/s); "
-            f"{len(inp.convs) - len(inp.pending)} already done; {len(skipped)} skipped (no assistant tokens); "
+            f"{len(inp.convs) - len(inp.pending)} already done; {len(skipped)} skipped "
+            f"({'no two consecutive' if self.draft is not None else 'no'} assistant tokens); "
             f"{len(failed)} failed; {self.bad_dumps} bad dumps rejected; {retried} request retries; "
             f"dataset: {man['samples']} samples, {man['tokens']} tokens")
+        if draft is not None and man["samples"]:
+            cfg = f", model.draft_model_config={Path(draft.spec.config).parent}" if draft.spec.config else ""
+            self.log(f"train with SpecForge 0.2.0 (offline): training.strategy={o.format}, "
+                     f"data.hidden_states_path={out}{cfg}")
         if o.format == "speculators" and man["samples"]:
             self.log(f"train with speculators: {speculators_train_flags(man, out)}")
         if outcomes:

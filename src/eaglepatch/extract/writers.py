@@ -39,6 +39,14 @@ another's file.
   [T]; its metadata is the dump's (storage, layers, provenance), ``format`` = ``COMPACT_FORMAT``
   (the dump's own in ``dump_format``). The dataset costs what the dumps cost; the reader yields,
   tensor for tensor, what SpecForge's or speculators' reader yields for the other two formats.
+- ``dflash`` / ``dspark`` (SpecForge 0.2.0's offline DFlash and DSpark readers walk OUT for
+  ``*.ckpt``; ``specforge.algorithms.common.dflash_family_data`` normalises them): a ``torch.save``
+  dict of plain tensors: ``input_ids`` int64 [T], ``loss_mask`` int64 [T], ``hidden_states`` [T, L*H]
+  (the draft's layers, ascending: the order SGLang feeds them to a DFlash/DSpark draft; which layers
+  ``drafts`` decides), and for ``dspark`` ``target_last_hidden_states`` [T, H]: the final, post-norm
+  state of every token (SpecForge's DSpark objective applies the target's LM head to it directly, the
+  state at t giving the target's distribution of token t+1). Model dtype: an fp8 dump's states
+  dequantised, left-out states rebuilt.
 """
 
 from __future__ import annotations
@@ -56,10 +64,15 @@ from pathlib import Path
 from .. import conventions
 from ..errors import UsageError
 
-FORMATS = ("specforge", "speculators", "compact")
+FORMATS = ("specforge", "speculators", "compact")  # EAGLE-3 datasets
+DRAFT_FORMATS = ("dflash", "dspark")  # DFlash and DSpark datasets (SpecForge 0.2.0's offline samples; ``drafts``)
+ALL_FORMATS = FORMATS + DRAFT_FORMATS
+# SpecForge 0.2.0's offline normaliser of each (specforge.algorithms.common.dflash_family_data)
+DRAFT_NORMALIZER = {"dflash": "dflash_family_offline_v1", "dspark": "dspark_offline_v1"}
 BACKENDS = ("file", "fp8")  # speculators' --hidden-states-backend values an export is written for
 SAMPLES_DIR = "samples"
-SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors", "compact": "safetensors"}  # sample file suffix
+SAMPLE_EXT = {"specforge": "ckpt", "speculators": "safetensors", "compact": "safetensors", "dflash": "ckpt",
+              "dspark": "ckpt"}  # sample file suffix
 COMPACT_FORMAT = "eaglepatch-compact/1"  # a compact sample's metadata "format"
 FP8 = "float8_e4m3fn"
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY (hs-connectors 0.9.0)
@@ -119,8 +132,8 @@ def layout_problem(d) -> str:
 
     if not isinstance(d, dict):
         return "its layout is not an object"
-    if d.get("format") not in FORMATS:
-        return f"its layout's format {str(d.get('format'))[:40]!r} is not one of {', '.join(FORMATS)}"
+    if d.get("format") not in ALL_FORMATS:
+        return f"its layout's format {str(d.get('format'))[:40]!r} is not one of {', '.join(ALL_FORMATS)}"
     if not ints(d.get("aux")) or not d["aux"] or min(d["aux"]) < -1:
         return f"its layout's aux {str(d.get('aux'))[:60]} is not a list of layer ids (-1 or more)"
     n = d.get("num_layers")
@@ -283,6 +296,19 @@ def specforge_sample(layout: Layout, dump, loss_mask) -> dict:
             "aux_hidden_state": torch.cat(aux, dim=-1).contiguous().unsqueeze(0)}
 
 
+def draft_sample(layout: Layout, dump, loss_mask) -> dict:
+    """The dict a DFlash or DSpark ``.ckpt`` holds (module doc), from ``dump``'s dequantised, rebuilt
+    states: the layout's layers ascending, and for DSpark the post-norm final state."""
+    import torch
+
+    data = {"input_ids": dump.input_ids.to(torch.int64).clone(),
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64),
+            "hidden_states": torch.cat([dump.layers[f"layer.{k}"] for k in layout.aux], dim=-1).contiguous()}
+    if layout.format == "dspark":
+        data["target_last_hidden_states"] = dump.final.contiguous()
+    return data
+
+
 def speculators_states(layout: Layout, dump) -> tuple:
     """(hidden_states [T, L+1, H], scales [T, L+1, 1] or None): the aux layers ascending, then layer
     ``layout.last`` (N-1, pre-norm). For the fp8 backend (``Layout.fp8``): float8_e4m3fn states with
@@ -345,8 +371,8 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_for(path)
     try:
-        if layout.format == "specforge":
-            data = specforge_sample(layout, dump, loss_mask)
+        if layout.format in ("specforge", *DRAFT_FORMATS):
+            data = (specforge_sample if layout.format == "specforge" else draft_sample)(layout, dump, loss_mask)
             with open(tmp, "wb") as fh:  # closed here even when the disk is full (no fd kept by the error)
                 torch.save(data, fh)
         else:
@@ -398,9 +424,14 @@ def read_sample(fmt: str, path: Path, rebuilder=None) -> dict:
     dequantised as speculators' FP8Transfer does, to bfloat16). A compact sample (``rebuilder``: an
     ``eaglepatch.storage.Rebuilder`` of the model, for the states it rebuilds) gives its metadata's
     aux layers, ``last`` the pre-norm layer N-1 (None when not dumped) and ``final`` the post-norm
-    state (None when not dumped)."""
+    state (None when not dumped). A DFlash/DSpark sample gives its ``hidden_states`` as ``aux`` and
+    ``target_last_hidden_states`` (DSpark; None for DFlash) as ``last``."""
     import torch
 
+    if fmt in DRAFT_FORMATS:
+        d = torch.load(str(path), weights_only=True)
+        return {"input_ids": d["input_ids"], "loss_mask": d["loss_mask"], "aux": d["hidden_states"],
+                "last": d.get("target_last_hidden_states")}
     if fmt == "specforge":
         d = torch.load(str(path), weights_only=True)
         return {"input_ids": d["input_ids"], "loss_mask": d["loss_mask"],
@@ -449,8 +480,10 @@ def manifest_storage(fmt: str, dump_meta: dict, backend: str | None = None) -> d
         return {"dtype": FP8 if fp8 else model, "scale_layout": PER_TOKEN_PER_STATE if fp8 else "none", "left_out": {},
                 "needs_model_dir": False, "speculators_backend": "fp8" if fp8 else "file",
                 "reader": "speculators ArrowDataset, --hidden-states-backend " + ("fp8" if fp8 else "file")}
+    reader = (f"SpecForge 0.2.0 offline {'DFlash' if fmt == 'dflash' else 'DSpark'} reader ({DRAFT_NORMALIZER[fmt]})"
+              if fmt in DRAFT_FORMATS else "SpecForge OfflineEagle3Dataset")
     return {"dtype": model, "scale_layout": "none", "left_out": {}, "needs_model_dir": False,
-            "speculators_backend": None, "reader": "SpecForge OfflineEagle3Dataset"}
+            "speculators_backend": None, "reader": reader}
 
 
 def _link(src: Path, dst: Path) -> None:

@@ -415,6 +415,75 @@ def dump_dir_list(value) -> list:
     return dirs
 
 
+@dataclass
+class DraftDump:
+    """What a draft config makes the dump capture (``draft_dump``)."""
+
+    family: str  # eagle3 | dflash | dspark (the readings table's families)
+    ids: list | None  # the ids as the draft names them (None: the release's EAGLE-3 default)
+    how: str  # where they come from
+    path: str
+
+    def apply(self, settings: dict, notes: list) -> list | None:
+        """Set the dump's reading in ``settings`` (EAGLE3_DUMP_READING), say so in ``notes``; the
+        layers to dump (EAGLE3_DUMP_LAYERS, in the draft's own reading)."""
+        from ..conventions import FAMILY_NAMES
+
+        if self.family != "eagle3":
+            settings["EAGLE3_DUMP_READING"] = self.family
+        if self.family == "dspark" and settings.get("EAGLE3_DUMP_FINAL", "1").strip() in ("0", "false", "no", "off"):
+            raise UsageError("--draft-config names a DSpark draft, which trains on the post-norm final state, and the "
+                             "final state is not dumped", "drop --final 0 (and EAGLE3_DUMP_FINAL=0)")
+        notes.append(f"dumping what the {FAMILY_NAMES[self.family]} draft {self.path} reads: ids "
+                     f"{self.ids if self.ids is not None else 'none (the release default)'} ({self.how}), read as the "
+                     f"served release reads {FAMILY_NAMES[self.family]} ids"
+                     + (" (EAGLE3_DUMP_READING=" + self.family + ")" if self.family != "eagle3" else "")
+                     + ("; and the post-norm final state its trainer needs" if self.family == "dspark" else ""))
+        return self.ids
+
+
+def draft_dump(draft_config, model_dir, demo=None) -> DraftDump:
+    """The layers the draft at ``draft_config`` reads, for the dump: an EAGLE-3 draft's ids as written;
+    a DFlash/DSpark draft's ids (or, where it names none, the ids sglang picks for this target:
+    ``guard.block_ids``); the family's reading goes to the server (EAGLE3_DUMP_READING), which reads
+    them as the release reads that family's ids. A draft SGLang does not serve is refused."""
+    from .. import guard
+
+    draft = guard.read_draft(draft_config)
+    family = guard.table_family(draft.family)
+    if draft.family == guard.SPECULATORS:
+        raise UsageError(f"--draft-config {draft.path} is a speculators (vLLM) draft, which SGLang does not serve",
+                         "name the layers to dump with --layers (N-1 for the last slot speculators reads)")
+    if family == "eagle3":
+        return DraftDump(family, list(draft.layer_ids) if draft.layer_ids is not None else None,
+                         "eagle_config.eagle_aux_hidden_state_layer_ids" if draft.layer_ids is not None else
+                         "none configured: the release's default", draft.path)
+    if demo is not None:  # the CPU demo's built-in model (its directory may not be made yet)
+        from ..smoke.tinyconfig import DEEPSEEK_V3
+
+        n = DEEPSEEK_V3["num_hidden_layers"]
+    else:
+        n = _target_layers(model_dir)
+    ids, how, problems = guard.block_ids(draft, n)
+    if problems or not ids:
+        raise UsageError(f"--draft-config {draft.path}: {problems[0] if problems else 'it names no layers'}",
+                         "fix the draft config (its target_layer_ids are ids of this target's layers)")
+    return DraftDump(family, ids, how or (draft.ids_field or "target_layer_ids"), draft.path)
+
+
+def _target_layers(model_dir) -> int:
+    """The decoder layers of the target at ``model_dir`` (its config.json, or its text_config)."""
+    cfg_path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        cfg = cfg.get("text_config") or cfg
+        return int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"cannot read the target's num_hidden_layers from {cfg_path} ({type(exc).__name__}: {exc})",
+                         "pass --model-path a local model directory (a DFlash/DSpark draft's default layers depend "
+                         "on the target's)") from None
+
+
 def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_dir=None, python=None,
                     host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, extra=(), settings=None) -> Plan:
     """``launch_server`` for ``model_path`` on this machine's accelerators with the dump on;

@@ -180,10 +180,11 @@ CUDA_DRAFT = {"device": "cuda", "speculative_draft_model_path": "{ckpt}"}
 FACT_REFUSALS = [
     ("moe dense tp 1 at tp 2", {"tp_size": 2, "moe_dense_tp_size": 1}, "--moe-dense-tp-size 1",
      lambda f: f["moe_dense_tp1_scatters_capture"]),
+    # the series routes the dump beside a DFlash/DSpark draft where it follows the release's setter
     ("dflash target", dict(CUDA_DRAFT, speculative_algorithm="DFLASH"), "--speculative-algorithm DFLASH",
-     lambda f: "DFLASH" in f["drafts_overwriting_capture"]),
+     lambda f: "set_dflash_layers_to_capture" not in f["draft_setters"]),
     ("dspark target", dict(CUDA_DRAFT, speculative_algorithm="DSPARK"), "--speculative-algorithm DSPARK",
-     lambda f: "DSPARK" in f["drafts_overwriting_capture"]),
+     lambda f: "set_dflash_layers_to_capture" not in f["draft_setters"]),
 ]
 # Accepted with the dump on: LoRA (dump files name their adapter), on every release.
 ACCEPTED = [("lora", {"enable_lora": True})]

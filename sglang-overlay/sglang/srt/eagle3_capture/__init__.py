@@ -326,6 +326,7 @@ def configure_runner(runner) -> None:
         runner.model.set_eagle3_layers_to_capture(ids)
     if runner.is_draft_worker:
         return
+    _follow_draft_setters(capture_target(runner.model))
     _check_nodes(runner)  # every rank, dump or not, before any rank may refuse alone
     settings = DumpSettings.from_env()
     if settings is None:
@@ -338,6 +339,34 @@ def configure_runner(runner) -> None:
     if target is not runner.model and state.writer.enabled:  # only the writing rank reads the ids
         _keep_raw_ids(runner.model, state)
     _sync(target, state)
+
+
+def _follow_draft_setters(target) -> None:
+    """A DFlash or DSpark draft's setter (``release_facts()["draft_setters"]``) runs as upstream wrote
+    it, reading the draft's ids exactly as unpatched sglang does; the capture it set becomes the
+    draft's, routed as the package routes EAGLE-3's: the draft is handed exactly its own states
+    (what upstream hands it, wherever upstream can capture them), the last layer's output before
+    the final norm is captured too (a DFlash id N-1, which upstream's layer loop never reaches),
+    and with a dump its layers go beside them (prefill: both; every other forward: the draft's)."""
+    for name in release_facts()["draft_setters"]:
+        inner = getattr(target, name, None)
+        if inner is None or getattr(inner, "_eagle3_follows", False):
+            continue
+
+        def follow(layer_ids, *args, _inner=inner, _name=name, **kwargs):
+            out = _inner(layer_ids, *args, **kwargs)
+            upstream = list(target.model.layers_to_capture)  # what unpatched sglang captures for the draft
+            state = _state(target)
+            state.eagle = upstream
+            state.eagle_configured = True
+            logger.info("%s(%s) -> capture indices %s, as upstream reads them (HF output_hidden_states indices)",
+                        _name, list(layer_ids), upstream)
+            _sync(target, state)
+            return out
+
+        follow._eagle3_follows = True
+        follow.__doc__ = getattr(inner, "__doc__", None)
+        setattr(target, name, follow)
 
 
 def _split(aux, count: int):

@@ -253,10 +253,12 @@ def call(op: str, timeout: Optional[float] = None, path: Optional[str] = None, t
             line = _read_line(s)
     except (ConnectionRefusedError, FileNotFoundError) as exc:
         raise WriterGone(f"the dump writer did not answer at {path} ({exc})") from None
+    except (ConnectionResetError, BrokenPipeError) as exc:  # it ended while answering (its process stopped)
+        raise WriterGone(f"the dump writer ended while answering at {path} ({exc})") from None
     except (OSError, socket.timeout) as exc:
         raise FlushError(f"the dump writer did not answer at {path} ({exc})") from None
-    if not line:
-        raise FlushError(f"the dump writer closed {path} without an answer")
+    if not line:  # it ended while answering (its process stopped): as gone
+        raise WriterGone(f"the dump writer closed {path} without an answer")
     reply = json.loads(line)
     if op == "flush" and not reply.get("flushed"):
         raise FlushError(reply.get("error") or "the dump writer did not flush")
@@ -291,9 +293,9 @@ def _stop_writer(why: str, path: str) -> None:
     drain = _drain_s()
     try:
         reply = call("stop", drain + STOP_MARGIN_S, path, why=why)
-    except WriterGone:  # it ended on its own (a group signal, SGLang's shutdown request): it drained then
-        logger.info("eagle3 dump: the writer had already stopped before %s; what it could not write is named in "
-                    "its eagle3-dump-unwritten.*.json", why)
+    except WriterGone:  # it ended on its own (a group signal, Ctrl-C, SGLang's shutdown request): it drained then
+        logger.info("eagle3 dump: the writer stopped on its own before %s; it drains when it stops and names "
+                    "what it could not write in its eagle3-dump-unwritten.*.json (or its log)", why)
         return
     except FlushError as exc:
         logger.error("eagle3 dump: the stop before %s failed: %s (files not yet written may be lost)", why, exc)

@@ -846,7 +846,8 @@ def start_dump(runner, target, settings: DumpSettings):
         "hf_hidden_state_indices": json.dumps(indices),
         # EAGLE3_DUMP_LAYERS as given, read as a draft's ids are on this release (None: the default)
         "configured_layer_ids": json.dumps(settings.layer_ids),
-        "layer_id_reading": reading(),
+        "layer_id_reading": reading(settings.family),
+        "layer_id_family": settings.family,  # whose reading EAGLE3_DUMP_LAYERS followed (EAGLE3_DUMP_READING)
         "final": "post_norm" if settings.final else "none",
         "architecture": architectures[0],
         "model_path": str(runner.server_args.model_path),

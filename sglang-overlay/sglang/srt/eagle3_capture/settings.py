@@ -24,6 +24,8 @@ ENV_MAX_WAIT_S = "EAGLE3_DUMP_MAX_WAIT_S"
 ENV_DTYPE = "EAGLE3_DUMP_DTYPE"  # bf16 (default) | fp8: how states are stored (storage.py)
 ENV_REBUILDABLE = "EAGLE3_DUMP_REBUILDABLE"  # store (default) | omit: states a trainer rebuilds
 ENV_WRITERS = "EAGLE3_DUMP_WRITERS"  # threads writing files at once (commits.py); default from the CPUs
+ENV_READING = "EAGLE3_DUMP_READING"  # eagle3 (default) | dflash | dspark: whose reading EAGLE3_DUMP_LAYERS follows
+FAMILIES = ("eagle3", "dflash", "dspark")
 MAX_WRITERS = 64
 ENV_SINK = "EAGLE3_DUMP_SINK"  # file (default) | mooncake: where each request's states go (sinks.py)
 SINKS = ("file", "mooncake")
@@ -41,7 +43,7 @@ DEFAULT_MC_SEGMENT_MB = 4096
 DEFAULT_MC_BUFFER_MB = 2048
 DEFAULT_MC_TTL_S = 600.0
 REACH_TIMEOUT_S = 5.0
-DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
+DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_READING", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
              "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS",
              "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER", "EAGLE3_DUMP_MOONCAKE_METADATA",
              "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "EAGLE3_DUMP_MOONCAKE_DEVICE", "EAGLE3_DUMP_MOONCAKE_HOST",
@@ -76,8 +78,17 @@ READINGS = {
 }
 
 
-def reading() -> str:
-    """The series' reading of draft-config ids on this release (a key of the guard's table)."""
+def reading(family: str = "eagle3") -> str:
+    """The series' reading of a ``family`` draft's config ids on this release (a key of the tools'
+    table, ``eaglepatch.conventions.RULES``): EAGLE-3's by the release's convention, DFlash's and
+    DSpark's as the release's facts declare them (``draft_readings``)."""
+    if family != "eagle3":
+        rule = release_facts()["draft_readings"].get(family)
+        if rule is None:
+            raise DumpConfigError(
+                f"{ENV_READING}={family}: sglang {SERIES_RELEASE} serves no {family} draft on the model files the "
+                f"series covers; unset {ENV_READING} (on this release {ENV_LAYERS} is read as output-of-layer ids)")
+        return rule
     try:
         return READINGS[UPSTREAM_EAGLE_ID_MAPPING]
     except KeyError:
@@ -87,14 +98,15 @@ def reading() -> str:
         ) from None
 
 
-def capture_indices(layer_ids: Sequence[int], num_layers: int, what: str) -> List[int]:
+def capture_indices(layer_ids: Sequence[int], num_layers: int, what: str, family: str = "eagle3") -> List[int]:
     """The capture indices (= Hugging Face ``output_hidden_states`` indices: 0 = embedding output,
     i = output of layer i - 1, ``num_layers`` = the last layer's output before the final norm) that
-    ``layer_ids`` names on this release, in the order given; refuses lists no release serves."""
+    ``layer_ids`` names on this release, read as a ``family`` draft's are, in the order given;
+    refuses lists no release serves."""
     ids = [int(k) for k in layer_ids]
     if not ids:
         raise DumpConfigError(f"{what} is empty; name at least one layer, e.g. {what}=[1, 29, 57]")
-    if reading() == "plus_one" or ids[0] == 1 or -1 in ids:
+    if reading(family) == "plus_one" or ids[0] == 1 or -1 in ids:
         indices = [k + 1 for k in ids]
         convention = "id k = output of decoder layer k, -1 = embedding output"
     else:
@@ -251,6 +263,7 @@ class DumpSettings:
     max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
     storage: Storage = Storage()  # EAGLE3_DUMP_DTYPE, EAGLE3_DUMP_REBUILDABLE
     writers: Optional[int] = None  # EAGLE3_DUMP_WRITERS; None: commits.default_writers()
+    family: str = "eagle3"  # EAGLE3_DUMP_READING: whose reading layer_ids follow
     sink: str = "file"  # EAGLE3_DUMP_SINK
     mooncake: Optional[MooncakeSettings] = None  # EAGLE3_DUMP_MOONCAKE_*, with the mooncake sink
 
@@ -288,7 +301,8 @@ class DumpSettings:
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
                    storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
-                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), **sink)
+                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), family=_choice(env, ENV_READING, FAMILIES),
+                   **sink)
 
     @property
     def directories(self) -> List[str]:
@@ -300,7 +314,7 @@ class DumpSettings:
         release (``capture_indices``), or upstream's default."""
         if self.layer_ids is None:
             return default_capture_indices(num_layers)
-        return sorted(capture_indices(self.layer_ids, num_layers, ENV_LAYERS))
+        return sorted(capture_indices(self.layer_ids, num_layers, ENV_LAYERS, self.family))
 
 
 def _sink(env) -> dict:
@@ -437,8 +451,13 @@ def _attention_dp(args) -> Optional[int]:
 #       exercise).
 #   moe_dense_tp1_scatters_capture: with --moe-dense-tp-size 1 at TP > 1 the dense layers' rows
 #       are scattered across ranks and the release's layer-loop capture does not gather them.
-#   drafts_overwriting_capture: speculative algorithms whose target setup overwrites
-#       layers_to_capture behind the package (and whose CUDA-graph capture then crashes).
+#   draft_setters: the target model's methods other than set_eagle3_layers_to_capture that set
+#       layers_to_capture for a draft (DFlash/DSpark on deepseek_v2.py); with a dump the package
+#       wraps each (``__init__._follow_draft_setters``): upstream reads the ids, the package takes
+#       what it set as the draft's capture and routes the dump beside it.
+#   draft_readings: how those drafts' ids read on the model files the series covers (a rule of
+#       the tools' table: "plus_one" = id k names the output of layer k); the tools' own table
+#       (the series manifest's capture_semantics.draft_readings) must agree.
 #   draft_ids_on_runner: ModelRunner keeps the draft's ids itself (eagle_use_aux_hidden_state,
 #       eagle_aux_hidden_state_layer_ids) and sets them only after device graphs: the series
 #       configures them before (later releases configure them before graphs themselves).
@@ -454,7 +473,8 @@ RELEASE_FACTS = {
         "absent_fields": ("disable_prefill_cuda_graph", "cuda_graph_config", "cuda_graph_backend_prefill",
                           "attn_dp_size", "enable_prefill_cp", "cp_strategy"),
         "moe_dense_tp1_scatters_capture": True,
-        "drafts_overwriting_capture": (),
+        "draft_setters": (),
+        "draft_readings": {},
         "draft_ids_on_runner": True,
         "allreduce_fusion_mark": "_sglang_needs_allreduce_fusion",
         "resolving_view": None,
@@ -462,7 +482,8 @@ RELEASE_FACTS = {
     "0.5.17": {
         "absent_fields": ("enable_piecewise_cuda_graph", "attn_dp_size", "enable_nsa_prefill_context_parallel"),
         "moe_dense_tp1_scatters_capture": False,
-        "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+        "draft_setters": ("set_dflash_layers_to_capture",),
+        "draft_readings": {"dflash": "plus_one", "dspark": "plus_one"},
         "draft_ids_on_runner": False,
         "allreduce_fusion_mark": "_sglang_needs_allreduce_fusion",
         "resolving_view": None,
@@ -470,7 +491,8 @@ RELEASE_FACTS = {
     "0.5.23": {
         "absent_fields": ("enable_piecewise_cuda_graph", "enable_nsa_prefill_context_parallel"),
         "moe_dense_tp1_scatters_capture": False,
-        "drafts_overwriting_capture": ("DFLASH", "DSPARK"),
+        "draft_setters": ("set_dflash_layers_to_capture",),
+        "draft_readings": {"dflash": "plus_one", "dspark": "plus_one"},
         "draft_ids_on_runner": False,
         "allreduce_fusion_mark": None,
         "resolving_view": "sglang.srt.arg_groups.model_override_base.resolving_view",
@@ -610,9 +632,9 @@ def check_server_args(args) -> None:
             f"and sglang {SERIES_RELEASE}'s capture does not gather them; drop --moe-dense-tp-size",
         ),
         (
-            algorithm in facts["drafts_overwriting_capture"],
-            f"--speculative-algorithm {algorithm} sets the captured layers behind the dump (and its CUDA-graph "
-            f"capture crashes with the dump's layers); use EAGLE3 or no draft with the dump, or unset {ENV_DIR}",
+            algorithm in ("DFLASH", "DSPARK") and "set_dflash_layers_to_capture" not in facts["draft_setters"],
+            f"--speculative-algorithm {algorithm} sets the captured layers behind the dump on sglang "
+            f"{SERIES_RELEASE}; use EAGLE3 or no draft with the dump, or unset {ENV_DIR}",
         ),
     ]
     for broken, message in rules:
