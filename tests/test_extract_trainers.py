@@ -10,9 +10,10 @@
   (``HiddenStatesBackend.registry[name].from_train_args``, what its train CLI does), its
   ``ArrowDataset`` and ``CollateFn``;
 - item 4: ``--format specforge`` without ``--aux-layers`` takes every dumped layer but N-1, which
-  SpecForge 0.2.0's trainer refuses unless they are three non-negative draft ids: refused at the first
-  dump (exit 2, one line naming three it trains, nothing written), else used and named; checked with
-  SpecForge's own ``resolve_eagle_capture_layers`` and read with its ``build_offline_eagle3_dataset``;
+  SpecForge 0.2.0's draft trains on only when they are exactly three layers (offline it never reads the
+  ids, -1 included; its online capture, ``resolve_eagle_capture_layers``, alone refuses negative ones):
+  refused at the first dump (exit 2, one line naming three, nothing written), else used and named; read
+  with its ``build_offline_eagle3_dataset``;
 - item 17: a damaged ``OUT/.extract-settings.json`` is one line naming the file and the fix (it was
   "internal error"), and leaves OUT as it was.
 
@@ -204,16 +205,16 @@ def specforge_resolves(ids) -> list:
 
 
 def test_specforge_without_aux_layers_refuses_layers_its_trainer_refuses(model, tmp_path):
-    """The CPU demo's dump (-1, 0, 1, 2 and N-1 = 3): every layer but N-1 is four ids with -1, which
-    SpecForge's own resolution refuses; the run stops at its first dump in one line naming three it
-    trains, and leaves no OUT. Those three, passed, give a dataset SpecForge reads and whose draft
-    config its resolution takes. A server dumping three non-negative layers and N-1: the default is
-    those three, and the run says so."""
+    """The CPU demo's dump (-1, 0, 1, 2 and N-1 = 3): every layer but N-1 is four layers, and SpecForge's
+    draft takes exactly three; the run stops at its first dump in one line naming three, and leaves no
+    OUT. Those three, passed, give a dataset SpecForge reads (and whose draft config even its online
+    resolution takes). A server dumping three layers and N-1: the default is those three, and the run
+    says so."""
     from specforge.data.preprocessing import build_offline_eagle3_dataset
 
     from eaglepatch import conventions
 
-    with pytest.raises(ValueError, match="exactly three non-negative"):
+    with pytest.raises(ValueError, match="exactly three non-negative"):  # four layers: no draft of SpecForge's
         specforge_resolves(conventions.ids_for(conventions.PLUS_ONE, [0, 1, 2, 3]))  # the old default's ids
     dumps = tmp_path / "dumps"
     dumps.mkdir()
@@ -242,6 +243,17 @@ def test_specforge_without_aux_layers_refuses_layers_its_trainer_refuses(model, 
     assert specforge_resolves(man["sglang_draft_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == \
         [0, 1, 2]
     assert len(build_offline_eagle3_dataset(str(tmp_path / "sf3"), max_len=256)) == N_CONV
+
+    # the embedding among three layers (the drafts tools/acceptance.py trains: [-1, 1, 2]) is no refusal:
+    # offline, SpecForge trains on the three states whatever their ids
+    dumps = tmp_path / "dumps-1"
+    dumps.mkdir()
+    with DumpServer(dumps, [-1, 1, 2, 3], H, N_LAYERS) as s:
+        p = extract(model, s, tmp_path / "sf-1", "--format", "specforge")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "aux layers: EAGLE-3 ids [-1, 1, 2]" in p.stderr, p.stderr[-2000:]
+    ds = build_offline_eagle3_dataset(str(tmp_path / "sf-1"), max_len=256)
+    assert len(ds) == N_CONV and ds[0]["hidden_state"].shape[-1] == 3 * H
 
 
 # ---- item 17: a damaged settings file -----------------------------------------------------------

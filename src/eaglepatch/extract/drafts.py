@@ -126,7 +126,7 @@ def options_spec(fmt: str, draft_config, aux_layers) -> DraftSpec:
     if draft_config is None and aux_layers is None:
         raise UsageError(f"--format {fmt} needs the {name} draft's layers",
                          "pass --draft-config DIR (the draft's config.json holds them) or --aux-layers=IDS (its "
-                         f"dflash_config.target_layer_ids)")
+                         "dflash_config.target_layer_ids)")
     return read_draft_config(draft_config, fmt) if draft_config is not None else spec_by_hand(fmt, aux_layers)
 
 

@@ -524,10 +524,10 @@ class Extractor:
             if want is None:
                 self.log(f"aux layers: EAGLE-3 ids {list(lay.aux)} (every dumped layer but the last, before the "
                          f"norm: --aux-layers={layers_arg(rule, lay.aux)}); pass --aux-layers= to choose others")
-            elif not specforge_trains(rule, lay.aux):
+            elif not specforge_trains(lay.aux):
                 self.log(f"warning: --aux-layers={','.join(map(str, self.o.aux_layers))} (EAGLE-3 ids "
-                         f"{list(lay.aux)}) are not three layers SpecForge 0.2.0 trains (exactly three distinct "
-                         f"non-negative draft ids): its reader loads the dataset, its trainer refuses it")
+                         f"{list(lay.aux)}) are not three layers: SpecForge 0.2.0's draft trains on exactly three; "
+                         f"its reader loads the dataset, its trainer refuses it")
         self._take_layout(lay, dump, rule)
 
     def _take_layout(self, lay: Layout, dump, rule: str) -> None:

@@ -185,20 +185,19 @@ def restart_with(rule: str, out_ids) -> str:
     return f"python3 tools/serve.py --layers={arg} ... (EAGLE3_DUMP_LAYERS={arg} when you start sglang yourself)"
 
 
-def specforge_trains(rule: str, out_ids) -> bool:
-    """Whether SpecForge 0.2.0 trains a draft on the output-of-layer ids ``out_ids``: exactly three
-    layers whose draft-config ids, as the dumping release reads them (``conventions.ids_for``: the
-    ``sglang_draft_config`` the manifest records), are distinct and non-negative (its
-    ``resolve_eagle_capture_layers``; its draft's fc layer takes exactly 3 x hidden)."""
-    ids = conventions.ids_for(rule, [k + 1 for k in out_ids]) if len(set(out_ids)) == 3 else None
-    return ids is not None and len(set(ids)) == 3 and min(ids) >= 0
+def specforge_trains(out_ids) -> bool:
+    """Whether SpecForge 0.2.0 trains an offline draft on the output-of-layer ids ``out_ids``: exactly
+    three distinct layers (its draft's fc takes exactly 3 x hidden). Offline it never reads the ids
+    (``training/assembly.py`` resolves them for online runs only), so -1 (the embedding) trains too;
+    its online capture alone refuses negative ids (tools/guard.py says so)."""
+    return len(set(out_ids)) == 3
 
 
 def specforge_pick(rule: str, candidates) -> list | None:
     """Three of ``candidates`` (output-of-layer ids) that SpecForge trains: the highest such, or None."""
     from itertools import combinations
 
-    picks = [list(c) for c in combinations(sorted(set(candidates)), 3) if specforge_trains(rule, c)]
+    picks = [list(c) for c in combinations(sorted(set(candidates)), 3) if specforge_trains(c)]
     return picks[-1] if picks else None
 
 
@@ -206,8 +205,7 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
                    rule: str = conventions.PLUS_ONE, asked=None, backend: str | None = None) -> Layout:
     """The layout for ``fmt`` from the layers the server dumps; ``aux`` (output-of-layer ids)
     defaults to every dumped layer except the last decoder layer N-1, which for ``specforge`` must be
-    three layers SpecForge 0.2.0 trains (``specforge_trains``; refused otherwise, naming three it
-    does train). ``asked``: the ``--aux-layers`` ids as typed (read by ``rule``, the server's
+    three layers (``specforge_trains``; refused otherwise, naming three it does train). ``asked``: the ``--aux-layers`` ids as typed (read by ``rule``, the server's
     reading), named in the errors; ``rule`` also writes the ``tools/serve.py --layers`` a fix
     proposes. A fix never names a layer the model lacks. ``backend``: the speculators export's
     (``Layout.backend``)."""
@@ -245,7 +243,7 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
         raise LayoutError("--format specforge needs the final (post-norm) state but the server dumps none",
                           "restart the server with python3 tools/serve.py --final 1 ... (EAGLE3_DUMP_FINAL=1 when you "
                           "start sglang yourself)")
-    if fmt == "specforge" and aux is None and not specforge_trains(rule, chosen):
+    if fmt == "specforge" and aux is None and not specforge_trains(chosen):
         pick = specforge_pick(rule, [k for k in dumped if k != last])
         ids = conventions.ids_for(rule, [k + 1 for k in chosen])
         written = f" (a draft config names them {ids} on this server's release)" if ids is not None else ""
@@ -253,7 +251,7 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
         if pick is not None:
             fix = (f"pass --aux-layers={layers_arg(rule, pick)} (three of the layers it dumps that SpecForge trains) "
                    f"or the three the draft names")
-        elif len(usual) == 3 and usual[0] >= 0 and usual[-1] < last and specforge_trains(rule, usual):
+        elif len(usual) == 3 and usual[0] >= 0 and usual[-1] < last and specforge_trains(usual):
             fix = (f"restart the server dumping three layers SpecForge trains, e.g. SGLang's default ones: "
                    f"{restart_with(rule, sorted(set(dumped) | set(usual)))}, and pass "
                    f"--aux-layers={layers_arg(rule, usual)}")
@@ -261,8 +259,8 @@ def resolve_layout(fmt: str, dump_ids: list, has_final: bool, num_layers: int, a
             fix = ("restart the server dumping three layers SpecForge trains (python3 tools/serve.py --layers=...) "
                    "and pass them as --aux-layers=")
         raise LayoutError(f"--format specforge without --aux-layers takes every dumped layer but the last "
-                          f"(EAGLE-3 id {last}): {chosen}{written}; SpecForge 0.2.0 trains exactly three distinct "
-                          f"non-negative ids, so its trainer would refuse the dataset", fix)
+                          f"(EAGLE-3 id {last}): {chosen}{written}; SpecForge 0.2.0's draft trains on exactly three "
+                          f"aux layers, so its trainer would refuse the dataset", fix)
     return Layout(fmt, tuple(chosen), last if fmt == "speculators" else None, num_layers,
                   backend if fmt == "speculators" else None)
 
