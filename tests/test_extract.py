@@ -1160,8 +1160,10 @@ def test_dump_files_spread_over_two_directories(assets, server, reference, expec
         cpuserver.start_server(server.pp, assets.ckpt, assets.tok, f"{disks[0]}{os.pathsep}{missing}", LAYERS,
                                assets.root / "two-dirs-missing.log")
     errors = [x for x in str(e.value).splitlines() if x.startswith("error: ")]
-    assert errors == [f"error: EAGLE3_DUMP_DIR={str(missing)!r} is not an existing directory; create it "
-                      f"(mkdir -p {missing}) or point EAGLE3_DUMP_DIR elsewhere"], str(e.value)
+    listed = f"{disks[0]}{os.pathsep}{missing}"
+    assert errors == [f"error: EAGLE3_DUMP_DIR={listed!r} names {str(missing)!r}, which is not an existing "
+                      f"directory (':' separates the directories of the list); create each directory of the "
+                      f"list, or point EAGLE3_DUMP_DIR elsewhere"], str(e.value)
 
 
 @in_env

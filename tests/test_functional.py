@@ -255,6 +255,27 @@ def test_h_launch_server_dump_over_http(smoke_groups):
 
 # ---- the reference check itself --------------------------------------------------------------
 
+def test_stop_check_reads_the_series_own_stop_lines_and_fails_on_a_loss():
+    """check h's verdict on a stopped server (``_engine.stop_flush``) takes the two ways the series
+    logs a clean stop (the launcher's stop call; the writer's own drain when it stopped first), and
+    refuses a log with a request not written, another count of files, or no stop line."""
+    sys.path.insert(0, str(REPO / "src" / "eaglepatch" / "smoke"))
+    from _engine import stop_flush
+
+    drained = ("[t] EAGLE3_DUMP_DIR: SIGTERM to the launching process; drained in 0.0 s: 3 written, 0 failed, "
+               "0 dropped, 0 skipped, 3 probes; nothing left unwritten\n")
+    launcher = ("[t] eagle3 dump: stopped before SIGTERM to the launching process: every request handed to the "
+                "writer is written (3 written, 0 failed, 0 dropped, 0 after_stop)\n")
+    own = "[t] eagle3 dump: the writer stopped on its own before SIGTERM to the launching process; it drains\n"
+    assert stop_flush(drained + launcher, 3) == "stopped by the launcher, every file written"
+    assert stop_flush(drained + own, 3) == "drained by the writer as it stopped on its own"
+    for wrong in [drained + launcher.replace("(3 written", "(2 written"),  # another count
+                  drained.replace("nothing left unwritten", "1 not written, named in /d/l.json") + own,  # a loss
+                  launcher.replace("0 dropped", "1 dropped"), drained,  # a drop; a drain nobody called a stop
+                  "[t] EAGLE3_DUMP_DIR: 3 written, 0 failed\n"]:  # no stop line at all
+        assert stop_flush(wrong, 3) is None, wrong
+
+
 def test_row_check_fails_on_a_wrong_layer_and_a_skipped_norm():
     """RowCheck (the comparison every check above uses) flags a state read one layer off, a
     final state without its norm and a last-layer state after the norm."""

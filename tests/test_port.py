@@ -280,3 +280,22 @@ def test_port_0_5_23_to_0_5_17_resolves_context_only_conflicts(tmp_path, release
     assert len(reviews) == 3, r.stdout
     for f in (REAL.parent / "sglang-0.5.17").iterdir():
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not [n for n in res["notes"] if "draft_readings" in n], res["notes"]  # 0.5.17 declares its own
+
+
+def test_a_port_to_a_release_without_a_series_carries_the_draft_readings_and_says_so(tmp_path, release_0523):
+    """Where the destination release has no series yet, nothing declares its DFlash/DSpark readings:
+    the port carries the old series' and says, in a note, that they are unchecked for the new
+    release (never dropped in silence, never presented as checked)."""
+    root = tmp_path / "only"
+    shutil.copytree(REAL.parent / "sglang-0.5.23", root / "sglang-0.5.23")
+    out = tmp_path / "patches" / "sglang-0.5.17"
+    r = run_tool("port", "--series", root / "sglang-0.5.23", "--to", "0.5.17", "--out", out, "--json",
+                 tmp_path / "p.json", "--date", "2026-12-01", "--series-version", "0.5.17-3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "p.json").read_text())
+    carried = json.loads((root / "sglang-0.5.23" / "manifest.json").read_text())["capture_semantics"]["draft_readings"]
+    assert json.loads((out / "manifest.json").read_text())["capture_semantics"]["draft_readings"] == carried
+    notes = [n for n in res["notes"] if "draft_readings" in n]
+    assert len(notes) == 1 and "sglang 0.5.23's, carried over unchecked" in notes[0], res["notes"]
+    assert notes[0] in r.stdout + r.stderr

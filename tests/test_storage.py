@@ -459,7 +459,7 @@ def test_extract_reads_compact_dumps_with_the_models_weights_and_refuses_a_secon
     from eaglepatch.extract import run
 
     o = run.Options(servers=["http://127.0.0.1:1"], model=models["right"], data=tmp_path / "d.jsonl",
-                    dump_dir=tmp_path, out=tmp_path / "out")
+                    dump_dir=tmp_path, out=tmp_path / "out", format="compact")  # every dumped layer kept
     cfg = {"hidden_size": H, "num_hidden_layers": N, "vocab_size": V}
     x = run.Extractor(o, log=lambda m: None)
     path, rid = written["fp8-omit"]

@@ -30,7 +30,7 @@ from .fetch import check_base, load_old_series, open_release_tree
 from .merge import Trees, apply_file, conflict_regions, merge_file, merge_patch
 from .result import CONFLICT, DROPPED, LABELS, MERGED, UPSTREAM, HunkPort, PatchPort, PortResult
 from .review import conflict_report, hunk_table, review
-from .semantics import DEEPSEEK, detect_capture_semantics, record_semantics, series_semantics
+from .semantics import DEEPSEEK, declared_semantics, detect_capture_semantics, record_semantics, series_semantics
 from .stamp import new_file_content, stamp
 from .write import export_ported, write_json, write_series
 
@@ -75,7 +75,8 @@ def port_series(old: Series, old_read, new_read, from_release: str, to_release: 
         res.patches.append(outcome)
         if outcome.status == "ported":
             kept.append((patch, dict(trees.new_state)))
-    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees, up_new)
+    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees, up_new,
+                     declared_semantics(old, to_release))
     if not res.clean:
         return res
     if not kept:

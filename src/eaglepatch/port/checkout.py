@@ -40,7 +40,7 @@ from .drop import drop_by_drop_when, patch_outcome
 from .fetch import check_base
 from .merge import Trees, apply_file, merge_patch
 from .result import CONFLICT, LABELS, PortResult
-from .semantics import DEEPSEEK, detect_capture_semantics, record_semantics
+from .semantics import DEEPSEEK, declared_semantics, detect_capture_semantics, record_semantics
 from .write import ported_header
 
 MARKERS = (b"<<<<<<< " + LABELS[0].encode(), b"||||||| " + LABELS[1].encode(), b">>>>>>> " + LABELS[2].encode())
@@ -309,7 +309,8 @@ def _advance(root: Path, st: dict, old: Series, old_read, say, shown: Path) -> S
         st["next"] = i + 1
         portstate.save(root, st)
     trees.new(DEEPSEEK)  # the ported file as committed, for the semantics of the new series
-    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees, up_new)
+    record_semantics(res, (old.manifest or {}).get("capture_semantics"), old_read, trees, up_new,
+                     declared_semantics(old, to_rel))
     st.update(done=True, capture_semantics=res.semantics, notes=res.notes)
     portstate.save(root, st)
     for n in res.notes:

@@ -78,7 +78,8 @@ def detect_capture_semantics(deepseek_source: bytes | None) -> dict:
     return {"eagle_id_to_capture_index": mapping, "capture_site": site}
 
 
-def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None) -> dict:
+def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None,
+                     draft_readings: dict | None = None) -> dict:
     """capture_semantics of a ported series: the patched mapping (what users get), the mapping of
     the unpatched release, where capture happens, and capture index -> HF index (identity: both
     count the residual stream entering layer i, index 0 = embedding output)."""
@@ -89,13 +90,42 @@ def series_semantics(upstream: dict, patched: dict, old_semantics: dict | None) 
     mapping = patched.get("eagle_id_to_capture_index")
     if mapping == "eagle3_capture":  # the package reads ids as upstream does, plus -1 and index N
         mapping = SERIES_RULE.get(up_mapping, "unknown")
-    return {"eagle_id_to_capture_index": mapping or "unknown",
-            "capture_index_to_hf_index": old.get("capture_index_to_hf_index", "identity"),
-            "upstream_eagle_id_to_capture_index": up_mapping,
-            "capture_site": upstream.get("capture_site", "unknown")}
+    out = {"eagle_id_to_capture_index": mapping or "unknown",
+           "capture_index_to_hf_index": old.get("capture_index_to_hf_index", "identity"),
+           "upstream_eagle_id_to_capture_index": up_mapping,
+           "capture_site": upstream.get("capture_site", "unknown")}
+    if draft_readings is not None:
+        out["draft_readings"] = draft_readings
+    return out
 
 
-def record_semantics(res: PortResult, old_semantics: dict | None, old_read, trees, up_new: dict) -> None:
+def declared_semantics(old, to_release: str) -> dict | None:
+    """The capture_semantics the destination release's series beside ``old`` (same patches root)
+    declares, or None where that release has no series yet."""
+    from ..conventions import capture_semantics
+
+    return capture_semantics(to_release, old.dir.parent) or None
+
+
+def draft_readings_for(res: PortResult, old_semantics: dict | None, declared: dict | None) -> dict | None:
+    """The DFlash/DSpark readings the ported series declares: the destination release's own
+    declaration where its series already exists (``declared``: checked against that release's code
+    by the tests), else the old series' carried over with a note that they are unchecked for the
+    new release. None where neither series declares any."""
+    if declared is not None and "draft_readings" in declared:
+        return declared["draft_readings"]
+    carried = (old_semantics or {}).get("draft_readings")
+    if carried:
+        res.notes.append(
+            f"the DFlash/DSpark readings (manifest.json capture_semantics.draft_readings) are sglang "
+            f"{res.from_release}'s, carried over unchecked: compare each (family, model file) with sglang "
+            f"{res.to_release}'s setters and capture sites (tests/test_id_conventions.py) and edit the manifest "
+            f"where they differ")
+    return carried
+
+
+def record_semantics(res: PortResult, old_semantics: dict | None, old_read, trees, up_new: dict,
+                     declared: dict | None = None) -> None:
     """Fill res.upstream_semantics / res.semantics and add a note where upstream changed them
     (`up_new`: what detect_capture_semantics found in the new release's own DEEPSEEK file)."""
     from_release, to_release = res.from_release, res.to_release
@@ -105,7 +135,8 @@ def record_semantics(res: PortResult, old_semantics: dict | None, old_read, tree
         patched_new = detect_capture_semantics(trees.new_state.get(DEEPSEEK, trees.new_upstream.get(DEEPSEEK)))
     else:
         patched_new = {"eagle_id_to_capture_index": "unknown"}
-    res.semantics = series_semantics(up_new, patched_new, old_semantics)
+    res.semantics = series_semantics(up_new, patched_new, old_semantics,
+                                     draft_readings_for(res, old_semantics, declared))
     if up_old.get("eagle_id_to_capture_index") != up_new.get("eagle_id_to_capture_index"):
         mine = (f"the ported series maps them '{res.semantics['eagle_id_to_capture_index']}' (recorded in "
                 f"manifest.json capture_semantics)" if res.clean else

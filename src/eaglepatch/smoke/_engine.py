@@ -236,14 +236,20 @@ def _wait_http(url: str, proc, timeout: float) -> bool:
 
 
 def stop_flush(log_text: str, written: int):
-    """How a stopped server's log shows its dump was written out: the launcher's flush before
-    SGLang killed the tree, or (releases whose SIGTERM asks the scheduler to exit first) the
-    writer's own drain at its exit; None when neither."""
-    if "eagle3 dump flushed before the server stopped" in log_text:
-        return "flushed by the launcher"
-    if "the writer had stopped before the server stopped" in log_text and (
-            "EAGLE3_DUMP_DIR: %d written" % written in log_text or ": %d written, 0 failed" % written in log_text):
-        return "written by the scheduler as it exited"
+    """How a stopped server's log shows its dump was written out: the launcher's stop call (the
+    writer drained before SGLang killed the tree), or (a writer that stopped on its own first,
+    e.g. the scheduler exiting on the signal) the writer's own drain; None when neither, or when
+    either names a request not written or another count of files."""
+    import re
+
+    launcher = re.search(r"eagle3 dump: stopped before [^:]*: every request handed to the writer is written "
+                         r"\((\d+) written, 0 failed, 0 dropped", log_text)
+    if launcher and int(launcher.group(1)) == written:
+        return "stopped by the launcher, every file written"
+    drained = re.search(r"EAGLE3_DUMP_DIR: [^;]*; drained in [\d.]+ s: (\d+) written, 0 failed, 0 dropped[^\n]*"
+                        r"; nothing left unwritten", log_text)
+    if drained and int(drained.group(1)) == written and "the writer stopped on its own before" in log_text:
+        return "drained by the writer as it stopped on its own"
     return None
 
 

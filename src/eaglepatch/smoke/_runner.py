@@ -261,16 +261,17 @@ def check_e(ckpt: Path, work: Path) -> None:
                 result("e. not on sglang %s: %s" % (SERIES_RELEASE, label), ok, "absent" if ok else "facts wrong",
                        "ServerArgs lacks %s; RELEASE_FACTS declares absent %s" % (missing, declared))
                 continue
-            if not refuses and "speculative_algorithm" in st:  # a draft this release does not have
+            if "speculative_algorithm" in st:
                 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
                 algo = st["speculative_algorithm"]
-                ok = not hasattr(SpeculativeAlgorithm, algo)
-                result("e. no such draft on sglang %s: %s" % (SERIES_RELEASE, label), ok,
-                       "absent" if ok else "facts wrong",
-                       "SpeculativeAlgorithm %s %s; RELEASE_FACTS lists no refusal for it"
-                       % ("lacks" if ok else "has", algo))
-                continue
+                if not hasattr(SpeculativeAlgorithm, algo):  # a draft this release does not have
+                    ok = not facts["draft_setters"]  # and whose setter the facts must not name
+                    result("e. no such draft on sglang %s: %s" % (SERIES_RELEASE, label), ok,
+                           "absent" if ok else "facts wrong",
+                           "SpeculativeAlgorithm lacks %s; RELEASE_FACTS names draft setters %s"
+                           % (algo, list(facts["draft_setters"])))
+                    continue
             sa, how = _exercise(ckpt, st, effect[0] if effect else None)
             if sa is None:
                 result(name, False, "not exercised", "cannot launch with %s on this release: %s" % (st, how))
