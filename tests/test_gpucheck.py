@@ -19,7 +19,7 @@ from conftest import REAL, REPO, one_line_error, run_tool
 from eaglepatch import cpuenv
 from eaglepatch.fetch import unpacked_release
 from eaglepatch.gpucheck import criterion, models, records as R, reference
-from eaglepatch.gpucheck.check import SPY, Options, _engine_kwargs
+from eaglepatch.gpucheck.check import SPY, Options, _dflash_engine, _engine_kwargs
 from eaglepatch.gpucheck.static import check_tree
 
 TOL = criterion.TOL
@@ -366,8 +366,13 @@ def test_gpucheck_hooks_and_engine_arguments_exist_in_sglang_0517():
     the GPU check runs (and the 0.5.9 hooks the CPU tests use)."""
     opts = Options(out=Path("x"), work=Path("w"))
     kw = dict(_engine_kwargs(opts, Path("m"), Path("d"), tp=2), load_format="dummy")
-    assert check_tree(unpacked_release("0.5.17", quiet=True), kw, probe=True, deferral=True) == []
+    dflash = _dflash_engine(opts, Path("m"), Path("d"))  # check h's engine: SGLang's own DFLASH worker
+    assert check_tree(unpacked_release("0.5.17", quiet=True), dict(kw, **dflash), probe=True, deferral=True,
+                      dflash=True) == []
     assert check_tree(unpacked_release("0.5.9", quiet=True), None, probe=True, deferral=True) == []
+    # 0.5.9 has no DFlash: check h is refused there, by name, before any engine starts
+    problems = check_tree(unpacked_release("0.5.9", quiet=True), dflash, dflash=True)
+    assert any("DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc" in p for p in problems), problems
 
 
 def test_gpucheck_cli_errors_are_one_line(tmp_path):

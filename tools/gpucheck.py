@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
-    ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on)")
+    ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on; h: a DFlash draft on SGLang's own DFLASH worker, patched (dump off and on) vs unpatched, bit for bit)")
     ap.add_argument("--g-modes", default="off,on,http",
                     help="check g's engines, comma-separated: off (overlap scheduler off), on (overlap on), "
                          "http (overlap on, launch_server over HTTP), fp8 (overlap on, the compact dump: fp8, "

@@ -52,8 +52,8 @@ from . import models
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1]
 SPY = HERE / "spy"
-CHECKS = "abcdefg"
-TP1_CHECKS = "abcefg"
+CHECKS = "abcdefgh"
+TP1_CHECKS = "abcefgh"
 # Environment the lent machines set (NVLink multicast off); kept for every process the check starts.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STAGE_MAX_S = 420
@@ -147,7 +147,7 @@ def preflight(opts: Options) -> dict:
     if opts.series is not None and not (Path(opts.series) / "series").is_file():
         raise UsageError("%s is not a series directory (no 'series' file)" % opts.series,
                          "pass --series patches/sglang-<release>")
-    for c in "ef":
+    for c in "efh":
         if c in opts.checks and opts.unpatched_parent is None and opts.site is None:
             raise UsageError("check %s needs the unpatched sglang" % c, "pass --site or --unpatched-parent")
     props = torch.cuda.get_device_properties(0)
@@ -338,16 +338,18 @@ B_NAME = "b. draft inputs in prefill and graph-replayed verify == reference for 
 C_NAME = "c. dump: one file per request, layers [-1,1,2,N-1] and final == reference"
 
 
-def spy_engine(state, name, ck, draft, sglang_pp, prompts) -> tuple[dict, list]:
-    """One EAGLE-3 engine (dump off) with the spy on: (worker result, the spy's records)."""
+def spy_engine(state, name, ck, draft, sglang_pp, prompts, engine=None, dump=None) -> tuple[dict, list]:
+    """One EAGLE-3 engine (dump off) with the spy on: (worker result, the spy's records).
+    ``engine``: the engine's arguments instead (another draft); ``dump``: the dump's settings."""
     from . import records as R
 
     opts = state.opts
     spy_dir = Path(opts.work) / "spy" / name
     shutil.rmtree(spy_dir, ignore_errors=True)
     spy_dir.mkdir(parents=True)
-    spec = {"engine": _engine_kwargs(opts, ck, draft), "runs": _runs(prompts, opts.new_tokens)}
-    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir}))
+    spec = {"engine": engine or _engine_kwargs(opts, ck, draft), "runs": _runs(prompts, opts.new_tokens)}
+    res = run_worker(state, name, spec, worker_env(sglang_pp, opts.site, spy={"EAGLEPATCH_SPY_DIR": spy_dir},
+                                                   dump=dump))
     if not res.get("ok"):
         return res, []
     state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
@@ -537,6 +539,86 @@ def check_f(state, ck, sglang_pp, prompts, refs):
         _add(state, d)
 
 
+H_NAMES = {
+    "H-unpatched": "h. DFlash draft ids %s, unpatched: prefill rows == reference outputs of layers %s",
+    "H-patched": "h. DFlash draft ids %s, patched, dump off: prefill rows == reference outputs of layers %s",
+    "H-patched-dump": "h. DFlash draft ids %s, patched, dump on: prefill rows == reference outputs of layers %s",
+}
+H_SAME = ("h. DFlash draft ids %s: patched (dump off and on) and unpatched feed the draft the same states bit for "
+          "bit (every prefill and verify write into its KV cache) and give the same tokens")
+
+
+def _dflash_engine(opts, ck: Path, draft: Path) -> dict:
+    """SGLang's own DFLASH worker on the check model (dummy draft weights, Triton attention)."""
+    return dict(BASE_ENGINE, model_path=str(ck), speculative_algorithm="DFLASH",
+                speculative_draft_model_path=str(draft), speculative_draft_load_format="dummy",
+                speculative_num_draft_tokens=models.DFLASH_BLOCK, speculative_draft_attention_backend="triton")
+
+
+def _draft_writes(recs) -> list:
+    """What the DFlash draft was handed, in order: (rows, commit lengths) of every write."""
+    return [(r["hidden"], r.get("commit_lens")) for r in recs
+            if r["kind"] == "draft" and r.get("path", "").startswith("DFlashWorkerV2")]
+
+
+def check_h(state, ck, sglang_pp, prompts, refs):
+    """A DFlash draft served by the release's own DFLASH worker (issue 44 item 4): what the target
+    hands it on the unpatched tree, on the patched tree with the dump off and with it on; the prefill
+    rows against the reference (the DFlash reading: id k is the output of layer k), and every state
+    the worker writes into the draft's KV cache, patched against unpatched, bit for bit."""
+    from . import records as R
+    from .reference import write_config_only
+
+    opts = state.opts
+    ids = models.DFLASH_IDS
+    unpatched = Path(opts.unpatched_parent or opts.site).resolve()
+    draft = write_config_only(Path(opts.work) / "models" / "draft-h-dflash",
+                              models.dflash_draft_config(models.CHECK_MODEL, ids))
+    small = {"small": prompts["small"]}
+    ps, rs = prompts["small"], refs["small"]
+    dump_dir = Path(opts.work) / "dump" / "H-patched-dump"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump_dir.mkdir(parents=True)
+    dump = {"EAGLE3_DUMP_DIR": dump_dir, "EAGLE3_DUMP_LAYERS": "-1,1,%d" % (models.CHECK_MODEL["num_hidden_layers"] - 1),
+            "EAGLE3_DUMP_FINAL": "1"}
+    seen = {}
+    for name, pp, dmp in (("H-unpatched", unpatched, None), ("H-patched", sglang_pp, None),
+                          ("H-patched-dump", sglang_pp, dump)):
+        label = H_NAMES[name] % (ids, ids)
+        res, recs = spy_engine(state, name, ck, draft, pp, small, engine=_dflash_engine(opts, ck, draft), dump=dmp)
+        if not res.get("ok"):
+            _failed_stage(state, [label], res)
+            continue
+        v = R.check_capture(label, recs, ps, rs, ids)
+        # the same rows read the EAGLE-3 / "layer input" way (id k: the input of layer k) must fail
+        shifted = [k - 1 for k in ids]
+        wrong = R.check_capture(label, recs, ps, rs, shifted)
+        writes = _draft_writes(recs)
+        d = v.as_dict()
+        d["passed"] = d["passed"] and bool(writes) and not wrong.passed
+        d["figure"] = "%s; the shifted reading (layers %s) fails: %s, %s; %d writes into the draft's KV cache" % (
+            d["figure"], shifted, not wrong.passed, wrong.figure, len(writes))
+        if dmp is not None:
+            files = sorted(dump_dir.glob("*.safetensors"))
+            d["passed"] = d["passed"] and len(files) == len(ps)
+            d["figure"] += "; %d dump files for %d requests" % (len(files), len(ps))
+        _add(state, d)
+        seen[name] = (writes, res["runs"][0]["output_ids"])
+    if len(seen) == 3:
+        base, base_out = seen["H-unpatched"]
+        parts, ok = [], True
+        for name in ("H-patched", "H-patched-dump"):
+            got, out = seen[name]
+            same = len(got) == len(base) and all(
+                a.shape == b.shape and bool((a == b).all()) and (ca is None) == (cb is None)
+                and (ca is None or bool((ca == cb).all())) for (a, ca), (b, cb) in zip(got, base))
+            ok = ok and same and out == base_out
+            parts.append("%s: %d writes, bit for bit %s, tokens equal %s" % (name, len(got), same, out == base_out))
+        _add(state, {"name": H_SAME % (ids,), "passed": ok and bool(base), "figure": "; ".join(parts),
+                     "detail": "unpatched: %d writes, %d tokens generated" % (len(base), sum(map(len, base_out))),
+                     "comparisons": [], "facts": {}})
+
+
 G_CHUNK = 256  # --chunked-prefill-size of check g: most prompts of both batches span several chunks
 G_NEW_TOKENS = 8
 # the compact dump's settings (check e's fp8 engine, check g's fp8 mode)
@@ -723,7 +805,9 @@ def static_problems(opts: Options, sglang_pp: Path) -> list:
     from .static import check_tree
 
     kw = dict(_engine_kwargs(opts, Path("model"), Path("draft"), tp=2), load_format="dummy")
-    return check_tree(sglang_pp, kw, probe="d" in opts.checks, deferral="d" in opts.checks)
+    if "h" in opts.checks:
+        kw.update(_dflash_engine(opts, Path("model"), Path("draft")))
+    return check_tree(sglang_pp, kw, probe="d" in opts.checks, deferral="d" in opts.checks, dflash="h" in opts.checks)
 
 
 # ---- entry --------------------------------------------------------------------------------
@@ -752,7 +836,7 @@ def run_check(opts: Options) -> dict:
     if problems:
         raise RefusedError("the sglang under test lacks what the check needs: " + "; ".join(problems),
                            "run the check on the release it was written for (0.5.17) or update eaglepatch.gpucheck.spy")
-    if set(opts.checks) & set("abcdg"):
+    if set(opts.checks) & set("abcdfgh"):
         from .reference import build_checkpoint, write_config_only
 
         mroot = Path(opts.work) / "models"
@@ -772,6 +856,8 @@ def run_check(opts: Options) -> dict:
             check_f(state, ck, sglang_pp, prompts, refs)
         if "g" in opts.checks:
             check_g(state, ck, sglang_pp, prompts, refs)
+        if "h" in opts.checks and not opts.cpu:
+            check_h(state, ck, sglang_pp, prompts, refs)
     if "e" in opts.checks:
         check_e(state, sglang_pp)
     write_results(state)

@@ -103,6 +103,40 @@ def draft_config(target: dict, layer_ids=EAGLE_IDS) -> dict:
     }
 
 
+# The DFlash draft of check h: ids [0, 2] of the 4-layer check model, which every reading tells
+# apart (DFlash: the outputs of layers 0 and 2, reference layer.0 and layer.2; the EAGLE-3 or
+# "layer input" reading would give layer.-1 and layer.1).
+DFLASH_IDS = [0, 2]
+DFLASH_BLOCK = 4
+
+
+def dflash_draft_config(target: dict, layer_ids=DFLASH_IDS, block_size: int = DFLASH_BLOCK) -> dict:
+    """A DFlash draft (DFlashDraftModel, the field names sglang's parse_dflash_draft_config reads)
+    for ``target``, reading ``layer_ids``; the GPU check loads it with dummy (random) weights."""
+    heads = 8
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": 2 * target["hidden_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": target["hidden_size"] // heads,
+        "vocab_size": target["vocab_size"],
+        "max_position_embeddings": target["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "block_size": block_size,
+        "dflash_config": {"target_layer_ids": list(layer_ids), "block_size": block_size,
+                          "mask_token_id": target["vocab_size"] - 1,
+                          "num_target_layers": target["num_hidden_layers"]},
+    }
+
+
 def checkpoint_key(config: dict = CHECK_MODEL) -> str:
     blob = json.dumps({"config": config, "shaping": SHAPING, "seed": SEED, "builder": BUILDER_VERSION},
                       sort_keys=True)

@@ -43,8 +43,15 @@ def server_args_fields(pp: Path) -> set:
     return _fields(cls) if cls is not None else set()
 
 
-def check_tree(pp: Path, engine_kwargs: dict | None = None, probe: bool = False, deferral: bool = False) -> list[str]:
+def check_tree(pp: Path, engine_kwargs: dict | None = None, probe: bool = False, deferral: bool = False,
+               dflash: bool = False) -> list[str]:
     problems = []
+    if dflash:  # check h: the DFlash worker's write of target states into its draft's KV cache
+        dw = _classes(_tree(pp, "speculative/dflash_worker_v2.py")).get("DFlashWorkerV2")
+        f = _method(dw, "_append_target_hidden_to_draft_kv_by_loc") if dw is not None else None
+        if f is None or "target_hidden" not in {a.arg for a in f.args.args + f.args.kwonlyargs}:
+            problems.append("speculative/dflash_worker_v2.py has no DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc"
+                            "(target_hidden, ...): what a DFlash draft is handed is unseen (check h)")
     mr = _classes(_tree(pp, "model_executor/model_runner.py"))
     if "ModelRunner" not in mr or _method(mr["ModelRunner"], "forward") is None:
         problems.append("model_executor/model_runner.py has no ModelRunner.forward (the spy's main hook)")

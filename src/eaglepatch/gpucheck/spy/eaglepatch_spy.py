@@ -210,6 +210,32 @@ def hook_draft_extend_graph(mod) -> None:
     note(("installed " + ", ".join(done)) if done else "FAILED draft-extend graph runner: no execute/replay method")
 
 
+def hook_dflash_worker(mod) -> None:
+    """A ``draft`` record of every target state the DFlash worker writes into its draft's KV
+    cache (``_append_target_hidden_to_draft_kv_by_loc``: what the draft reads, prefill and verify)."""
+    cls = getattr(mod, "DFlashWorkerV2", None)
+    orig = vars(cls).get("_append_target_hidden_to_draft_kv_by_loc") if cls is not None else None
+    if orig is None:
+        note("FAILED DFlash worker: no DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc")
+        return
+
+    class _Batch:  # what save() reads of a forward batch
+        forward_mode = "DFLASH_APPEND"
+
+    def wrapped(self, *args, **kwargs):
+        hidden = kwargs.get("target_hidden", args[0] if args else None)
+        if hidden is not None and not _capturing():
+            fb = _Batch()
+            fb.positions = kwargs.get("positions")
+            commit = kwargs.get("commit_lens")
+            save("draft", fb, hidden, {"graph": None, "path": "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc",
+                                       "commit_lens": _cpu(commit)})
+        return orig(self, *args, **kwargs)
+
+    cls._append_target_hidden_to_draft_kv_by_loc = wrapped
+    note("installed DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc")
+
+
 def hook_communicator(mod) -> None:
     cls = mod.LayerCommunicator
     orig = cls.should_fuse_mlp_allreduce_with_next_layer
@@ -268,6 +294,7 @@ def install() -> None:
         sys.meta_path.insert(0, _FINDER)
     when_imported("sglang.srt.model_executor.model_runner", hook_model_runner)
     when_imported("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner", hook_draft_extend_graph)
+    when_imported("sglang.srt.speculative.dflash_worker_v2", hook_dflash_worker)
     if DEFER:
         when_imported("sglang.srt.layers.communicator", hook_communicator)
     if PROBE:
