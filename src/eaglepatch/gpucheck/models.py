@@ -78,13 +78,9 @@ THROUGHPUT_MODEL = dict(
 )
 
 
-def draft_config(target: dict, layer_ids=EAGLE_IDS) -> dict:
-    """An EAGLE-3 draft (LlamaForCausalLMEagle3) for ``target``, reading ``layer_ids``; the GPU
-    check loads it with dummy (random) weights."""
-    heads = 8
+def _one_layer_draft(target: dict, heads: int = 8) -> dict:
+    """The fields a one-layer draft of ``target`` shares between the EAGLE-3 and DFlash configs."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
         "hidden_size": target["hidden_size"],
         "intermediate_size": 2 * target["hidden_size"],
         "num_hidden_layers": 1,
@@ -92,15 +88,21 @@ def draft_config(target: dict, layer_ids=EAGLE_IDS) -> dict:
         "num_key_value_heads": heads,
         "head_dim": target["hidden_size"] // heads,
         "vocab_size": target["vocab_size"],
-        "draft_vocab_size": target["vocab_size"],
         "max_position_embeddings": target["max_position_embeddings"],
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
     }
+
+
+def draft_config(target: dict, layer_ids=EAGLE_IDS) -> dict:
+    """An EAGLE-3 draft (LlamaForCausalLMEagle3) for ``target``, reading ``layer_ids``; the GPU
+    check loads it with dummy (random) weights."""
+    return dict(_one_layer_draft(target), architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                draft_vocab_size=target["vocab_size"],
+                eagle_config={"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True})
 
 
 # The DFlash draft of check h: ids [0, 2] of the 4-layer check model, which every reading tells
@@ -113,28 +115,11 @@ DFLASH_BLOCK = 4
 def dflash_draft_config(target: dict, layer_ids=DFLASH_IDS, block_size: int = DFLASH_BLOCK) -> dict:
     """A DFlash draft (DFlashDraftModel, the field names sglang's parse_dflash_draft_config reads)
     for ``target``, reading ``layer_ids``; the GPU check loads it with dummy (random) weights."""
-    heads = 8
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": target["hidden_size"],
-        "intermediate_size": 2 * target["hidden_size"],
-        "num_hidden_layers": 1,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "head_dim": target["hidden_size"] // heads,
-        "vocab_size": target["vocab_size"],
-        "max_position_embeddings": target["max_position_embeddings"],
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "block_size": block_size,
-        "dflash_config": {"target_layer_ids": list(layer_ids), "block_size": block_size,
-                          "mask_token_id": target["vocab_size"] - 1,
-                          "num_target_layers": target["num_hidden_layers"]},
-    }
+    return dict(_one_layer_draft(target), architectures=["DFlashDraftModel"], model_type="qwen3",
+                block_size=block_size,
+                dflash_config={"target_layer_ids": list(layer_ids), "block_size": block_size,
+                               "mask_token_id": target["vocab_size"] - 1,
+                               "num_target_layers": target["num_hidden_layers"]})
 
 
 def checkpoint_key(config: dict = CHECK_MODEL) -> str:
