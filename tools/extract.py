@@ -5,12 +5,19 @@
       --dump-dir DIR --out OUT [--format specforge|speculators|compact] [--aux-layers=-1,1,29] [--max-len 2048]
       [--hidden-states-backend file|fp8]
   python tools/extract.py ... --format dflash|dspark --draft-config DRAFT_DIR   (or --aux-layers=IDS)
+  python tools/extract.py --server URL --model MODEL_DIR --data conv.jsonl --out OUT \
+      --mooncake-master HOST:PORT --mooncake-metadata http://HOST:PORT/metadata   (servers with the Mooncake sink)
 
 --server is one patched SGLang server, SGLang's router in front of several, or several servers
 (repeat --server, or a comma list): requests go round robin, a failed server is put aside for a
 while and its requests are sent to the others. Every server must run the patched sglang with the
 dump on (python3 tools/serve.py --model-path MODEL --dump-dir DIR, which sets EAGLE3_DUMP_DIR=DIR; one
-directory shared by all of them; DIR as this machine sees it is --dump-dir). --format speculators
+directory shared by all of them; DIR as this machine sees it is --dump-dir). Servers started with the
+Mooncake sink (serve.py --sink mooncake: EAGLE3_DUMP_SINK=mooncake) put each request's states into a
+Mooncake Store instead: --mooncake-master and --mooncake-metadata (the servers' EAGLE3_DUMP_MOONCAKE_MASTER
+and _METADATA) read each answer's object, named by its meta_info["eagle3_dump"], with the same checks
+and the same dataset as a file, and delete it once read (--dump-dir is not needed; docs/online.md).
+--format speculators
 also needs the last decoder layer N-1 in the server's --layers (EAGLE3_DUMP_LAYERS: its output before
 the final norm is speculators' last slot). --format compact keeps every dumped state as the server
 stored it (EAGLE3_DUMP_DTYPE=fp8, EAGLE3_DUMP_REBUILDABLE=omit) and is read with
@@ -64,8 +71,20 @@ def main(argv=None) -> int:
                          "the server leaves rebuildable states out, EAGLE3_DUMP_REBUILDABLE=omit)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --model)")
     ap.add_argument("--data", required=True, type=Path, help="JSONL conversations (OpenAI messages or ShareGPT)")
-    ap.add_argument("--dump-dir", required=True, type=Path, help="the servers' EAGLE3_DUMP_DIR as seen from here: one shared directory, or "
-                    "the several it names (A:B, one per disk, in its order)")
+    ap.add_argument("--dump-dir", type=Path, help="the servers' EAGLE3_DUMP_DIR as seen from here: one shared directory, or "
+                    "the several it names (A:B, one per disk, in its order); required unless --mooncake-master "
+                    "(then not used: the states come from the store)")
+    ap.add_argument("--mooncake-master", metavar="HOST:PORT",
+                    help="read each request's states from the Mooncake Store of the servers' Mooncake sink instead "
+                         "of dump files: its mooncake_master (their EAGLE3_DUMP_MOONCAKE_MASTER); needs "
+                         "--mooncake-metadata and the mooncake package in this Python (pip install "
+                         "mooncake-transfer-engine-non-cuda, or the CUDA builds). Each answer's handle "
+                         "(meta_info[\"eagle3_dump\"]) names its object, read within --dump-timeout, checked as a "
+                         "file is, deleted once read (kept with --keep-dumps); objects of failed samples are deleted "
+                         "too, those of a killed run stay until the server's EAGLE3_DUMP_MOONCAKE_TTL_S")
+    ap.add_argument("--mooncake-metadata", metavar="URL",
+                    help="with --mooncake-master: the master's HTTP metadata server, http://HOST:PORT/metadata "
+                         "(the servers' EAGLE3_DUMP_MOONCAKE_METADATA)")
     ap.add_argument("--out", required=True, type=Path, help="dataset directory (created; reused to resume)")
     ap.add_argument("--format", choices=["specforge", "speculators", "compact", "dflash", "dspark"],
                     default="specforge",
@@ -90,7 +109,8 @@ def main(argv=None) -> int:
                     help="requests in flight, over all servers (give each replica several)")
     ap.add_argument("--dump-timeout", type=float, default=60.0,
                     help="seconds a server may take to flush its dumps to disk (POST /eagle3_dump/flush, sent when "
-                         "a request's file is not there once it answered)")
+                         "a request's file is not there once it answered); with --mooncake-master, to put a "
+                         "request's object into the store after it answered")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for /generate")
     ap.add_argument("--retries", type=int, default=5, help="retries of transient HTTP failures per request")
     ap.add_argument("--max-attempts", type=int, default=3, help="attempts per sample (bad or missing dumps)")
@@ -103,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mask", choices=["auto", "generation", "offsets"], default="auto",
                     help="assistant-mask method (auto: {%% generation %%} blocks when the template has them)")
     ap.add_argument("--keep-dumps", action="store_true", help="keep the server's dump files after use (those of requests no sample used are "
-                         "listed, not removed)")
+                         "listed, not removed); with --mooncake-master, leave the objects in the store")
     ap.add_argument("--limit", type=int, help="extract only the first N conversations (samples done earlier stay)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -114,7 +134,9 @@ def main(argv=None) -> int:
 
     def body() -> int:
         from eaglepatch.extract import install_fix, missing_modules
+        from eaglepatch.extract.inputs import check_store_flags
 
+        check_store_flags(a.mooncake_master, a.mooncake_metadata, a.dump_dir)  # before the packages are looked for
         missing = missing_modules(a.format)
         if missing:  # before anything is read, sent or written
             raise UsageError(f"extract.py --format {a.format} needs the Python package(s) {', '.join(missing)}, "
@@ -129,7 +151,8 @@ def main(argv=None) -> int:
                        aux_layers=a.aux_layers, draft_config=a.draft_config,
                        hidden_states_backend=a.hidden_states_backend,
                        trust_remote_code=a.trust_remote_code, progress=False if a.no_progress else None,
-                       log_every=a.log_every)
+                       log_every=a.log_every, mooncake_master=a.mooncake_master,
+                       mooncake_metadata=a.mooncake_metadata)
         return extract(opts)
 
     def guarded() -> int:

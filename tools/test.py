@@ -93,7 +93,8 @@ def build(paths: list[str]) -> Path:
             with tempfile.TemporaryDirectory(prefix="eaglepatch-checkpoints-") as work:
                 ensure_checkpoints(py, Path(work), req, stubs_for(req, Path(work)))
     py = cpuenv.ensure_env()
-    if not paths or any("test_mooncake" in p for p in paths):  # the store's package beside the test env
+    if not paths or any("mooncake" in Path(p).name for p in paths):  # the store's package beside the test env
+        # (test_mooncake*, test_serve_mooncake, test_extract_mooncake)
         from eaglepatch import mooncake
 
         print("[test.py] mooncake: " + str(mooncake.ensure_site(py)), file=sys.stderr, flush=True)

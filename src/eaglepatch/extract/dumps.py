@@ -395,7 +395,6 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     dequantised, its left-out states rebuilt with ``rebuilder`` (an ``eaglepatch.storage.Rebuilder``
     of the served model's directory: needed only when the file leaves something out; its problems
     raise UsageError). Every value is checked finite after that."""
-    import torch
     from safetensors import safe_open
 
     path = Path(path)
@@ -408,6 +407,17 @@ def load_dump(path: Path, sent_ids, hidden_size: int | None = None, need_final: 
     except Exception as exc:
         raise BadDump(f"{path.name}: truncated or corrupt safetensors file ({type(exc).__name__}: "
                       f"{str(exc)[:120]})") from None
+    return request_dump(path, meta, tensors, sent_ids, hidden_size, need_final, key, rid, rebuilder)
+
+
+def request_dump(path: Path, meta: dict, tensors: dict, sent_ids, hidden_size: int | None = None,
+                 need_final: bool = True, key: str | None = None, rid: str | None = None, rebuilder=None) -> Dump:
+    """``load_dump``'s checks of a dump against the request it answers, then ``decode``, on metadata
+    and tensors however they were read: from a file, or from a Mooncake Store object
+    (``eaglepatch.mooncake.StoreReader.tensors``; ``path`` then names the object in messages)."""
+    import torch
+
+    path = Path(path)
     _check_header(path, meta)
     sent = [int(t) for t in sent_ids]
     if rid is not None:

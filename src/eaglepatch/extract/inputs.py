@@ -27,7 +27,7 @@ class Options:
     servers: list  # SGLang server or router URLs; requests are spread over them (``client``)
     model: Path
     data: Path
-    dump_dir: Path
+    dump_dir: Path | None  # the servers' EAGLE3_DUMP_DIR; not used (None allowed) with the Mooncake Store
     out: Path
     format: str = "specforge"
     tokenizer: Path | None = None
@@ -47,6 +47,10 @@ class Options:
     trust_remote_code: bool = False
     progress: bool | None = None  # None: only on a terminal
     log_every: float = 30.0  # without the bar: a progress line (samples, tokens/s, seconds per stage) this often
+    # the Mooncake Store the servers' sink puts each request's states in (both or neither): read each answer's
+    # object (its handle, meta_info["eagle3_dump"]) instead of a dump file
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
 
 
 @dataclass
@@ -106,6 +110,31 @@ def url_problem(url: str) -> str:
     return ""
 
 
+def check_store_flags(master, metadata, dump_dir) -> None:
+    """The Mooncake flags go together, and without them --dump-dir is required (UsageError)."""
+    if (master is None) != (metadata is None):
+        given, missing = ("--mooncake-master", "--mooncake-metadata") if metadata is None else \
+            ("--mooncake-metadata", "--mooncake-master")
+        raise UsageError(f"{given} without {missing}: the two name one Mooncake Store",
+                         "pass both --mooncake-master HOST:PORT and --mooncake-metadata http://HOST:PORT/metadata (the "
+                         "server's EAGLE3_DUMP_MOONCAKE_MASTER and EAGLE3_DUMP_MOONCAKE_METADATA), or neither to read "
+                         "dump files from --dump-dir")
+    if master is None:
+        if dump_dir is None:
+            raise UsageError("--dump-dir is required to read dump files",
+                             "pass the servers' EAGLE3_DUMP_DIR with --dump-dir, or --mooncake-master and "
+                             "--mooncake-metadata to read a server with the Mooncake sink")
+        return
+    host, _, port = str(master).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--mooncake-master {master!r} is not HOST:PORT",
+                         "pass the server's EAGLE3_DUMP_MOONCAKE_MASTER, e.g. 127.0.0.1:50051")
+    why = url_problem(str(metadata))
+    if why:
+        raise UsageError(f"--mooncake-metadata {metadata!r} is not a URL ({why})",
+                         "pass the server's EAGLE3_DUMP_MOONCAKE_METADATA, e.g. http://127.0.0.1:8080/metadata")
+
+
 def check_options(o: Options) -> None:
     if o.format not in ALL_FORMATS:
         raise UsageError(f"--format {o.format!r} is not known", f"use one of {', '.join(ALL_FORMATS)}")
@@ -134,7 +163,8 @@ def check_options(o: Options) -> None:
     twice = sorted({u for u in o.servers if o.servers.count(u) > 1})
     if twice:
         raise UsageError(f"--server names {twice[0]} more than once", "name each server once")
-    for d in dump_dir_entries(o.dump_dir):  # one, or the server's several (EAGLE3_DUMP_DIR=A:B, one per disk)
+    check_store_flags(o.mooncake_master, o.mooncake_metadata, o.dump_dir)
+    for d in (dump_dir_entries(o.dump_dir) if o.mooncake_master is None else []):  # one, or the server's several (EAGLE3_DUMP_DIR=A:B, one per disk)
         if not d.is_dir():
             raise UsageError(f"dump directory {d} is not visible on this machine (not an existing directory)",
                              "pass the server's EAGLE3_DUMP_DIR as this machine sees it (a shared mount) with "

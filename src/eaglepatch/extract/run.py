@@ -55,6 +55,7 @@ from pathlib import Path
 
 from .. import conventions
 from ..errors import UsageError
+from ..mooncake import StoreError
 from ..storage import Rebuilder
 from . import drafts
 from . import dumps as dumps_mod
@@ -126,6 +127,7 @@ class Extractor:
         # a slow run's time goes
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self.finished = 0  # samples of this run recorded so far (finished, failed or skipped)
+        self.store = None  # --mooncake-master: the ``eaglepatch.mooncake.StoreReader`` (``open_store``)
 
     def _spent(self, stage: str, since: float) -> float:
         now = time.monotonic()
@@ -142,7 +144,28 @@ class Extractor:
 
     def serve_hint(self) -> str:
         """How to start the patched server with the dump on for this run (its flag form)."""
-        return f"python3 {_SERVE} --model-path {self.o.model} --dump-dir {self.o.dump_dir}"
+        o = self.o
+        if o.mooncake_master is not None:
+            return (f"python3 {_SERVE} --model-path {o.model} --dump-dir {o.dump_dir or 'DIR'} --sink mooncake "
+                    f"--mooncake-master {o.mooncake_master} --mooncake-metadata {o.mooncake_metadata}")
+        return f"python3 {_SERVE} --model-path {o.model} --dump-dir {o.dump_dir}"
+
+    def open_store(self) -> None:
+        """--mooncake-master: connect to the store (once the conversations to extract are known)."""
+        from ..mooncake import StoreReader
+
+        o = self.o
+        try:
+            self.store = StoreReader(o.mooncake_master, o.mooncake_metadata)
+        except ImportError as exc:
+            raise UsageError(f"--mooncake-master reads the store with the mooncake package, which this Python cannot "
+                             f"import ({type(exc).__name__}: {exc})",
+                             "pip install mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine, -cuda13) "
+                             "into the Python that runs extract.py (its native code needs Debian's libibverbs1)") \
+                from None
+        except StoreError as exc:
+            raise UsageError(str(exc), "pass the server's EAGLE3_DUMP_MOONCAKE_MASTER and "
+                             "EAGLE3_DUMP_MOONCAKE_METADATA (its mooncake_master must run)") from None
 
     def run(self) -> int:
         import fcntl
@@ -154,7 +177,12 @@ class Extractor:
                               flush_timeout=o.dump_timeout)
         # the server is asked before the tokenizer loads (transformers takes seconds to import); a finished
         # dataset reruns without a server
-        inp = read_inputs(o, check_server=lambda: client.check_reachable(self.serve_hint()))
+        def check_server():
+            client.check_reachable(self.serve_hint())
+            if o.mooncake_master is not None:
+                self.open_store()
+
+        inp = read_inputs(o, check_server=check_server)
         self.draft = inp.draft
         out = Path(o.out)
         created = not out.exists()
@@ -176,6 +204,9 @@ class Extractor:
             return self._run_locked(inp, client)
         finally:
             os.close(fd)
+            if self.store is not None:
+                self.store.close()
+                self.store = None
             if not inp.settings.saved:  # nothing recorded: no state of this run stays (its requests swept)
                 (out / rec_mod.REQUESTS_FILE).unlink(missing_ok=True)
             if created and not inp.settings.saved:  # nothing recorded: leave no directory behind
@@ -329,14 +360,18 @@ class Extractor:
         # the sample's own request id, sent with every try on any server: its file is no other's
         out.rid = dumps_mod.new_rid()
         out.key = dumps_mod.rid_key(out.rid)
-        path = dumps_mod.dump_path(o.dump_dir, out.key)
+        path = None  # --mooncake-master: no file; the answer's handle names the request's object
+        if self.store is None:
+            path = dumps_mod.dump_path(o.dump_dir, out.key)
+            rec_mod.note_request(Path(o.out), out.rid, Path(o.dump_dir))  # before it is sent: the file is ours
         with self.lock:
             self.unused.add(out.rid)
-        rec_mod.note_request(Path(o.out), out.rid, Path(o.dump_dir))  # before it is sent: the file is ours
         last = ""
         for attempt in range(1, o.max_attempts + 1):
             out.attempts = attempt
-            last, retry, url = self.request(ids, out.rid, path, client, probe)
+            if path is None and attempt > 1:  # never read an object of an earlier try (a bad or a late one)
+                self._forget(out.key)
+            last, retry, url, src = self.request(ids, out.rid, path, client, probe)
             if last and not retry:
                 out.reason = last
                 return out
@@ -345,25 +380,44 @@ class Extractor:
                 continue
             t = time.monotonic()
             try:
-                dump = self.validate(path, ids, out.rid, inp.cfg, url)
+                dump = self.validate(src, ids, out.rid, inp.cfg, url)
             except dumps_mod.BadDump as exc:
                 self._spent("read_validate", t)
                 last = f"bad dump from {url}: {exc}"
                 with self.lock:
                     self.bad_dumps += 1
                 self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
-                dumps_mod.remove_quietly(path)
+                if path is not None:
+                    dumps_mod.remove_quietly(path)
+                continue
+            except StoreError as exc:
+                self._spent("read_validate", t)
+                last = f"cannot read the states {url} answered with from the Mooncake store: {exc}"
+                if probe is not None:  # the first request of a server: the store is not the one it puts into
+                    raise Fatal(f"the first request sent to {url}: {last}",
+                                "pass the server's own EAGLE3_DUMP_MOONCAKE_MASTER and EAGLE3_DUMP_MOONCAKE_METADATA "
+                                "as --mooncake-master and --mooncake-metadata (or raise --dump-timeout)") from None
+                self.log(f"warning: conversation {conv.id!r} attempt {attempt}/{o.max_attempts}: {last}")
                 continue
             t = self._spent("read_validate", t)
             self.write(conv, dump, mask, out)
-            if not o.keep_dumps:
+            if not o.keep_dumps and path is not None:  # (an object is deleted as it is read)
                 dumps_mod.remove_quietly(path)
             self._spent("write", t)
             with self.lock:
                 self.unused.discard(out.rid)
             return out
         out.reason = last
+        if path is None and not o.keep_dumps:
+            self._forget(out.key)
         return out
+
+    def _forget(self, key: str) -> None:
+        """Delete the request's object from the store, if there (a failed try's)."""
+        try:
+            self.store.delete(key)
+        except Exception:  # noqa: BLE001 - the server removes what nobody deleted after its TTL
+            pass
 
     def tokenize(self, conv, inp: Inputs, out: Outcome):
         """Stage 2. The encoding, or None with ``out`` marked skipped/failed."""
@@ -389,20 +443,23 @@ class Extractor:
                         f"{inp.cfg['vocab_size']} (tokenizer/model mismatch)", "use the served model's tokenizer")
         return enc
 
-    def request(self, ids, rid: str, path: Path, client: SGLangClient, probe: int | None) -> tuple[str, bool, str]:
-        """Stage 3. ('', _, url) once the dump file is there, else (why not, whether a retry may help,
-        url); url: the server that answered. When the file is not there after the answer, the server
-        is flushed once (its replicas, behind the router) and the file read again; the probe always
-        flushes, so a server without the flush is refused at once. ``probe``: send to that server
-        only, and stop the run if it fails."""
+    def request(self, ids, rid: str, path: Path | None, client: SGLangClient, probe: int | None) -> tuple:
+        """Stage 3. ('', _, url, source) once the dump file is there (source: its path), else (why not,
+        whether a retry may help, url, None); url: the server that answered. When the file is not
+        there after the answer, the server is flushed once (its replicas, behind the router) and the
+        file read again; the probe always flushes, so a server without the flush is refused at once.
+        ``probe``: send to that server only, and stop the run if it fails. ``path`` None
+        (--mooncake-master): source is the answer's handle of the request's store object
+        (``store_handle``), read by ``validate``."""
         o = self.o
-        dumps_mod.remove_quietly(path)  # never read a file of an earlier try (a bad one, or a late write)
+        if path is not None:
+            dumps_mod.remove_quietly(path)  # never read a file of an earlier try (a bad one, or a late write)
         t = time.monotonic()
         try:
             answer, i = client.generate(ids, rid=rid, server=probe)
         except RequestError as exc:
             self._spent("generate", t)
-            return f"server refused the request: {exc}", False, ""
+            return f"server refused the request: {exc}", False, "", None
         except TransientError as exc:
             self._spent("generate", t)
             if probe is not None or not client.alive():
@@ -411,8 +468,16 @@ class Extractor:
                        else f"none of the {len(client.urls)} servers answers")
                 raise Fatal(f"{who} ({exc})",
                             "look at the server logs, restart them and rerun (done samples are kept)") from None
-            return f"/generate failed: {exc}", True, ""
+            return f"/generate failed: {exc}", True, "", None
         answered, url = self._spent("generate", t), client.urls[i]
+        handle = (answer.get("meta_info") or {}).get("eagle3_dump") if isinstance(answer, dict) else None
+        if path is None:
+            return self.store_handle(handle, rid, url)
+        if isinstance(handle, dict) and handle.get("sink") == "mooncake":
+            raise Fatal(f"the server at {url} puts each request's states into a Mooncake Store (its answers carry the "
+                        f"Mooncake sink's handle), not into dump files in --dump-dir",
+                        "read the store: pass --mooncake-master and --mooncake-metadata (the server's "
+                        "EAGLE3_DUMP_MOONCAKE_MASTER and EAGLE3_DUMP_MOONCAKE_METADATA) instead of --dump-dir")
         problems = []
         if probe is not None or not path.exists():
             try:
@@ -422,7 +487,7 @@ class Extractor:
             finally:
                 self._spent("wait_for_file", answered)
         if path.exists():
-            return "", False, url
+            return "", False, url, path
         said = (answer.get("meta_info") or {}).get("id") if isinstance(answer, dict) else None
         what = f"rid {rid} (key {path.stem}) from {url}"
         if isinstance(said, str) and said != rid:
@@ -431,7 +496,28 @@ class Extractor:
             what += f" ({'; '.join(problems)})"
         if probe is not None:
             raise Fatal(*dumps_mod.no_dump_message(Path(o.dump_dir), what, path.stem))
-        return f"no dump file {path.name} for {what} after the flush", True, url
+        return f"no dump file {path.name} for {what} after the flush", True, url, None
+
+    def store_handle(self, handle, rid: str, url: str) -> tuple:
+        """``request``'s answer for an answer's ``meta_info["eagle3_dump"]`` with --mooncake-master:
+        ('', _, url, handle) for the Mooncake sink's handle of this very request; a retry for a request
+        the server did not put into the store; Fatal for a server without the Mooncake sink."""
+        if not isinstance(handle, dict):
+            raise Fatal(f"the server at {url} answered without meta_info['eagle3_dump'], the handle --mooncake-master "
+                        f"reads the request's states by (its dump is off, or it runs a series before the Mooncake "
+                        f"sink)", f"restart it with this checkout's series and the Mooncake sink: {self.serve_hint()}")
+        if handle.get("sink") != "mooncake":
+            raise Fatal(f"the server at {url} dumps to the {handle.get('sink')!r} sink (dump files), and "
+                        f"--mooncake-master reads a Mooncake Store",
+                        f"read its files with --dump-dir DIR (its EAGLE3_DUMP_DIR) instead of --mooncake-master and "
+                        f"--mooncake-metadata, or restart it with the Mooncake sink: {self.serve_hint()}")
+        state, key = handle.get("state"), dumps_mod.rid_key(rid)
+        if handle.get("key") != key:
+            return (f"the server at {url} answered rid {rid} with the handle of another object "
+                    f"({str(handle.get('key'))[:80]!r}, not {key})"), True, url, None
+        if isinstance(state, str) and state.startswith(("not dumped", "failed", "gone")):
+            return f"the server at {url} did not put rid {rid} (key {key}) into the store: {state}", True, url, None
+        return "", False, url, handle
 
     def no_flush(self, exc: NoFlush, ids, path: Path) -> tuple[str, str]:
         """(problem, fix) for a server (or replica) without ``POST /eagle3_dump/flush``. A patched
@@ -452,12 +538,26 @@ class Extractor:
                 f"or one of a series before 0.5.9-4, 0.5.17-3, 0.5.23-4, has no flush either: upgrade it with this "
                 f"checkout's series")
 
-    def validate(self, path: Path, ids, rid: str, cfg: dict, url: str):
-        """Stage 4. The dump, checked against the request (rid, prompt, ids), the model, the dataset's
-        provenance and layout; BadDump for a file to retry, Fatal for a server that does not match
-        the dataset (``url``: the server that answered)."""
-        dump = dumps_mod.load_dump(path, ids, hidden_size=None, need_final=False, rid=rid, rebuilder=self.rebuilder)
-        dumps_mod.check_dump_dirs(dump.meta, self.o.dump_dir)  # a server spreading over directories not all listed
+    def validate(self, src, ids, rid: str, cfg: dict, url: str):
+        """Stage 4. The dump (``load``), checked (``check``)."""
+        return self.check(self.load(src, ids, rid), cfg, url)
+
+    def load(self, src, ids, rid: str):
+        """The dump of the request: from its file (``src`` a path), or from the store object its answer's
+        handle names (``src`` the handle, a dict; the object deleted once read, not with --keep-dumps; StoreError
+        when it cannot be read within --dump-timeout), checked against the request (rid, prompt, ids);
+        BadDump for a dump to retry."""
+        if not isinstance(src, dict):  # a dump file's path
+            dump = dumps_mod.load_dump(src, ids, hidden_size=None, need_final=False, rid=rid, rebuilder=self.rebuilder)
+            dumps_mod.check_dump_dirs(dump.meta, self.o.dump_dir)  # a server spreading over directories not all listed
+            return dump
+        tensors, meta = self.store.tensors(src, timeout=self.o.dump_timeout, delete=not self.o.keep_dumps)
+        return dumps_mod.request_dump(Path("mooncake:" + src["key"]), meta, tensors, ids, hidden_size=None,
+                                      need_final=False, rid=rid, rebuilder=self.rebuilder)
+
+    def check(self, dump, cfg: dict, url: str):
+        """The dump checked against the model, the dataset's provenance and layout (the first dump fixes
+        them); Fatal for a server that does not match the dataset (``url``: the server that answered)."""
         m = _provenance_meta(dump)
         for k in ("hidden_size", "num_hidden_layers"):
             if str(m[k]) != str(cfg[k]):
