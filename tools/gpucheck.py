@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
+    ap.add_argument("--e-decode-only", action="store_true",
+                    help="check e: decode alone (no prefill benchmark first), the series with the dump off and "
+                         "on against unpatched")
     ap.add_argument("--checks", default="abce", help="letters of the checks to run (default abce; d alone on 2 GPUs; f: a draft in upstream's id convention, patched vs unpatched; g: the dump in production settings, overlap off and on; h: a DFlash draft on SGLang's own DFLASH worker, patched (dump off and on) vs unpatched, bit for bit)")
     ap.add_argument("--g-modes", default="off,on,http",
                     help="check g's engines, comma-separated: off (overlap scheduler off), on (overlap on), "
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
                        patched_files=a.patched_files,
                        unpatched_parent=a.unpatched_parent, checks=a.checks, budget_s=a.budget_s,
                        new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph,
-                       cpu=a.cpu, g_modes=a.g_modes)
+                       cpu=a.cpu, g_modes=a.g_modes, e_decode_only=a.e_decode_only)
         try:
             res = run_check(opts)
         finally:

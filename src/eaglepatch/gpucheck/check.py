@@ -93,6 +93,7 @@ class Options:
     prefill_graph: bool = False
     e_layers: int = 4
     g_modes: str = "off,on,http"  # check g's engines: overlap off, overlap on, overlap on over HTTP
+    e_decode_only: bool = False  # check e: decode alone (no prefill benchmark before it), dump off and on
     cpu: bool = False  # dry run of check c on the CPU smoke environment (tests); no CUDA
     say: object = None
 
@@ -736,14 +737,18 @@ def check_e(state, sglang_pp):
         dumps[name] = dict(extra, EAGLE3_DUMP_DIR=d, EAGLE3_DUMP_LAYERS=",".join(map(str, ids[name])),
                            EAGLE3_DUMP_FINAL="1")
     out = {}
-    for name, pp, dmp in (("e-patched", sglang_pp, None), ("e-unpatched", unpatched, None),
-                          ("e-patched-dump", sglang_pp, dumps["e-patched-dump"]),
-                          ("e-patched-dump-fp8", sglang_pp, dumps["e-patched-dump-fp8"])):
+    engines = (("e-patched", sglang_pp, None), ("e-unpatched", unpatched, None),
+               ("e-patched-dump", sglang_pp, dumps["e-patched-dump"]),
+               ("e-patched-dump-fp8", sglang_pp, dumps["e-patched-dump-fp8"]))
+    if opts.e_decode_only:  # decode alone, the series with the dump on and off (no prefill before it)
+        engines = (engines[2], engines[1], engines[0])
+        bench.pop("prefill")
+    for name, pp, dmp in engines:
         b = dict(bench)
         if name == "e-unpatched":  # decode of upstream
-            b.pop("prefill")
-        if name in ("e-patched", "e-patched-dump-fp8"):  # prefill without the dump / with the compact one
-            b.pop("decode")
+            b.pop("prefill", None)
+        if name in ("e-patched", "e-patched-dump-fp8") and not opts.e_decode_only:
+            b.pop("decode")  # prefill without the dump / with the compact one
         if dmp is not None:  # prefill with the dump; decode of a dump-only server
             b["dump_dir"] = str(dmp["EAGLE3_DUMP_DIR"])
         res = run_worker(state, name, {"engine": engine, "bench": b}, worker_env(pp, opts.site, dump=dmp))
@@ -751,7 +756,7 @@ def check_e(state, sglang_pp):
     state.results["throughput"] = {
         "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
                                       "num_attention_heads", "vocab_size")},
-        "prefill": bench["prefill"], "decode": bench["decode"], "dump_ids": ids,
+        "prefill": bench.get("prefill"), "decode": bench["decode"], "dump_ids": ids,
         "dump_settings": {k: {n: str(x) for n, x in v.items() if n != "EAGLE3_DUMP_DIR"} for k, v in dumps.items()},
         "engines": {k: v.get("bench") for k, v in out.items()}}
 
@@ -761,12 +766,17 @@ def check_e(state, sglang_pp):
         except (KeyError, TypeError):
             return None
 
-    for nm, num_name, den_name, goal, what in (
-            ("e. prefill tokens/s, dump on / off (hidden 7168)", "e-patched-dump", "e-patched", 0.95, "prefill"),
-            ("e. prefill tokens/s, compact dump (fp8, rebuildable states left out) on / off (hidden 7168)",
-             "e-patched-dump-fp8", "e-patched", 0.95, "prefill"),
-            ("e. decode tokens/s with CUDA graphs, dump-only patched server / unpatched (hidden 7168)",
-             "e-patched-dump", "e-unpatched", 0.99, "decode")):
+    verdicts = (
+        ("e. prefill tokens/s, dump on / off (hidden 7168)", "e-patched-dump", "e-patched", 0.95, "prefill"),
+        ("e. prefill tokens/s, compact dump (fp8, rebuildable states left out) on / off (hidden 7168)",
+         "e-patched-dump-fp8", "e-patched", 0.95, "prefill"),
+        ("e. decode tokens/s with CUDA graphs, dump-only patched server / unpatched (hidden 7168)",
+         "e-patched-dump", "e-unpatched", 0.99, "decode"))
+    if opts.e_decode_only:
+        verdicts = verdicts[2:] + (
+            ("e. decode tokens/s with CUDA graphs, patched with the dump off / unpatched (hidden 7168)",
+             "e-patched", "e-unpatched", 0.99, "decode"),)
+    for nm, num_name, den_name, goal, what in verdicts:
         num, den = reps(num_name, what), reps(den_name, what)
         if not num or not den:
             errs = "; ".join("%s: %s" % (k, v.get("error")) for k, v in out.items() if not v.get("ok"))
