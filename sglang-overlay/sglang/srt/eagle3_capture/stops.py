@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Callable, Dict, List, Optional
 
-from .sinks import FILE_MODE, _fsync
+from .sinks import _fsync, replace_durably
 
 logger = logging.getLogger(__name__)
 
@@ -125,21 +125,11 @@ class LedgerFile:
                 return
             _fsync(self.directory)
             return
-        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
-            with open(tmp, "w") as handle:
+        def write(name: str) -> None:
+            with open(name, "w") as handle:
                 json.dump(body, handle, indent=1)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, FILE_MODE)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync(self.directory)
+
+        replace_durably(f"{self.path}.{uuid.uuid4().hex[:12]}.tmp", self.path, write)
 
 
 def _die_by(signum: int) -> None:
