@@ -234,17 +234,6 @@ def run_suite_in_cpu_env(test_file: str, timeout: int) -> None:
     assert p.returncode == 0, f"{Path(test_file).name} failed inside the CPU env (output above)"
 
 
-@pytest.fixture(scope="session")
-def site() -> Path:
-    """The Mooncake package's site directory (eaglepatch.mooncake.ensure_site), on sys.path."""
-    from eaglepatch import mooncake
-
-    d = mooncake.ensure_site(Path(sys.executable))
-    if str(d) not in sys.path:
-        sys.path.insert(0, str(d))
-    return d
-
-
 def run_tool(tool: str, *args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e.update(env or {})

@@ -41,6 +41,14 @@ N = 5  # conversations: a few, each one request through the store
 
 
 @pytest.fixture(scope="module")
+def site():
+    d = mooncake.ensure_site(Path(sys.executable))
+    if str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
 def master(site, assets):  # noqa: F811
     with mooncake.Master(site, assets.root / "master.log") as m:
         yield m

@@ -42,6 +42,14 @@ META = {"format": "eagle3-dump/1", "launch_id": "L", "model_path": "m", "eagle3_
         "layer_id_reading": "test", "replica_rank": "0"}
 
 
+@pytest.fixture(scope="module")
+def site():
+    d = mooncake.ensure_site(Path(sys.executable))
+    if str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    return d
+
+
 _SINKS = []
 
 
