@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -63,24 +63,6 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def replace_durably(tmp: str, path: str, write: Callable[[str], None]) -> None:
-    """``path`` becomes what ``write(tmp)`` puts into ``tmp`` (a name in the same directory):
-    fsynced, mode FILE_MODE, renamed over ``path``, the directory fsynced; ``tmp`` is removed when
-    any step fails (dump files and the stop ledger alike)."""
-    try:
-        write(tmp)
-        os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(os.path.dirname(path) or ".")
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _aligned(n: int) -> int:
@@ -160,8 +142,20 @@ class FileSink:
         from safetensors.torch import save_file
 
         path = self.path(key)
-        tmp = os.path.join(os.path.dirname(path), f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-        replace_durably(tmp, path, lambda name: save_file(tensors, name, metadata=metadata))
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(directory)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         return self.where(key)
 
     def fail(self, key: str, why: str) -> None:

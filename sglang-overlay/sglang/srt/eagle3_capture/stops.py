@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Callable, Dict, List, Optional
 
-from .sinks import _fsync, replace_durably
+from .sinks import FILE_MODE, _fsync
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,21 @@ class LedgerFile:
                 return
             _fsync(self.directory)
             return
-        def write(name: str) -> None:
-            with open(name, "w") as handle:
+        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with open(tmp, "w") as handle:
                 json.dump(body, handle, indent=1)
-
-        replace_durably(f"{self.path}.{uuid.uuid4().hex[:12]}.tmp", self.path, write)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync(self.directory)
 
 
 def _die_by(signum: int) -> None:
