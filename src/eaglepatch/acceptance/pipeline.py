@@ -119,6 +119,16 @@ SERVE_RESERVE_S = 110
 # correct drafts, seeds draft_seed (null: --seed), +1, ...; each trained, evaluated, guarded and
 # served (replayed on CPU) on its own.
 _STORAGE_DEFAULTS = dict(dump_dtype="bf16", rebuildable="store", controls="all", draft_seeds=1, draft_seed=None)
+# family=dflash (issue 44, item 5; GPU, a release that serves DFlash): the drafts are DFlash drafts of
+# dflash_layers layers and block dflash_block, trained on --format dflash data with SpecForge's
+# OnlineDFlashModel (dflash_anchors blocks per sample and step), exported with the target ids
+# DFLASH_IDS and served by SGLang's own DFLASH worker beside the controls of the same weights
+# (verdicts.DFLASH_CONTROLS); the prediction is the correct draft's replay on the held-out data.
+_FAMILY_DEFAULTS = dict(family="eagle3", dflash_layers=2, dflash_block=4, dflash_anchors=64)
+# The correct DFlash draft reads the output of layer 1 (HF index 2). SGLang refuses ids outside
+# 0..N-1 and never captures the last layer's output for a DFlash draft, so on the 4-layer GPU
+# target the one id whose shift (+1: layer 2) and layer-input reading (-1: layer 0) both serve is 1.
+DFLASH_IDS = [1]
 MAX_DRAFT_SEEDS = 8
 REFERENCE_STORAGE = ("bf16", "store")
 
@@ -138,12 +148,13 @@ SCALES = {
                 target_lr=3e-3, target_budget_s=None, target_done_acc=0.98, later_phases_s=240, train_prompts=24,
                 heldout_prompts=8, gate_prompts=8,
                 draft_epochs=40, draft_batch=4, draft_lr=3e-3, draft_budget_s=30, dtype="float32", target_embed_std=None,
-                draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0, **_STORAGE_DEFAULTS),
+                draft_fc_norm=False, lead=0, warm=False, draft_max_steps=0, **_STORAGE_DEFAULTS, **_FAMILY_DEFAULTS),
     "gpu": dict(device="cuda", language="copy", symbols=48, alphabet=64, answer_len=40, target_steps=16000, target_batch=128,
                 target_lr=1e-3, target_budget_s=None, target_done_acc=0.98, later_phases_s=360, train_prompts=1024,
                 heldout_prompts=128, gate_prompts=64,
                 draft_epochs=200, draft_batch=64, draft_lr=5e-4, draft_budget_s=70, dtype="bfloat16",
-                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0, **_STORAGE_DEFAULTS),
+                target_embed_std=None, draft_fc_norm=True, lead=0, warm=True, draft_max_steps=0, **_STORAGE_DEFAULTS,
+                **_FAMILY_DEFAULTS),
 }
 
 
@@ -151,7 +162,8 @@ SCALES = {
 # their default's type.
 NONE_TYPES = {"alphabet": int, "target_embed_std": float, "draft_seed": int, "target_budget_s": float}
 CHOICES = {"language": lang_mod.LANGUAGES, "device": ("cpu", "cuda"), "dtype": ("float32", "bfloat16"),
-           "dump_dtype": ("bf16", "fp8"), "rebuildable": ("store", "omit"), "controls": ("all", "correct")}
+           "dump_dtype": ("bf16", "fp8"), "rebuildable": ("store", "omit"), "controls": ("all", "correct"),
+           "family": ("eagle3", "dflash")}
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
 
 
@@ -281,6 +293,8 @@ def check_options(o: "Options") -> None:
     except UsageError as exc:
         raise UsageError(f"--release {o.release}: {exc.problem}",
                          "pass --release a release with a series under patches/ (e.g. 0.5.9 or 0.5.17)") from None
+    if p["family"] == "dflash":
+        check_dflash(o, p)
     if o.out is not None:
         out = Path(o.out)
         if out.parent.is_dir() or Path(out.parent) != Path(o.work):  # the default is made with the work dir
@@ -300,6 +314,30 @@ def check_options(o: "Options") -> None:
         refuse_taken_port("127.0.0.1", port, "a server of the run",
                           "stop that process or pass another --port (the run uses --port to --port + 4, and "
                           "--port + 20 and + 21 for the warm-up servers)")
+
+
+def check_dflash(o: "Options", p: dict) -> None:
+    """family=dflash: a GPU run (no CPU sglang here runs a DFlash worker) of the four controls, one
+    draft seed, on a release that serves DFlash drafts on the target's model file, a target deep
+    enough that the shifted ids stay below its last layer."""
+    from .. import conventions
+
+    if o.scale != "gpu":
+        raise UsageError("family=dflash is a GPU run: SGLang's DFLASH worker needs CUDA",
+                         "drop --cpu (run it on a GPU machine), or drop --set family=dflash")
+    if p["controls"] != "all" or p["draft_seeds"] != 1:
+        raise UsageError("family=dflash runs the four controls of one draft", "drop --set controls / draft_seeds")
+    try:
+        conventions.draft_rule(o.release, "dflash", "deepseek_v2")
+    except UsageError as exc:
+        raise UsageError(f"family=dflash: {exc.problem}", "pass --release 0.5.17 or 0.5.23") from None
+    cfg = check_target_dir(o.target) if o.target is not None else target_config(o.scale)
+    if cfg["num_hidden_layers"] < max(DFLASH_IDS) + 3:
+        raise UsageError(f"family=dflash needs a target of at least {max(DFLASH_IDS) + 3} layers (its ids "
+                         f"{DFLASH_IDS} shifted by one stay below the last layer); this one has "
+                         f"{cfg['num_hidden_layers']}", "pass a deeper --target")
+    if p["dflash_block"] < 2 or p["dflash_layers"] < 1:
+        raise UsageError("dflash_block takes 2 or more, dflash_layers 1 or more", "e.g. --set dflash_block=4")
 
 
 def target_config(scale: str) -> dict:
@@ -341,6 +379,9 @@ class Run:
         # own directories (data-fp8-omit, drafts-fp8-omit, logs-fp8-omit): one --work holds both
         key = (self.p["dump_dtype"], self.p["rebuildable"])
         self.suffix = "" if key == REFERENCE_STORAGE else "-%s-%s" % key
+        self.dflash = self.p["family"] == "dflash"
+        if self.dflash:  # data, drafts and logs of their own: the datasets hold other layers
+            self.suffix += "-dflash"
         self.logs = self.work / ("logs" + self.suffix)
         self.res = {"scale": o.scale, "release": o.release, "work": str(self.work), "settings": self.p, "phases": {},
                     "verdicts": {}}
@@ -543,8 +584,16 @@ class Run:
         d = self.work / "warm"
         try:
             target = train.save_target(model, cfg, d / "target", self.p["dtype"])
-            dcfg = train.draft_config(cfg, self.readings_ids(cfg), self.p["dtype"], self.p["draft_fc_norm"])
-            draft = train.DraftRun(target, dcfg, NUM_STEPS, self.p["device"], seed=self.o.seed).export(d / "draft", self.p["dtype"])
+            if self.dflash:
+                from . import dflash
+
+                dcfg = dflash.draft_config(cfg, DFLASH_IDS, self.p["dflash_block"], self.p["dflash_layers"],
+                                           cfg["vocab_size"] - 1, self.p["dtype"])
+                draft = dflash.DFlashRun(target, dcfg, self.p["device"], seed=self.o.seed).export(d / "draft")
+            else:
+                dcfg = train.draft_config(cfg, self.readings_ids(cfg), self.p["dtype"], self.p["draft_fc_norm"])
+                draft = train.DraftRun(target, dcfg, NUM_STEPS, self.p["device"], seed=self.o.seed).export(
+                    d / "draft", self.p["dtype"])
         except Exception as exc:  # noqa: BLE001 - warming is an optimisation: the run goes on cold
             self.res["warm"] = {"error": "%s: %s" % (type(exc).__name__, str(exc)[:300])}
             return
@@ -619,7 +668,11 @@ class Run:
                     # capped (64 Ki tokens: ~0.3 GB for this model).
                     "--mem-fraction-static", "0.5", "--max-total-tokens", "65536",
                     "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port)]
-        if draft is not None:
+        if draft is not None and self.dflash:  # SGLang's own DFLASH worker, one block per verify
+            argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
+                     "--speculative-num-draft-tokens", str(self.p["dflash_block"]),
+                     "--speculative-draft-attention-backend", "triton"]
+        elif draft is not None:
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
                      "--speculative-num-steps", str(NUM_STEPS), "--speculative-eagle-topk", "1",
                      "--speculative-num-draft-tokens", str(NUM_STEPS + 1)]
@@ -825,6 +878,8 @@ class Run:
         """Control -> (draft ids, HF indices the server feeds the draft, unpatched?)."""
         from .. import guard
 
+        if self.dflash:
+            return self.dflash_readings()
         patched = guard.release_semantics(self.o.release)
         upstream = guard.release_semantics(self.o.release, unpatched=True)
         ids = self.readings_ids(self.cfg)
@@ -835,6 +890,22 @@ class Run:
         return {"correct": (ids, hf, False), "off_by_one": (off, sorted(patched.capture(off)), False),
                 "floor": (ids, hf, False),
                 "upstream_ids": (up, sorted(upstream.capture(up)) if up else None, True)}
+
+    def dflash_readings(self) -> dict:
+        """The DFlash controls, each the same weights under other ids, read as the release reads a
+        DFlash draft's ids on deepseek_v2.py (the series' ``draft_readings``): ``shifted`` ids + 1;
+        ``layer_input`` the ids whose reading feeds the inputs of the correct layers (what a
+        dataset read as layer inputs would hold: ids - 1); ``upstream_ids`` the correct ids on
+        unpatched SGLang."""
+        from .. import conventions
+
+        def hf(ids, patched=True):
+            return sorted(conventions.draft_hf_indices(self.o.release, "dflash", "deepseek_v2", ids, patched))
+
+        ids = list(DFLASH_IDS)
+        shifted, below = [k + 1 for k in ids], [k - 1 for k in ids]
+        return {"correct": (ids, hf(ids), False), "shifted": (shifted, hf(shifted), False),
+                "layer_input": (below, hf(below), False), "upstream_ids": (ids, hf(ids, False), True)}
 
     @staticmethod
     def readings_ids(cfg: dict) -> list:
@@ -849,13 +920,15 @@ class Run:
         ids, hf, unpatched = self.readings()[control]
         if hf is None:
             return False
+        if self.dflash:  # the DFlash reading never reaches the last layer's output; -1 is the embedding
+            return max(hf) < self.cfg["num_hidden_layers"]
         sem = guard.release_semantics(self.o.release, unpatched=unpatched)
         return (0 not in hf or sem.embed_ok is not False) and (self.cfg["num_hidden_layers"] not in hf or sem.last_ok)
 
     def datasets_needed(self):
         r = self.readings()
         out = [("train@correct", r["correct"][1]), ("heldout@correct", r["correct"][1])]
-        if self.o.scale == "cpu" and self.p["controls"] == "all":  # the replay needs what each reading serves
+        if self.o.scale == "cpu" and self.p["controls"] == "all" and not self.dflash:  # the replay needs what each reading serves
             for c, (_, hf, _) in r.items():
                 if hf and hf != r["correct"][1] and all(0 <= h <= self.cfg["num_hidden_layers"] for h in hf):
                     out.append(("heldout@" + c, hf))
@@ -866,7 +939,8 @@ class Run:
         # --keep-dumps: the data phase measures the dump files and keeps the held-out ones, then
         # removes them all (measure_storage)
         cmd = [sys.executable, str(TOOLS / "extract.py"), "--server", srv.url, "--model", str(self.target),
-               "--data", str(data), "--dump-dir", str(dump), "--out", str(out), "--format", "specforge",
+               "--data", str(data), "--dump-dir", str(dump), "--out", str(out),
+               "--format", "dflash" if self.dflash else "specforge",
                f"--aux-layers={aux}", "--no-progress", "--keep-dumps", "--concurrency", "4" if self.o.scale == "cpu" else "16"]
         t = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, env=self.tool_env())
@@ -900,6 +974,8 @@ class Run:
     def served_order(self) -> list:
         """The drafts the run serves (replays on CPU), in order; the i-th one's server listens on
         ``--port`` + 1 + i."""
+        if self.dflash:
+            return list(verdicts.DFLASH_CONTROLS)
         if self.p["controls"] == "all":
             return list(CONTROLS)
         return [name for name, _, _ in self.draft_plan()]
@@ -907,6 +983,8 @@ class Run:
     def do_drafts(self):
         from . import train
 
+        if self.dflash:
+            return self.do_dflash_drafts()
         r = self.readings()
         files = train.sample_files(Path(self.data["train"]))
         held = train.sample_files(Path(self.data["heldout"]))
@@ -929,6 +1007,51 @@ class Run:
             run.cfg = train.draft_config(self.cfg, ids, self.p["dtype"], self.p["draft_fc_norm"])
             dest = self.work / ("drafts" + self.suffix) / c
             self.draft_dirs[c] = str(run.export(dest, self.p["dtype"], zero_fc=c == "floor"))
+            self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
+            self.guard_one(c)
+
+    def do_dflash_drafts(self):
+        """The DFlash draft: trained with SpecForge's OnlineDFlashModel on the training set, its
+        held-out replay (``DFlashRun.block_replay``) is the prediction; exported once per control
+        (the same weights, the control's ids) and each checked by guard."""
+        from . import dflash, train
+
+        r = self.readings()
+        files = train.sample_files(Path(self.data["train"]))
+        held = train.sample_files(Path(self.data["heldout"]))
+        if not files or not held:
+            raise RefusedError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)),
+                               "check tools/extract.py's manifest under %s (failed conversations) and rerun with a "
+                               "fresh --work" % self.data["dir"])
+        self.res["guard"] = {}
+        self.draft_dirs = {}
+        s0 = self.o.seed if self.p["draft_seed"] is None else self.p["draft_seed"]
+        cfg = dflash.draft_config(self.cfg, r["correct"][0], self.p["dflash_block"], self.p["dflash_layers"],
+                                  self.cfg["vocab_size"] - 1, self.p["dtype"])
+        run = dflash.DFlashRun(self.target, cfg, self.p["device"], seed=s0, num_anchors=self.p["dflash_anchors"])
+        by_steps = bool(self.p["draft_max_steps"])
+        budget = self.left() - SERVE_RESERVE_S if by_steps else min(self.p["draft_budget_s"], self.left() - SERVE_RESERVE_S)
+        budget = None if budget == float("inf") else max(budget, 5)
+        hist = run.train(files, self.p["draft_batch"], self.p["draft_lr"], self.p["draft_max_steps"] or 10 ** 9,
+                         budget, s0, self.say)
+        self.res["drafts"] = {"correct": {"seed": s0, "family": "dflash", "config": cfg, "training": hist}}
+        v = self.res["verdicts"]["drafts"] = verdicts.dflash_drafts_verdict(hist, by_steps)
+        if not v["measured"]:
+            self.say("[acceptance] " + v["verdict"])
+            return
+        greedy = json.loads((Path(self.data["dir"]) / "greedy.json").read_text())[self.p["train_prompts"]:]
+        plen = {tuple(g["prompt_ids"] + g["continuation"] + [self.lg.eot]): len(g["prompt_ids"]) for g in greedy}
+        metas = run.block_replay(held, plen)
+        pred = dict(lang_mod.served_accept_length(metas), how="replayed: SpecForge's DFlash block forward over the "
+                    "held-out data, a verify per anchor as the DFLASH worker walks it")
+        self.res["drafts"]["correct"]["heldout"] = dict(pred, predicted_accept_length=pred["accept_length"])
+        self.say("[acceptance] dflash draft: replayed accept length on the held-out data %.3f (%d verifies)"
+                 % (pred["accept_length"] or 0, pred["verify_ct"]))
+        self.runs = {"correct": run}
+        for c in self.served_order():
+            ids, hf, _ = r[c]
+            dest = self.work / ("drafts" + self.suffix) / c
+            self.draft_dirs[c] = str(run.export(dest, dflash.with_ids(cfg, ids), self.p["dtype"]))
             self.res["drafts"].setdefault(c, {}).update({"dir": self.draft_dirs[c], "ids": ids, "served_hf": hf})
             self.guard_one(c)
 
@@ -1085,7 +1208,9 @@ class Run:
             finally:
                 s.stop()
         self.res["served"] = served
-        if self.p["controls"] == "all":
+        if self.dflash:
+            v = verdicts.dflash_served_verdict(served, self.res["drafts"]["correct"]["heldout"]["accept_length"])
+        elif self.p["controls"] == "all":
             v = verdicts.served_verdict(served, self.res["drafts"]["correct"]["heldout"], self.p["answer_len"])
         else:
             v = verdicts.seeds_verdict(served, self.seed_heldouts(), self.p["answer_len"], "served")

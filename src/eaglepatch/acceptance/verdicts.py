@@ -226,6 +226,68 @@ def replayed_verdict(figures: dict, heldout: dict, answer_len: int) -> dict:
     return v
 
 
+# DFlash (issue 44, item 5): |served - replayed prediction| of the correct draft, and how far below it
+# each control of the same weights must serve (ids shifted by one; the layer-input reading)
+DFLASH_LIMITS = {"served_minus_predicted": 0.15, "correct_minus_shifted": 0.3, "correct_minus_layer_input": 0.3,
+                 "upstream_ids_minus_correct": 0.05}
+DFLASH_CONTROLS = ("correct", "shifted", "layer_input", "upstream_ids")
+
+
+def dflash_drafts_verdict(training: dict, by_steps: bool) -> dict:
+    """The DFlash draft trained as configured: by steps (``draft_max_steps``) it must reach them;
+    by seconds (``draft_budget_s``) a budget stop is its configured end."""
+    cut = training["stopped_by"] == "budget" and by_steps
+    v = {"family": "dflash", "measured": not cut, "steps": training["steps"]}
+    v["verdict"] = ("not measured: the DFlash draft trained %d of %d steps (budget)"
+                    % (training["steps"], training["max_steps"]) if cut else
+                    "the DFlash draft trained %d steps (%s)" % (training["steps"], training["stopped_by"]))
+    return v
+
+
+def dflash_served_verdict(figures: dict, predicted: float) -> dict:
+    """The GPU verdict of a DFlash run on ``figures`` (the result's ``served``: per control
+    accept_length, requests, lossless_requests, or error); ``predicted``: the correct draft's
+    replayed accept length on the held-out data (``DFlashRun.block_replay``)."""
+    lim = DFLASH_LIMITS
+    a = {c: f.get("accept_length") for c, f in figures.items()}
+    v = {"predicted": predicted, "served_accept_length": a}
+    failed = _missing(figures, a, DFLASH_CONTROLS, "served")
+    if a.get("correct") is not None:
+        v["served_minus_predicted"] = d = _r(a["correct"] - predicted)
+        if abs(d) > lim["served_minus_predicted"]:
+            failed.append("correct served %.3f vs predicted %.3f: differs by %.3f > %s"
+                          % (a["correct"], predicted, abs(d), lim["served_minus_predicted"]))
+        for c in ("shifted", "layer_input"):
+            if a.get(c) is None:
+                continue
+            v[f"correct_minus_{c}"] = d = _r(a["correct"] - a[c])
+            if d < lim[f"correct_minus_{c}"]:
+                failed.append("correct - %s = %.3f < %s: the layer mix-up does not cost what it must"
+                              % (c, d, lim[f"correct_minus_{c}"]))
+        if a.get("upstream_ids") is not None:
+            v["upstream_ids_minus_correct"] = d = _r(a["upstream_ids"] - a["correct"])
+            if abs(d) > lim["upstream_ids_minus_correct"]:
+                failed.append("upstream_ids served %.3f vs correct %.3f: differs by %.3f > %s (unpatched SGLang "
+                              "must feed the draft the same layers)"
+                              % (a["upstream_ids"], a["correct"], abs(d), lim["upstream_ids_minus_correct"]))
+    lossless = {}
+    for c, f in figures.items():
+        if f.get("accept_length") is None:
+            continue
+        n, k = f.get("requests"), f.get("lossless_requests")
+        lossless[c] = "%s of %s" % (k, n)
+        if n is None or k is None or k < n:
+            failed.append("%s: %s of %s requests lossless" % (c, k, n))
+    v["lossless"] = lossless
+    v["failed"] = failed
+    v["passed"] = not failed
+    v["verdict"] = ("served (DFlash): failed: " + "; ".join(failed) if failed else
+                    "served (DFlash): passed: correct %.3f (replay predicted %.3f), shifted %.3f, layer_input %.3f, "
+                    "upstream_ids %.3f; every request lossless"
+                    % (a["correct"], predicted, a["shifted"], a["layer_input"], a["upstream_ids"]))
+    return v
+
+
 def outcome(res: dict) -> tuple[int, str]:
     """The run's exit code (0 every verdict passed, 1 otherwise) and one line saying why. A run
     whose drafts the budget cut is ``not measured`` (exit 1), whatever else it holds."""
@@ -244,7 +306,7 @@ def outcome(res: dict) -> tuple[int, str]:
     if not gu or not gu.get("passed"):
         bad.append("guard: " + ("wrong exit code for " + ", ".join(gu["wrong"]) if gu and gu.get("wrong")
                                 else "not run on every control"))
-    if d is None or not d.get("same_steps"):
+    if d is None or not (d.get("same_steps") or d.get("family") == "dflash" and d.get("measured")):
         bad.append("drafts: " + (d["verdict"] if d else "not trained"))
     fig = v.get("serve") or v.get("replay")
     if fig is None:
