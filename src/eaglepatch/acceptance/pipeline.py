@@ -980,18 +980,25 @@ class Run:
             return list(CONTROLS)
         return [name for name, _, _ in self.draft_plan()]
 
-    def do_drafts(self):
+    def sample_lists(self) -> tuple:
+        """The training and held-out datasets' sample files; refused when either holds none."""
         from . import train
 
-        if self.dflash:
-            return self.do_dflash_drafts()
-        r = self.readings()
         files = train.sample_files(Path(self.data["train"]))
         held = train.sample_files(Path(self.data["heldout"]))
         if not files or not held:
             raise RefusedError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)),
                                "check tools/extract.py's manifest under %s (failed conversations) and rerun with a "
                                "fresh --work" % self.data["dir"])
+        return files, held
+
+    def do_drafts(self):
+        from . import train
+
+        if self.dflash:
+            return self.do_dflash_drafts()
+        r = self.readings()
+        files, held = self.sample_lists()
         self.res["guard"] = {}
         self.draft_dirs = {}
         if not self.train_drafts(files, held)["measured"]:
@@ -1014,15 +1021,10 @@ class Run:
         """The DFlash draft: trained with SpecForge's OnlineDFlashModel on the training set, its
         held-out replay (``DFlashRun.block_replay``) is the prediction; exported once per control
         (the same weights, the control's ids) and each checked by guard."""
-        from . import dflash, train
+        from . import dflash
 
         r = self.readings()
-        files = train.sample_files(Path(self.data["train"]))
-        held = train.sample_files(Path(self.data["heldout"]))
-        if not files or not held:
-            raise RefusedError("the extracted datasets hold no samples (%d train, %d held out)" % (len(files), len(held)),
-                               "check tools/extract.py's manifest under %s (failed conversations) and rerun with a "
-                               "fresh --work" % self.data["dir"])
+        files, held = self.sample_lists()
         self.res["guard"] = {}
         self.draft_dirs = {}
         s0 = self.o.seed if self.p["draft_seed"] is None else self.p["draft_seed"]

@@ -152,6 +152,21 @@ def _missing(figures: dict, a: dict, controls, verb: str) -> list:
     return out
 
 
+def _lossless(figures: dict, failed: list) -> dict:
+    """Per served control "k of n" requests equal to the no-speculation greedy output; a failure in
+    ``failed`` for each control with fewer (speculative decoding must not change greedy output)."""
+    out = {}
+    for c, f in figures.items():
+        if f.get("accept_length") is None:
+            continue
+        n, k = f.get("requests"), f.get("lossless_requests")
+        out[c] = "%s of %s" % (k, n)
+        if n is None or k is None or k < n:
+            failed.append("%s: %s of %s requests lossless (outputs differ from the no-speculation greedy ones)"
+                          % (c, k, n))
+    return out
+
+
 def served_verdict(figures: dict, heldout: dict, answer_len: int) -> dict:
     """The GPU verdict on ``figures`` (the result's ``served``: per control accept_length, requests,
     lossless_requests, or error / not_servable); ``heldout``: the correct draft's held-out
@@ -170,16 +185,7 @@ def served_verdict(figures: dict, heldout: dict, answer_len: int) -> dict:
         if v["correct_minus_floor"] < lim["correct_minus_floor"]:
             failed.append("correct - floor = %.3f < %s: the aux layers add too little over none"
                           % (v["correct_minus_floor"], lim["correct_minus_floor"]))
-    lossless = {}
-    for c, f in figures.items():
-        if f.get("accept_length") is None:
-            continue
-        n, k = f.get("requests"), f.get("lossless_requests")
-        lossless[c] = "%s of %s" % (k, n)
-        if n is None or k is None or k < n:
-            failed.append("%s: %s of %s requests lossless (outputs differ from the no-speculation greedy ones)"
-                          % (c, k, n))
-    v["lossless"] = lossless
+    v["lossless"] = _lossless(figures, failed)
     up = figures.get("upstream_ids")
     if up is not None and "not_servable" in up:
         v["upstream_ids_minus_correct"] = None
@@ -270,15 +276,7 @@ def dflash_served_verdict(figures: dict, predicted: float) -> dict:
                 failed.append("upstream_ids served %.3f vs correct %.3f: differs by %.3f > %s (unpatched SGLang "
                               "must feed the draft the same layers)"
                               % (a["upstream_ids"], a["correct"], abs(d), lim["upstream_ids_minus_correct"]))
-    lossless = {}
-    for c, f in figures.items():
-        if f.get("accept_length") is None:
-            continue
-        n, k = f.get("requests"), f.get("lossless_requests")
-        lossless[c] = "%s of %s" % (k, n)
-        if n is None or k is None or k < n:
-            failed.append("%s: %s of %s requests lossless" % (c, k, n))
-    v["lossless"] = lossless
+    v["lossless"] = _lossless(figures, failed)
     v["failed"] = failed
     v["passed"] = not failed
     v["verdict"] = ("served (DFlash): failed: " + "; ".join(failed) if failed else
