@@ -674,7 +674,7 @@ def test_the_reading_command_serve_prints_reads_a_servers_object(master, tmp_pat
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         steps = serve.mooncake_next_steps(url, master.env(), sys.executable)
         command = [line for line in steps if not line.startswith("#")]
-        assert len(command) == 1, steps
+        assert len(command) == 1 and "StoreReader" in command[0], steps
         p = subprocess.run(["bash", "-c", command[0]], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         assert "'input_ids': (5,)" in p.stdout and "'layer.-1': (5, 16)" in p.stdout and "[-1, 1, 3]" in p.stdout, \

@@ -50,14 +50,20 @@ def test_production_says_where_mooncake_comes_from_and_reads_the_store_next(patc
     assert r.returncode == 0, r.stderr
     _says_where_and_what_it_binds(r.stderr)
     assert "eaglepatch.mooncake import StoreReader" in r.stderr and READER in r.stderr
+    ex = [x for x in r.stderr.splitlines() if "extract.py" in x and not x.strip().startswith("#")]
+    assert len(ex) == 1, r.stderr
+    words = shlex.split(ex[0])
+    assert words[words.index("--mooncake-master") + 1] == MASTER[3] and words[words.index("--model") + 1] == "m"
+    assert "--dump-dir" not in words and words[words.index("--data") + 1] == "CONVERSATIONS.jsonl", words
     # the file sink says none of it
     r = run_tool("serve", "--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout, "--print")
     assert r.returncode == 0 and "Mooncake" not in r.stderr, r.stderr
 
 
 def test_the_cpu_demo_with_the_mooncake_sink_prints_how_to_read_the_store(tmp_path):
-    """--cpu-demo --sink mooncake: the next commands read the store; the file sink's extract, load
-    and guard commands (which would find no dump file) are not printed."""
+    """--cpu-demo --sink mooncake: the next commands read the store: one answer's object, then the
+    demo's conversations into a dataset with tools/extract.py reading the same master and metadata
+    server; the file sink's commands (extract from dump files, load, guard) are not printed."""
     demo = tmp_path / "demo"
     r = run_tool("serve", "--cpu-demo", demo, *MASTER, "--print")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,7 +71,13 @@ def test_the_cpu_demo_with_the_mooncake_sink_prints_how_to_read_the_store(tmp_pa
     after = r.stderr.split("[serve] next, from another shell in", 1)[1].splitlines()[1:]
     assert after and all(x.startswith("  ") for x in after), r.stderr[-3000:]
     assert any(READER in x for x in after), after
-    assert not any("extract.py" in x or "guard.py" in x for x in after if not x.startswith("  #")), after
+    cmds = [x.strip() for x in after if not x.startswith("  #")]
+    ex = [x for x in cmds if "extract.py" in x]
+    assert len(ex) == 1 and not any("guard.py" in x or "--dump-dir" in x for x in cmds), after
+    words = shlex.split(ex[0])
+    assert words[words.index("--mooncake-master") + 1] == MASTER[3], words
+    assert words[words.index("--mooncake-metadata") + 1] == MASTER[5], words
+    assert words[words.index("--data") + 1] == str(demo / "conversations.jsonl"), words
 
 
 def test_a_server_python_without_the_package_is_refused_before_the_server_starts(patched_checkout,  # noqa: F811

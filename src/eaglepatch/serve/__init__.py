@@ -241,9 +241,11 @@ def mooncake_notes(settings: dict) -> list:
             MOONCAKE_BINDS]
 
 
-def mooncake_next_steps(url: str, settings: dict, python: str) -> list:
+def mooncake_next_steps(url: str, settings: dict, python: str, extract: str | None = None) -> list:
     """What to run once a server with the Mooncake sink answers: a request, then its object read from
-    the store with ``eaglepatch.mooncake.StoreReader`` (tools/extract.py reads dump files only)."""
+    the store with ``eaglepatch.mooncake.StoreReader``; then ``extract`` (a ``tools/extract.py``
+    command line that reads the store: ``--mooncake-master``/``--mooncake-metadata``, see
+    ``mooncake_extract``) where given."""
     src = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join([src] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     q = json.dumps  # the code holds double-quoted strings only: one single-quoted shell word
@@ -254,9 +256,20 @@ def mooncake_next_steps(url: str, settings: dict, python: str) -> list:
             f"{q(settings.get('EAGLE3_DUMP_MOONCAKE_METADATA') or 'P2PHANDSHAKE')}).tensors("
             "a[\"meta_info\"][\"eagle3_dump\"], timeout=30, delete=True); "
             "print({k: tuple(v.shape) for k, v in t.items()}, m[\"eagle3_layer_ids\"])")
-    return ["# each answer's meta_info[\"eagle3_dump\"] is its object's handle: one request, its states read from "
-            "the store and deleted (tools/extract.py reads dump files only; docs/online.md, \"Reading\")",
-            f"PYTHONPATH={shlex.quote(pythonpath)} {shlex.quote(python)} -c {shlex.quote(code)}"]
+    out = ["# each answer's meta_info[\"eagle3_dump\"] is its object's handle: one request, its states read from "
+           "the store and deleted (docs/online.md, \"Reading\")",
+           f"PYTHONPATH={shlex.quote(pythonpath)} {shlex.quote(python)} -c {shlex.quote(code)}"]
+    if extract:
+        out += ["# conversations to a dataset, read from the store (the mooncake package in that Python)", extract]
+    return out
+
+
+def mooncake_extract(extract_py: str, url: str, settings: dict, model: str, data: str, out: str) -> str:
+    """The ``tools/extract.py`` line that reads this server's Mooncake store into a dataset."""
+    q = shlex.quote
+    return (f"python3 {q(extract_py)} --server {q(url)} --model {q(model)} --data {q(data)} --out {q(out)} "
+            f"--mooncake-master {q(settings['EAGLE3_DUMP_MOONCAKE_MASTER'])} --mooncake-metadata "
+            f"{q(settings.get('EAGLE3_DUMP_MOONCAKE_METADATA') or 'P2PHANDSHAKE')}")
 
 
 def check_mooncake(plan: "Plan") -> None:
@@ -521,7 +534,10 @@ def production_plan(model_path: str, dump_dir, layers=None, sglang=None, series_
     notes.insert(0, f"serving {tree.describe()}, {series.name} applied")
     notes += mooncake_notes(settings)
     after = ([f"[serve] next, from another shell in {os.getcwd()}:"]
-             + ["  " + c for c in mooncake_next_steps(_url(host, port), settings, python)]
+             + ["  " + c for c in mooncake_next_steps(
+                 _url(host, port), settings, python,
+                 mooncake_extract(str(Path(__file__).resolve().parents[3] / "tools" / "extract.py"), _url(host, port),
+                                  settings, str(model_path), "CONVERSATIONS.jsonl", "DATASET"))]
              if settings.get("EAGLE3_DUMP_SINK") == "mooncake" else [])
     return Plan(argv, env, _url(host, port), pp if sglang is not None else None, notes, dump_dirs, after)
 
@@ -747,7 +763,7 @@ def _run(plan: Plan, env: dict, say) -> int:
 
 
 __all__ = ["Plan", "production_plan", "cpu_flags", "dump_flags", "dump_settings", "check_host", "parse_layers",
-           "check_mooncake", "mooncake_notes", "mooncake_next_steps",
+           "check_mooncake", "mooncake_notes", "mooncake_next_steps", "mooncake_extract",
            "patched_tree_at", "port_taken", "refuse_taken_port", "run", "stop_grace_s",
            "DUMP_FLAGS", "DUMP_SETTINGS", "STOP_MARGIN_S",
            "DEFAULT_HOST", "DEFAULT_PORT", "PINNED_RELEASE"]

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from .. import PINNED_RELEASE, cpuenv
 from ..errors import UsageError
-from . import (DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, mooncake_next_steps,
+from . import (DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, mooncake_extract,
+               mooncake_next_steps,
                mooncake_notes, patched_tree_at, tinychat)
 
 # EAGLE3_DUMP_LAYERS of the demo (4 decoder layers): the embedding output and layers 0-2 (aux layers:
@@ -261,7 +262,10 @@ def cpu_demo_plan(demo_dir, sglang=None, series_dir=None, layers=DEMO_LAYERS, du
     _write_if_changed(data, "".join(json.dumps(r) + "\n" for r in tinychat.conversations(DEMO_CONVERSATIONS)))
     drafts = _drafts(demo_dir, layers, n)
     url = _url(host, port)
-    cmds = (mooncake_next_steps(url, settings, str(py)) if settings.get("EAGLE3_DUMP_SINK") == "mooncake" else
+    cmds = (mooncake_next_steps(url, settings, str(py),
+                                mooncake_extract(tool("extract.py"), url, settings, str(demo_dir / "model"), str(data),
+                                                 str(demo_dir / "ds-specforge")))
+            if settings.get("EAGLE3_DUMP_SINK") == "mooncake" else
             next_commands(url, demo_dir, dump_dir, drafts, sorted(k for k in layers if k != n - 1)))
     env = {"SGLANG_USE_CPU_ENGINE": "1", "EAGLE3_DUMP_DIR": str(dump_dir), "EAGLE3_DUMP_LAYERS": ",".join(map(str, layers)),
            # the caller's PYTHONPATH after the tree (as production serving keeps it): a package installed
