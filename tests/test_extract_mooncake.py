@@ -36,16 +36,9 @@ from test_extract import AUX_FLAG, LAYERS, TOL, records, run_cli, sample_error, 
 from test_extract import assets, reference  # noqa: E402,F401  (fixtures: the demo's model, HF on its weights)
 
 from eaglepatch import mooncake  # noqa: E402
+from test_mooncake import site  # noqa: E402,F401  (a fixture: the mooncake package's site, on sys.path)
 
 N = 5  # conversations: a few, each one request through the store
-
-
-@pytest.fixture(scope="module")
-def site():
-    d = mooncake.ensure_site(Path(sys.executable))
-    if str(d) not in sys.path:
-        sys.path.insert(0, str(d))
-    return d
 
 
 @pytest.fixture(scope="module")

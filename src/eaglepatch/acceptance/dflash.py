@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import progress
+from . import train as train_mod
 from ..gpucheck import models as gmodels
 
 # The names SGLang's DFlashDraftModel.load_weights takes (models/dflash.py, 0.5.17 and 0.5.23): the
@@ -114,10 +115,11 @@ class DFlashRun:
         return self.TrainBatch(sample_ids=[str(i) for i in range(len(items))], strategy="dflash", tensors=t,
                                metadata={})
 
-    def train(self, files: list, batch: int, lr: float, max_steps: int, budget_s: float | None, seed: int,
+    def train(self, files: list, batch: int, lr: float, max_steps: int | None, budget_s: float | None, seed: int,
               say=print) -> dict:
-        """AdamW, the learning rate warmed up over 50 steps, ``max_steps`` steps over shuffled
-        epochs of ``files``; stops early only at ``budget_s`` (``stopped_by`` says which)."""
+        """AdamW, the learning rate warmed up over 50 steps, over shuffled epochs of ``files`` until
+        ``max_steps`` steps or ``budget_s`` seconds (either None: no such limit; ``stopped_by``
+        says which ended it)."""
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         rng = random.Random(seed)
         t0, step, hist, stop, ep = time.monotonic(), 0, [], None, 0
@@ -128,21 +130,16 @@ class DFlashRun:
             rng.shuffle(order)
             for i in range(0, len(order), batch):
                 b = self._batch([self._sample(files[j]) for j in order[i:i + batch]])
-                for g in opt.param_groups:
-                    g["lr"] = lr * min(1.0, (step + 1) / 50)
-                out = self.strategy.forward_loss(b)
-                opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                opt.step()
+                out = train_mod.optimizer_step(opt, self.strategy, self.model, b, lr, step, clip=1.0)
                 step += 1
                 if step % 25 == 0 or step == 1 or tick.due():
                     acc = round(float(out.metrics["accuracy"]), 4)
                     hist.append({"step": step, "epoch": ep, "loss": round(float(out.loss.detach()), 4), "acc": acc})
-                    say("[acceptance] dflash draft step %d/%d (epoch %d): loss %.3f, block accuracy %.3f (%.0f s)"
-                        % (step, max_steps, ep, float(out.loss.detach()), acc, time.monotonic() - t0))
+                    say("[acceptance] dflash draft step %d%s (epoch %d): loss %.3f, block accuracy %.3f (%.0f s)"
+                        % (step, "/%d" % max_steps if max_steps else "", ep, float(out.loss.detach()), acc,
+                           time.monotonic() - t0))
                     tick.mark()
-                if step >= max_steps:
+                if max_steps is not None and step >= max_steps:
                     stop = "max_steps"
                 elif budget_s is not None and time.monotonic() - t0 > budget_s:
                     stop = "budget"

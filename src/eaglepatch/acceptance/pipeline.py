@@ -1034,7 +1034,7 @@ class Run:
         by_steps = bool(self.p["draft_max_steps"])
         budget = self.left() - SERVE_RESERVE_S if by_steps else min(self.p["draft_budget_s"], self.left() - SERVE_RESERVE_S)
         budget = None if budget == float("inf") else max(budget, 5)
-        hist = run.train(files, self.p["draft_batch"], self.p["draft_lr"], self.p["draft_max_steps"] or 10 ** 9,
+        hist = run.train(files, self.p["draft_batch"], self.p["draft_lr"], self.p["draft_max_steps"] or None,
                          budget, s0, self.say)
         self.res["drafts"] = {"correct": {"seed": s0, "family": "dflash", "config": cfg, "training": hist}}
         v = self.res["verdicts"]["drafts"] = verdicts.dflash_drafts_verdict(hist, by_steps)

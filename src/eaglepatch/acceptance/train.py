@@ -448,6 +448,19 @@ def read_sample(path: str, max_len: int = 2048) -> dict:
             "input_ids": data["input_ids"][:max_len][None, :]}
 
 
+def optimizer_step(opt, strategy, model, batch, lr: float, step: int, clip: float):
+    """One optimizer step of a SpecForge step strategy on ``batch`` (the learning rate warmed up
+    linearly over the first 50 steps, gradients clipped to norm ``clip``); its StepOutput."""
+    for g in opt.param_groups:
+        g["lr"] = lr * min(1.0, (step + 1) / 50)
+    out = strategy.forward_loss(batch)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return out
+
+
 class DraftRun:
     """One draft: SpecForge's LlamaForCausalLMEagle3 (embedding from the target, frozen), wrapped in
     OnlineEagle3Model (TTT of ``steps`` steps) and Eagle3TrainStrategy with the target's TargetHead
@@ -532,13 +545,7 @@ class DraftRun:
         stop = None
         for ep in range(epochs):
             for b in self._batches(files, batch, rng):
-                for g in opt.param_groups:
-                    g["lr"] = lr * min(1.0, (step + 1) / 50)
-                out = self.strategy.forward_loss(b)
-                opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.5)
-                opt.step()
+                out = optimizer_step(opt, self.strategy, self.model, b, lr, step, clip=0.5)
                 step += 1
                 if step % 25 == 0 or step == 1:
                     acc = [round(float(a), 3) for a in out.metrics["acces"]]
