@@ -232,3 +232,18 @@ def test_dflash_run_refused_before_any_work(tmp_path, args, why):
     assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
     assert lines[0].startswith("error: " + why), lines[0]
     assert not (tmp_path / "w").exists()
+
+
+def test_dflash_draft_cut_by_the_budget_is_not_measured():
+    """Trained by steps (draft_max_steps), a DFlash draft the run's budget stopped early has no figure
+    worth serving: not measured, and the run's outcome is exit 1 naming how far it got. By seconds
+    (draft_budget_s) the budget is the configured end: measured."""
+    from eaglepatch.acceptance.verdicts import dflash_drafts_verdict, outcome
+
+    cut = {"steps": 40, "max_steps": 300, "stopped_by": "budget"}
+    v = dflash_drafts_verdict(cut, by_steps=True)
+    assert not v["measured"] and v["verdict"] == "not measured: the DFlash draft trained 40 of 300 steps (budget)", v
+    code, line = outcome({"phases": {}, "verdicts": {"drafts": v}})
+    assert code == 1 and line == v["verdict"], line
+    assert dflash_drafts_verdict(dict(cut, max_steps=None), by_steps=False)["measured"]
+    assert dflash_drafts_verdict(dict(cut, stopped_by="max_steps", steps=300), by_steps=True)["measured"]
