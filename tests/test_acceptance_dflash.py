@@ -149,6 +149,7 @@ def test_the_same_weights_fed_other_layers_accept_less(world):
     or the embedding, by margins (measured here: 2.51 / 2.02 / 1.96 / 1.02)."""
     run, files, plen = world["run"], world["files"], world["plen"]
     got = {r: lang_mod.served_accept_length(run.block_replay(files[r]["heldout"], plen))["accept_length"] for r in HF}
+    print("replayed accept length per reading:", got)  # the figures docs/acceptance.md reports (-s shows them)
     assert world["hist"]["steps"] == STEPS
     assert got["correct"] >= 2.2, got
     assert all(got["correct"] - got[r] >= 0.3 for r in ("shifted", "layer_input", "embedding")), got

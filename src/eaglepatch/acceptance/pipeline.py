@@ -327,11 +327,11 @@ def check_dflash(o: "Options", p: dict) -> None:
                          "drop --cpu (run it on a GPU machine), or drop --set family=dflash")
     if p["controls"] != "all" or p["draft_seeds"] != 1:
         raise UsageError("family=dflash runs the four controls of one draft", "drop --set controls / draft_seeds")
+    cfg = check_target_dir(o.target) if o.target is not None else target_config(o.scale)
     try:
-        conventions.draft_rule(o.release, "dflash", "deepseek_v2")
+        conventions.draft_rule(o.release, "dflash", conventions.config_cell(cfg))
     except UsageError as exc:
         raise UsageError(f"family=dflash: {exc.problem}", "pass --release 0.5.17 or 0.5.23") from None
-    cfg = check_target_dir(o.target) if o.target is not None else target_config(o.scale)
     if cfg["num_hidden_layers"] < max(DFLASH_IDS) + 3:
         raise UsageError(f"family=dflash needs a target of at least {max(DFLASH_IDS) + 3} layers (its ids "
                          f"{DFLASH_IDS} shifted by one stay below the last layer); this one has "
@@ -893,14 +893,16 @@ class Run:
 
     def dflash_readings(self) -> dict:
         """The DFlash controls, each the same weights under other ids, read as the release reads a
-        DFlash draft's ids on deepseek_v2.py (the series' ``draft_readings``): ``shifted`` ids + 1;
+        DFlash draft's ids on the target's model file (the series' ``draft_readings``): ``shifted`` ids + 1;
         ``layer_input`` the ids whose reading feeds the inputs of the correct layers (what a
         dataset read as layer inputs would hold: ids - 1); ``upstream_ids`` the correct ids on
         unpatched SGLang."""
         from .. import conventions
 
+        cell = conventions.config_cell(self.cfg)  # the target's model file (DeepseekV3: deepseek_v2.py)
+
         def hf(ids, patched=True):
-            return sorted(conventions.draft_hf_indices(self.o.release, "dflash", "deepseek_v2", ids, patched))
+            return sorted(conventions.draft_hf_indices(self.o.release, "dflash", cell, ids, patched))
 
         ids = list(DFLASH_IDS)
         shifted, below = [k + 1 for k in ids], [k - 1 for k in ids]
