@@ -39,6 +39,7 @@ from eaglepatch import mooncake  # noqa: E402
 from test_mooncake import site  # noqa: E402,F401  (a fixture: the mooncake package's site, on sys.path)
 
 N = 5  # conversations: a few, each one request through the store
+SPECFORGE_IDS = (0, 1, 2)  # the server's --specforge-ids: the demo's SpecForge draft's aux ids (outputs of layers 0-2)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,8 @@ def store_server(assets, site, master):  # noqa: F811
     url = f"http://127.0.0.1:{port}"
     log = assets.root / "store-server.log"
     cmd = (serve_command(assets.demo, port) + f" --sink mooncake --mooncake-master {master.address} "
-           f"--mooncake-metadata {master.metadata} --mooncake-segment-mb 256 --mooncake-buffer-mb 64")
+           f"--mooncake-metadata {master.metadata} --mooncake-segment-mb 256 --mooncake-buffer-mb 64 "
+           f"--specforge-ids {','.join(map(str, SPECFORGE_IDS))}")
     with open(log, "w") as fh:
         proc = subprocess.Popen("exec " + cmd, shell=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
                                 env=mooncake.with_site(dict(os.environ), site), start_new_session=True)
@@ -176,3 +178,193 @@ def test_one_of_the_two_flags_alone_is_a_usage_error(tmp_path, given):
     assert r.returncode == 2 and "--mooncake-master" in line and "--mooncake-metadata" in line, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ---- SpecForge's online path (issue 46): its adapter and feature store against this server -----------
+
+def _specforge_store(master, store_id: str):
+    """SpecForge's own MooncakeFeatureStore, with no memory of its own (as its online trainer runs)."""
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    return MooncakeFeatureStore(store_id=store_id, retain_on_release=True, setup_kwargs={
+        "local_hostname": "127.0.0.1", "metadata_server": master.metadata, "master_server_addr": master.address,
+        "protocol": "tcp", "rdma_devices": "", "global_segment_size": 0, "local_buffer_size": 64 << 20})  # as its consumer
+
+
+def _specforge_adapter(url: str, store, family: str, run_id: str, hidden: int):
+    """SpecForge 0.2.0's server-capture adapter for ``family`` and the capture config its run checks
+    answers against (the server's ids, the target's hidden size)."""
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
+    from specforge.inference.capture import CaptureConfig
+
+    reg = builtin_algorithm_registry().resolve(family)
+    lay = reg.providers.server_streaming_for("text").layout
+    schema = ServerCaptureSchema(aux_feature=lay.aux_feature, last_hidden_feature=lay.last_hidden_feature,
+                                 passthrough=lay.passthrough, attention_mask_feature=lay.attention_mask_feature)
+    adapter = SGLangServerCaptureAdapter(url, store, run_id=run_id, algorithm=family, schema=schema, timeout_s=120.0)
+    cap = CaptureConfig.from_strategy(reg.spec.feature_contract("streaming", "text").required_tensors,
+                                      aux_hidden_state_layer_ids=SPECFORGE_IDS,
+                                      target_repr="hidden_state" if lay.last_hidden_feature else None,
+                                      target_hidden_size=hidden)
+    return reg, lay, adapter, cap
+
+
+def _tasks(assets, data, run_id: str, attempt: int = 0) -> list:  # noqa: F811
+    from specforge.runtime.contracts import PromptTask
+
+    from eaglepatch.extract.data import load_conversations
+    from eaglepatch.extract.tokenize import ChatTokenizer
+
+    tok = ChatTokenizer(assets.tok)
+    out = []
+    for c in load_conversations(data):
+        enc = tok.encode(c.messages, 2048)
+        out.append(PromptTask(task_id=c.id, run_id=run_id, source_id="conv", attempt=attempt,
+                              payload={"input_ids": list(enc.input_ids), "loss_mask": list(enc.loss_mask)},
+                              max_length=len(enc.input_ids)))
+    return out
+
+
+def _keys_left(master, keys) -> list:
+    """The keys a fresh client of the store still finds (after SpecForge's lease has passed)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    m = MooncakeDistributedStore()
+    assert m.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        return [k for k in keys if m.is_exist(k) == 1]
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_specforge_trains_from_the_server_through_its_own_adapter_and_store(assets, store_server, master, data,
+                                                                             reference, family, monkeypatch):  # noqa: F811
+    """SpecForge 0.2.0's SGLangServerCaptureAdapter sends one /generate for a batch of prompts
+    (max_new_tokens 0, spec_capture payloads); every answer passes its checks (identity, the launch's
+    aux ids, widths) and becomes a SampleRef; its MooncakeFeatureStore reads, at its own keys, the
+    states Hugging Face computes (aux = outputs of layers 0-2 side by side, target = post-norm final),
+    the ids and loss mask sent; its streaming collator and the family's training model train three steps
+    (finite losses, the draft's weights move). Its deletes (abort, discard, drain) leave no object."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+
+    hidden = json.loads((assets.ckpt / "config.json").read_text())["hidden_size"]
+    run_id = f"run-{family}"
+    store = _specforge_store(master, f"sf-{family}")
+    reg, lay, adapter, cap = _specforge_adapter(store_server.url, store, family, run_id, hidden)
+    tasks = _tasks(assets, data, run_id)
+    refs = adapter.produce_refs(tasks, capture=cap)
+    failures = [r for r in refs if isinstance(r, ServerCaptureFailure)]
+    assert not failures, failures
+    assert len(refs) == len(tasks)
+    keys = []
+    try:
+        worst = 0.0
+        for task, ref in zip(tasks, refs):
+            assert ref.sample_id == f"{run_id}:{task.task_id}"
+            tensors, handle = store.get(ref)
+            ids = task.payload["input_ids"]
+            assert tensors["input_ids"].tolist() == [ids] and tensors["loss_mask"].tolist() == [task.payload["loss_mask"]]
+            ref_hf = reference.run(ids)
+            aux = torch.cat([ref_hf.stream[k + 1] for k in SPECFORGE_IDS], dim=-1)
+            got = tensors[lay.aux_feature]
+            assert got.shape == (1, len(ids), len(SPECFORGE_IDS) * hidden), got.shape
+            worst = max(worst, float((got[0].float() - aux).abs().max()))
+            if lay.last_hidden_feature:
+                worst = max(worst, float((tensors[lay.last_hidden_feature][0].float() - ref_hf.final).abs().max()))
+                assert tensors["attention_mask"].tolist() == [[1] * len(ids)]
+            store.release(handle)
+            keys += [f"sf-{family}/{ref.sample_id}/g1/{name}" for name in tensors]
+        assert worst <= TOL, f"max |SpecForge's tensors - HF| = {worst:.3g} > {TOL}"
+
+        streaming = reg.providers.server_streaming_for("text")
+        loader = FeatureDataLoader(store, refs=list(refs), batch_size=1, collate_fn=streaming.build_collator(),
+                                   strategy=family, gc_interval_s=None)
+        losses, moved = _train_three_steps(assets, family, list(loader), store_server.url, master, monkeypatch)
+        assert len(losses) == 3 and all(x == x and abs(x) < 1e4 for x in losses), losses
+        assert moved, "no weight of the draft that reads the states moved"
+    finally:
+        for ref in refs:
+            if not isinstance(ref, ServerCaptureFailure):
+                store.abort(ref.sample_id)
+        store.discard_external_attempts()
+        store.drain_pending_removals()
+    assert keys and _keys_left(master, keys) == []
+
+
+def _train_three_steps(assets, family: str, batches: list, url: str, master, monkeypatch) -> tuple:  # noqa: F811
+    """Three optimizer steps of SpecForge's own draft, training model and step strategy for ``family``
+    on ``batches``, configured as its online run against this server and master; (losses, whether a weight that reads the states moved)."""
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config import Config
+    from specforge.training.model_loading import resolve_draft_config
+    from transformers import AutoConfig, AutoTokenizer
+
+    draft_dir = assets.root / f"specforge-draft-{family}"
+    if family == "eagle3":
+        draft_dir = Path(json.loads((assets.demo / "serve.json").read_text())["drafts"]["specforge"]["dir"])
+    else:
+        tcfg = json.loads((assets.ckpt / "config.json").read_text())
+        draft_dir.mkdir(exist_ok=True)
+        (draft_dir / "config.json").write_text(json.dumps({
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tcfg["hidden_size"],
+            "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 64, "vocab_size": tcfg["vocab_size"], "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+            "rope_theta": 10000.0, "block_size": 4, "num_target_layers": tcfg["num_hidden_layers"],
+            "layer_types": ["full_attention"], "tie_word_embeddings": False,
+            "dflash_config": {"target_layer_ids": list(SPECFORGE_IDS), "mask_token_id": 3}}))
+    cfg = Config(model={"target_model_path": str(assets.ckpt), "draft_model_config": str(draft_dir),
+                        "torch_dtype": "float32"},
+                 data={"prompts_path": str(assets.root / "store-conv.jsonl")},
+                 deployment={"mode": "disaggregated", "disaggregated": {
+                     "control_dir": str(assets.root / f"specforge-control-{family}"), "backend": "mooncake",
+                     "server_urls": [url], "mooncake_metadata_server": master.metadata,
+                     "mooncake_master_server_addr": master.address}},
+                 training={"strategy": family, "attention_backend": "sdpa", "num_anchors": 8})
+    providers = builtin_algorithm_registry().resolve(family).providers
+    draft_config = resolve_draft_config(cfg, provider=providers.model.draft_config)
+    draft = providers.model.build_draft(cfg, draft_config)
+    parts = providers.model.build_training_model(cfg, draft, draft_config, AutoConfig.from_pretrained(str(assets.ckpt)),
+                                                 AutoTokenizer.from_pretrained(str(assets.tok)))
+    head = None
+    if family == "eagle3":  # the LM head SpecForge applies to the post-norm state it was sent (its TargetHead)
+        import specforge.algorithms.eagle3.model as eagle3_model
+        from specforge.modeling.target.target_head import TargetHead
+
+        from eaglepatch.acceptance.train import _TorchLogSoftmaxLoss
+
+        # its loss is a Triton kernel (GPU only): the same sum in torch, as the acceptance run trains on a CPU
+        monkeypatch.setattr(eagle3_model, "LogSoftmaxLoss", _TorchLogSoftmaxLoss)
+
+        head = TargetHead.from_pretrained(str(_indexed(assets.ckpt, assets.root / "target-indexed"))).float()
+    step = providers.step.build(parts.model, target_head=head) if head is not None else providers.step.build(parts.model)
+    torch.manual_seed(0)
+    before = {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
+    opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for batch in batches[:3]:
+        res = step.forward_loss(batch)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+        losses.append(float(res.loss.detach()))
+    moved = [k for k, v in draft.named_parameters() if k in before and not torch.equal(v, before[k])]
+    return losses, any(k.startswith("fc.") for k in moved)
+
+
+def _indexed(ckpt: Path, to: Path) -> Path:
+    """The one-file checkpoint as a sharded one looks (its ``model.safetensors.index.json``), which
+    SpecForge's TargetHead reads the LM head's file from; the files are links."""
+    from safetensors import safe_open
+
+    to.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        if not (to / f.name).exists():
+            (to / f.name).symlink_to(f)
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as fh:
+        names = list(fh.keys())
+    (to / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                 "weight_map": {n: "model.safetensors" for n in names}}))
+    return to

@@ -106,6 +106,10 @@ def main(argv=None) -> int:
                     help="EAGLE3_DUMP_REBUILDABLE: omit leaves out what tools/extract.py rebuilds from the model's "
                          "weights: embedding rows of vocabulary tokens, and the final state when layer N-1 is "
                          "dumped (default: $EAGLE3_DUMP_REBUILDABLE, else store)")
+    ap.add_argument("--specforge-ids", metavar="K,K,...",
+                    help="EAGLE3_DUMP_SPECFORGE_IDS: answer SpecForge's online capture requests (its spec_capture "
+                         "protocol) with these aux layer ids, SpecForge's --spec-capture-aux-layer-ids (k = output of "
+                         "layer k); needs --sink mooncake and the layers in the dump (docs/online.md)")
     ap.add_argument("--dump-writers", metavar="N",
                     help="EAGLE3_DUMP_WRITERS: threads writing dump files at once, each file committed whole "
                          "(default: $EAGLE3_DUMP_WRITERS, else the CPUs the server's rank may use, at most 4)")

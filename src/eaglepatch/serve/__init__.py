@@ -86,6 +86,8 @@ DUMP_SETTINGS = (
     DumpSetting("--mooncake-segment-mb", "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "", "MiB"),
     DumpSetting("--mooncake-buffer-mb", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "", "MiB"),
     DumpSetting("--mooncake-ttl-s", "EAGLE3_DUMP_MOONCAKE_TTL_S", "", "seconds"),
+    # SpecForge's capture protocol (docs/online.md "Online with SpecForge"): its aux ids, off when not given
+    DumpSetting("--specforge-ids", "EAGLE3_DUMP_SPECFORGE_IDS", "", "ids"),
 )
 MAX_WRITERS = 64  # eagle3_capture.settings.MAX_WRITERS
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
@@ -143,6 +145,10 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
         ok = value == "P2PHANDSHAKE" or value.startswith(("http://", "etcd://"))
     elif st.unit == "text":
         ok = bool(value) and not any(c.isspace() for c in value)
+    elif st.unit == "ids":
+        parts = value.split(",")
+        ok = all(p.strip().isdigit() for p in parts) and len({int(p) for p in parts}) == len(parts)
+        value = ",".join(str(int(p)) for p in parts) if ok else value
     elif threads:
         ok = value.isdigit() and 1 <= int(value) <= MAX_WRITERS
     elif choices:
@@ -158,11 +164,11 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
         return value
     what = ("1 or 0" if boolean else " or ".join(choices) if choices else {
         "host:port": "host:port", "metadata": "http://host:port/metadata, etcd://... or P2PHANDSHAKE",
-        "text": "one word"}.get(st.unit) or (
+        "text": "one word", "ids": "distinct layer ids >= 0, comma-separated"}.get(st.unit) or (
             f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else f"a positive finite number of {st.unit}"))
     example = ("1 or 0" if boolean else what if choices else "e.g. 4" if threads else
                {"host:port": "e.g. 127.0.0.1:50051", "metadata": "e.g. http://127.0.0.1:8080/metadata",
-                "text": "one word", "MiB": "e.g. 4096", "seconds": "e.g. 600"}.get(st.unit) if not st.default else "e.g. " + st.default)
+                "text": "one word", "MiB": "e.g. 4096", "seconds": "e.g. 600", "ids": "e.g. 1,29,57"}.get(st.unit) if not st.default else "e.g. " + st.default)
     if from_flag:
         raise UsageError(f"{st.flag} {raw!r} is not {what}",
                          f"pass e.g. {st.flag} 4" if threads else
@@ -197,6 +203,9 @@ def dump_settings(flags: dict, environ=None) -> tuple[dict, list]:
     if env.get("EAGLE3_DUMP_SINK") == "mooncake" and "EAGLE3_DUMP_MOONCAKE_MASTER" not in env:
         raise UsageError("--sink mooncake needs the store's master", "pass --mooncake-master HOST:PORT "
                          "(and --mooncake-metadata http://HOST:PORT/metadata; docs/online.md)")
+    if "EAGLE3_DUMP_SPECFORGE_IDS" in env and env.get("EAGLE3_DUMP_SINK") != "mooncake":
+        raise UsageError("--specforge-ids needs the Mooncake sink (SpecForge reads its states from the store)",
+                         "pass --sink mooncake --mooncake-master HOST:PORT --mooncake-metadata URL")
     if mooncake and env.get("EAGLE3_DUMP_SINK") != "mooncake":
         raise UsageError(f"{mooncake[0].flag} is set but the sink is file",
                          "pass --sink mooncake, or leave the Mooncake settings out")

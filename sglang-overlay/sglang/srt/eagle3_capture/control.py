@@ -179,6 +179,16 @@ class ControlServer:
                         raise ValueError("status needs a list of request ids")
                     reply = {"ok": True, "states": {str(r): self.writer.state(str(r)) for r in rids},
                              "handles": {str(r): self.writer.handle(str(r)) for r in rids}}
+                elif op == "expect":  # SpecForge payloads of requests about to be sent (specforge)
+                    requests = request.get("requests")
+                    if not isinstance(requests, dict):
+                        raise ValueError("expect needs an object of request id -> payload")
+                    reply = {"ok": True, "refused": self.writer.expect(requests)}
+                elif op == "captured":
+                    rids = request.get("rids")
+                    if not isinstance(rids, list):
+                        raise ValueError("captured needs a list of request ids")
+                    reply = {"ok": True, "results": self.writer.captured(rids, flush_timeout(request.get("timeout")))}
                 elif op in ("pause", "resume"):
                     self.writer.paused = op == "pause"
                     reply = {"ok": True, "paused": self.writer.paused}
@@ -539,6 +549,65 @@ def parallel_samples(sampling_params) -> int:
     return max([int(c) if isinstance(c, int) and not isinstance(c, bool) else 1 for c in counts] or [1])
 
 
+SPECFORGE_TIMEOUT = 240.0  # the longest an answer waits for its SpecForge objects (SpecForge waits 300 s)
+
+
+async def _specforge_expect(obj, request) -> Optional[dict]:
+    """SpecForge's ``spec_capture`` (``specforge``): its payloads, checked, from the HTTP body
+    (SGLang's request object drops fields it does not know), handed to the writer under request ids
+    set here; rid -> payload, or None for a request without it. ValueError (a 400 naming the
+    field) for a payload this server cannot take."""
+    from . import specforge
+
+    raw = await request.body()
+    if b'"spec_capture"' not in raw:
+        return None
+    try:
+        body = json.loads(raw)
+        payloads = specforge.payloads(body, specforge.prompt_lengths(body))
+    except (ValueError, specforge.ProtocolError) as exc:
+        raise ValueError(str(exc)) from None
+    if payloads is None:
+        return None
+    if not os.environ.get(ENV_CONTROL):
+        raise ValueError("spec_capture needs the hidden-state dump, which is off on this server; start it with "
+                         "EAGLE3_DUMP_DIR, EAGLE3_DUMP_SINK=mooncake and EAGLE3_DUMP_SPECFORGE_IDS")
+    single = not isinstance(body.get("input_ids", [None])[0], list)
+    given = obj.rid if obj.rid is not None else None
+    rids = ([given] if single else list(given)) if given is not None else [uuid.uuid4().hex for _ in payloads]
+    if len(rids) != len(payloads):
+        raise ValueError(f"rid names {len(rids)} requests for {len(payloads)} prompts")
+    obj.rid = rids[0] if single else rids
+    try:
+        asked = {str(r): p for r, p in zip(rids, payloads)}
+        reply = await _run_in_thread(lambda: call("expect", 30.0, requests=asked))
+    except FlushError as exc:
+        raise ValueError(f"spec_capture: the dump writer did not answer ({exc})") from None
+    refused = {r: why for r, why in (reply.get("refused") or {}).items() if why}
+    if not reply.get("ok") or refused:
+        raise ValueError("spec_capture refused: " + (next(iter(refused.values())) if refused else
+                                                     str(reply.get("error"))))
+    return {str(r): p for r, p in zip(rids, payloads)}
+
+
+async def _specforge_answer(done, expected: dict) -> None:
+    """Each finished answer of a SpecForge request carries ``meta_info["spec_capture"]``, once its
+    objects are readable (or why they are not: SpecForge retries)."""
+    from . import specforge
+
+    rids = [str(o["meta_info"]["id"]) for o in done if str(o["meta_info"]["id"]) in expected]
+    if not rids:
+        return
+    try:
+        results = (await _run_in_thread(lambda: call("captured", SPECFORGE_TIMEOUT, rids=rids)))["results"]
+    except (FlushError, KeyError, ValueError) as exc:
+        results = {r: specforge.error(expected[r], f"the dump writer did not answer ({exc})") for r in rids}
+    for o in done:
+        rid = str(o["meta_info"]["id"])
+        if rid in expected:
+            o["meta_info"]["spec_capture"] = results.get(rid) or specforge.error(expected[rid], "no result")
+
+
 def _answer_hooks(tokenizer_manager_cls) -> None:
     """Every finished answer (``/generate`` and ``Engine.generate``) says where its request's
     states are and what became of them: ``meta_info["eagle3_dump"] = {"sink": "file", "file":
@@ -558,8 +627,11 @@ def _answer_hooks(tokenizer_manager_cls) -> None:
                 f"EAGLE3_DUMP_DIR is on and this request asks for n={samples} samples: SGLang first prefills "
                 f"the prompt under a request id no answer names (its dump file would be an orphan), then "
                 f"each sample again; send the prompt once per sample instead (n=1)")
+        expected = await _specforge_expect(obj, request) if request is not None else None
         async for out in inner(self, obj, request):
             done = [o for o in _outputs(out) if _finished(o)]
+            if done and expected:
+                await _specforge_answer(done, expected)
             if done and os.environ.get(ENV_CONTROL):
                 # the launch's state table first (no round trip into the scheduler), the writer for the rest
                 states, handles, ask = _published([str(o["meta_info"]["id"]) for o in done])

@@ -66,6 +66,7 @@ from .settings import (
     resolved,
     text_config,
 )
+from . import specforge
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
 from .sinks import HOST, FileSink, MooncakeSink, SinkError, dump_directories
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
@@ -204,6 +205,8 @@ class DumpWriter:
         self.writers = writers
         self.sink = sink if sink is not None else FileSink(directory)
         self._handles: "OrderedDict[str, dict]" = OrderedDict()  # rid -> where its states are (handle())
+        self.specforge_ids: Optional[tuple] = None  # EAGLE3_DUMP_SPECFORGE_IDS (None: SpecForge's protocol is off)
+        self._expected: "OrderedDict[str, dict]" = OrderedDict()  # rid -> its SpecForge payload (expect())
         self._counts_lock = threading.Lock()  # the counts are bumped from the forward, gather and writer threads
         self.written = 0
         self.failed = 0
@@ -420,6 +423,62 @@ class DumpWriter:
             self._handles.move_to_end(req.rid)
             while len(self._handles) > STATES_KEPT:
                 self._handles.popitem(last=False)
+
+    # ---- SpecForge's capture protocol (specforge) ------------------------------------
+    def expect(self, requests: Dict[str, dict]) -> Dict[str, Optional[str]]:
+        """Take the SpecForge payloads of requests about to be sent (rid -> payload, checked by the
+        launching process): their states go to SpecForge's objects instead of this sink's. rid ->
+        why it cannot be captured (None: taken)."""
+        whole = not (self.layout.fp8 or self.layout.left_out)
+        out = {}
+        for rid, payload in requests.items():
+            why = specforge.refusal(payload, self.specforge_ids, self.layer_ids, self.final, whole,
+                                    getattr(self.sink, "name", "file"))
+            out[str(rid)] = why
+            if why is None:
+                with self._states_lock:
+                    self._expected[str(rid)] = payload
+                    while len(self._expected) > STATES_KEPT:
+                        self._expected.popitem(last=False)
+        return out
+
+    def captured(self, rids: List[str], timeout: float) -> Dict[str, dict]:
+        """rid -> its ``meta_info["spec_capture"]`` once its objects are put or it failed (waits up to
+        ``timeout`` seconds: an answer is never sent before its objects are readable)."""
+        deadline = time.monotonic() + timeout
+        out = {}
+        for rid in map(str, rids):
+            while self.state(rid) == "queued" and time.monotonic() < deadline:  # answered: prefilled already
+                time.sleep(0.002)
+            state = self.state(rid)
+            with self._states_lock:
+                payload = self._expected.pop(rid, None)
+            got = self.handle(rid).get("spec_capture")
+            if got is None or (state != "written" and "error" not in got):
+                why = {"queued": f"not captured within {timeout:g} s",
+                       "unknown": "not captured: no prefill of it reached the dump writer"}.get(state, state)
+                got = specforge.error(payload, why) if payload is not None else {"error": why}
+            out[rid] = got
+        return out
+
+    def _commit_specforge(self, payload: dict, out: Dict[str, torch.Tensor], req: RequestInfo) -> None:
+        """Put one request's states as SpecForge's objects (all or none) and record its answer."""
+        try:
+            named = specforge.tensors(payload, out, self.specforge_ids)
+            self.sink.put_objects({specforge.object_key(payload, n): t for n, t in named.items()})
+        except Exception as exc:  # this request only; SpecForge retries it (replace)
+            self._add("failed")
+            why = f"the write failed: {exc}"
+            self._set_handle(req, {"sink": specforge.HANDLE, "spec_capture": specforge.error(payload, why)})
+            self._not_written(req, why)
+            logger.error("%s: SpecForge sample %s (request %s) was not captured (%s); %d failed so far", ENV_DIR,
+                         payload["sample_id"], printable(req.rid), exc, self.failed)
+            return
+        self._set_handle(req, {"sink": specforge.HANDLE,
+                               "spec_capture": specforge.result(payload, self.specforge_ids, named)})
+        self._add("written")
+        self._set_state(req, "written")
+        self._written(req)
 
     def _add(self, count: str, n: int = 1) -> None:
         with self._counts_lock:
@@ -670,6 +729,12 @@ class DumpWriter:
             ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
         pkey = prompt_key(ids.tolist())
         key = req.key
+        with self._states_lock:
+            payload = self._expected.get(req.rid)
+        if payload is not None:  # SpecForge's objects, not this sink's (a retry replaces them)
+            out = {name: host[:length] for name, host in rows.items() if name != "input_ids"}
+            self._commit_specforge(payload, out, req)
+            return
         metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
         if self._written_before(req, metadata):
             return
@@ -896,6 +961,7 @@ def start_dump(runner, target, settings: DumpSettings):
         sink=sink,
     )
     writer.max_wait_s = settings.max_wait_s
+    writer.specforge_ids = settings.specforge_ids
     if writer.enabled:
         from . import identity
 

@@ -47,7 +47,8 @@ DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_READING", "EA
              "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS",
              "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER", "EAGLE3_DUMP_MOONCAKE_METADATA",
              "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "EAGLE3_DUMP_MOONCAKE_DEVICE", "EAGLE3_DUMP_MOONCAKE_HOST",
-             "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "EAGLE3_DUMP_MOONCAKE_TTL_S")
+             "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "EAGLE3_DUMP_MOONCAKE_TTL_S",
+             "EAGLE3_DUMP_SPECFORGE_IDS")
 # SIGTERM to the writing process: how long it writes what is queued before it exits (docker stop
 # waits 10 s, Slurm's KillWait and Kubernetes 30 s, systemd 90 s: set the runtime's grace above it)
 DEFAULT_DRAIN_S = 20.0
@@ -266,6 +267,7 @@ class DumpSettings:
     family: str = "eagle3"  # EAGLE3_DUMP_READING: whose reading layer_ids follow
     sink: str = "file"  # EAGLE3_DUMP_SINK
     mooncake: Optional[MooncakeSettings] = None  # EAGLE3_DUMP_MOONCAKE_*, with the mooncake sink
+    specforge_ids: Optional[tuple] = None  # EAGLE3_DUMP_SPECFORGE_IDS: SpecForge's capture protocol (specforge.py)
 
     @classmethod
     def from_env(cls, env=None) -> Optional["DumpSettings"]:
@@ -302,7 +304,7 @@ class DumpSettings:
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
                    storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
                    writers=_count(env, ENV_WRITERS, MAX_WRITERS), family=_choice(env, ENV_READING, FAMILIES),
-                   **sink)
+                   specforge_ids=_specforge_ids(env, sink["sink"]), **sink)
 
     @property
     def directories(self) -> List[str]:
@@ -315,6 +317,24 @@ class DumpSettings:
         if self.layer_ids is None:
             return default_capture_indices(num_layers)
         return sorted(capture_indices(self.layer_ids, num_layers, ENV_LAYERS, self.family))
+
+
+def _specforge_ids(env, sink: str) -> Optional[tuple]:
+    """EAGLE3_DUMP_SPECFORGE_IDS: the aux ids SpecForge's ``spec_capture`` requests get (None: the
+    protocol is off); its objects go to a Mooncake Store only."""
+    from .specforge import ENV_IDS, parse_ids
+
+    raw = env.get(ENV_IDS, "").strip()
+    if not raw:
+        return None
+    try:
+        ids = parse_ids(raw)
+    except ValueError as exc:
+        raise DumpConfigError(str(exc)) from None
+    if sink != "mooncake":
+        raise DumpConfigError(f"{ENV_IDS} is set but {ENV_SINK} is {sink!r}; SpecForge reads its states from a "
+                              f"Mooncake Store: set {ENV_SINK}=mooncake (serve.py --sink mooncake)")
+    return ids
 
 
 def _sink(env) -> dict:
@@ -676,6 +696,21 @@ def _model_config(server_args):
     return __import__(module, fromlist=["model_config_of"]).model_config_of(server_args)
 
 
+def check_specforge(settings: "DumpSettings", indices: Sequence[int]) -> None:
+    """SpecForge's protocol needs every id's state captured, stored whole (its reader takes no fp8)."""
+    if settings.specforge_ids is None:
+        return
+    from .specforge import ENV_IDS, missing_layers
+
+    missing = missing_layers(settings.specforge_ids, indices)
+    if missing:
+        raise DumpConfigError(f"{ENV_IDS} names layers {missing} that {ENV_LAYERS} does not dump; add them to "
+                              f"{ENV_LAYERS} (serve.py --specforge-ids adds them)")
+    if settings.storage.fp8 or settings.storage.omit:
+        raise DumpConfigError(f"{ENV_IDS} is set and the dump stores fp8 or leaves states out; SpecForge's reader "
+                              f"takes whole states: unset {ENV_DTYPE} and {ENV_REBUILDABLE}")
+
+
 def check_launch(server_args) -> None:
     """Called by the launching process (``launch_server`` and ``Engine``) before any worker
     starts or any weight loads: a setting under which the dump would be wrong ends the launch
@@ -690,6 +725,7 @@ def check_launch(server_args) -> None:
         hf_config = _model_config(server_args).hf_config
         num_layers = text_config(hf_config).num_hidden_layers
         indices = check_model(getattr(hf_config, "architectures", None) or [], num_layers, settings)
+        check_specforge(settings, indices)
         from .weights import check_launch as check_weights
 
         check_weights(server_args, settings, indices, num_layers)  # omit: weights readers can check

@@ -331,6 +331,34 @@ class MooncakeSink:
                                    "they read", TRACKED_MAX, self.cfg.ttl_s)
         return dict(self.where(key), manifest=man)
 
+    def put_objects(self, objects: Dict[str, torch.Tensor]) -> None:
+        """Put each tensor as one raw, hard-pinned object at its key (SpecForge's layout, ``specforge``):
+        all of them or, when one fails, none (those put are removed; an earlier object at a key is
+        removed first, so a failed retry leaves nothing a reader could take for it)."""
+        self._refuse_while_down(next(iter(objects), "?"))
+        specs, total = pack(objects)
+        buf = self._staging(total)
+        for key, spec in specs.items():
+            t = objects[key]
+            buf[spec["offset"]: spec["offset"] + spec["nbytes"]].view(t.dtype).view(t.shape).copy_(t)
+        put = []
+        try:
+            for key, spec in specs.items():
+                self._call(key, "the removal of an earlier object", self.store.remove(key, force=True), None)
+                self._call(key, "the object", self.store.upsert_from(key, buf.data_ptr() + spec["offset"],
+                                                                     spec["nbytes"], self._pin))
+                put.append(key)
+            codes = self.store.batch_is_exist(list(specs))
+            lost = [k for k, c in zip(specs, codes) if c != 1]
+            if lost:  # the master restarted during the puts
+                self._unanswered(codes[0] if codes else None)
+                raise SinkError(f"the Mooncake master {self.cfg.master} no longer had {lost[0]} once every object "
+                                f"was put (it restarted or stopped during the puts); not written")
+        except BaseException:
+            for key in put:
+                self.store.remove(key, force=True)
+            raise
+
     def _read_already(self, restarts: int) -> bool:
         """Whether an object missing right after its manifest was put was taken by a reader (who reads
         once the manifest is there and may delete it at once) rather than lost to a master that
