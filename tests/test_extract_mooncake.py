@@ -226,14 +226,18 @@ def _tasks(assets, data, run_id: str, attempt: int = 0) -> list:  # noqa: F811
     return out
 
 
-def _keys_left(master, keys) -> list:
-    """The keys a fresh client of the store still finds (after SpecForge's lease has passed)."""
+def _keys_left(master, keys, remove: bool = False) -> list:
+    """The keys a fresh client of the store still finds (after SpecForge's lease has passed); with
+    ``remove``, removed once found."""
     from mooncake.store import MooncakeDistributedStore
 
     m = MooncakeDistributedStore()
     assert m.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
     try:
-        return [k for k in keys if m.is_exist(k) == 1]
+        found = [k for k in keys if m.is_exist(k) == 1]
+        for k in found if remove else []:
+            m.remove(k, force=True)
+        return found
     finally:
         m.close()
 
@@ -368,3 +372,40 @@ def _indexed(ckpt: Path, to: Path) -> Path:
     (to / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
                                                                  "weight_map": {n: "model.safetensors" for n in names}}))
     return to
+
+
+def _spec_body(ids: list, sample: str, extra_key: str, new: int = 0, **change) -> dict:
+    """A /generate body as SpecForge's adapter sends it, for one DFlash prompt (``new``: its
+    max_new_tokens: 0 in SpecForge 0.2.0, 1 on its main branch)."""
+    payload = {"store_id": "sf-raw", "sample_id": sample, "gen": 1, "replace": False,
+               "features": {"aux": "hidden_states"},
+               "passthrough": [{"name": "input_ids", "data": ids, "shape": [1, len(ids)], "dtype": "int64"}]}
+    payload.update(change)
+    return {"input_ids": [ids], "extra_key": [extra_key], "sampling_params": {"temperature": 0.0, "max_new_tokens": new},
+            "spec_capture": [payload]}
+
+
+def test_spec_capture_refusals_and_retries_over_http(assets, store_server, master):  # noqa: F811
+    """What SpecForge's adapter meets on this server beyond its happy path: a payload the server cannot
+    take is a 400 whose message is one line naming the field (its adapter fails that batch); the same
+    prompt again under the same extra_key, with max_new_tokens 1 as SpecForge's main branch sends (the
+    prompt would be in a radix cache: the dump refuses that cache at launch, so no capture is ever
+    short), and its retry (``replace``) are captured whole; a request without spec_capture is answered
+    as before (no spec_capture, the sink's handle)."""
+    import requests
+
+    ids = list(range(40, 72))
+    url = store_server.url + "/generate"
+    hidden = json.loads((assets.ckpt / "config.json").read_text())["hidden_size"]
+    want = {"shape": [1, len(ids), len(SPECFORGE_IDS) * hidden], "dtype": "float32"}
+    r = requests.post(url, json=_spec_body(ids, "r:bad", "k0", gen=0), timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert r.json()["error"]["message"] == "spec_capture[0].gen 0 must be an integer >= 1", r.text
+    for new, replace in [(1, False), (1, True), (0, True)]:
+        got = requests.post(url, json=_spec_body(ids, "r:p", "k1", new=new, replace=replace), timeout=60).json()
+        got = (got[0] if isinstance(got, list) else got)["meta_info"]["spec_capture"]
+        assert "error" not in got and got["sample_id"] == "r:p" and got["features"]["hidden_states"] == want, got
+    plain = requests.post(url, json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, timeout=60).json()
+    assert "spec_capture" not in plain["meta_info"] and plain["meta_info"]["eagle3_dump"]["sink"] == "mooncake"
+    keys = ["sf-raw/r:p/g1/hidden_states", "sf-raw/r:p/g1/input_ids"]
+    assert _keys_left(master, keys, remove=True) == keys  # the retry's objects (removed here, as SpecForge would)

@@ -17,9 +17,10 @@ header: SpecForge's ``MooncakeFeatureStore`` layout) and answers, once every obj
      "features": {name: {"shape": [...], "dtype": "bfloat16"}, ...}}     # every object written
 
 or ``{"sample_id", "store_id", "gen", "error": why}`` (SpecForge retries it, ``replace`` true) when
-the request could not be captured: a prefix-cache hit, a full store, a master that does not answer,
-a stop. Nothing is answered before its objects are readable, and a failed write leaves none of its
-objects behind.
+the request could not be captured: a full store, a master that does not answer, a stop, rows the
+writer never saw. (A prefix-cache hit, which would leave a capture short, cannot happen: the dump
+refuses the radix cache at launch.) Nothing is answered before its objects are readable, and a
+failed write leaves none of its objects behind.
 
 What SpecForge's trainers read: ``aux`` = the launch's ids' states concatenated on the last
 dimension, ``[1, L, len(ids) * H]``; id k is the output of decoder layer k (Hugging Face
