@@ -260,3 +260,35 @@ def test_a_writer_that_cannot_capture_says_why(master, tmp_path):  # noqa: F811
     assert "no layer [0]" in w.expect({"x": dflash})["x"]
     assert w.captured(["never"], 1)["never"]["error"].startswith("not captured: no prefill")
     w.close()
+
+
+def test_the_launch_refuses_what_cannot_serve_specforge(master, tmp_path):  # noqa: F811
+    """Before any weight loads: ids that are not SpecForge's (negative, repeated, not numbers), the file
+    sink, ids the dump does not capture, fp8 storage: one line each, naming the fix."""
+    settings = sys.modules[pkg + ".settings"]
+    base = {"EAGLE3_DUMP_DIR": str(tmp_path), "EAGLE3_DUMP_SINK": "mooncake",
+            "EAGLE3_DUMP_MOONCAKE_MASTER": master.address, "EAGLE3_DUMP_MOONCAKE_METADATA": master.metadata}
+    for raw, needle in [("-1,2", "not a comma-separated list of layer ids >= 0"), ("1,1", "names a layer twice"),
+                        ("a", "not a comma-separated list")]:
+        with pytest.raises(settings.DumpConfigError, match=needle):
+            settings.DumpSettings.from_env(dict(base, EAGLE3_DUMP_SPECFORGE_IDS=raw))
+    with pytest.raises(settings.DumpConfigError, match="EAGLE3_DUMP_SINK is 'file'; SpecForge reads"):
+        settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": str(tmp_path), "EAGLE3_DUMP_SPECFORGE_IDS": "1"})
+    s = settings.DumpSettings.from_env(dict(base, EAGLE3_DUMP_SPECFORGE_IDS="3, 1"))
+    assert s.specforge_ids == (3, 1)  # SpecForge's order, which its answer check compares
+    settings.check_specforge(s, _idx(LAYERS))  # outputs of layers 1 and 3 are dumped
+    with pytest.raises(settings.DumpConfigError, match=r"names layers \[2\] that EAGLE3_DUMP_LAYERS does not dump"):
+        settings.check_specforge(settings.DumpSettings.from_env(dict(base, EAGLE3_DUMP_SPECFORGE_IDS="1,2")),
+                                 _idx(LAYERS))
+    with pytest.raises(settings.DumpConfigError, match="stores fp8 or leaves states out"):
+        settings.check_specforge(settings.DumpSettings.from_env(dict(base, EAGLE3_DUMP_SPECFORGE_IDS="1",
+                                                                     EAGLE3_DUMP_DTYPE="fp8")), _idx(LAYERS))
+
+
+def test_serve_refuses_specforge_ids_without_the_store(tmp_path):
+    from conftest import one_line_error, run_tool
+
+    for ids, needle in [("1,29", "--specforge-ids needs the Mooncake sink"), ("1,-2", "--specforge-ids '1,-2' is not")]:
+        r = run_tool("serve", "--model-path", tmp_path, "--dump-dir", tmp_path / "d", "--specforge-ids", ids, "--print")
+        assert r.returncode == 2 and needle in one_line_error(r), r.stderr
+        assert not (tmp_path / "d").exists()
