@@ -1,31 +1,46 @@
 #!/usr/bin/env python3
-"""Online against offline: the same requests through the Mooncake sink and the file sink, one run.
+"""Online against offline: the same requests through the Mooncake sink, SpecForge's capture protocol
+and the file sink, one run.
 
   python3 benchmarks/online.py --cpu --out online.json                         # CPU smoke (demo model)
   sh .gpu-extra/mooncake/unpack.sh /tmp/mc && . /tmp/mc/env.sh && \\
     PYTHONPATH=$PYTHONPATH:/tmp/site:src python3 benchmarks/online.py --mooncake-site /tmp/mc --out $OUT/online.json
+  python3 benchmarks/online.py --cpu --sinks file,specforge --out online.json  # some of the sinks
 
 For each sink one patched server is started as a user starts it (``tools/serve.py``; on the GPU a
 DeepSeek-V3-wide target, hidden 7168, 4 layers, dummy weights; the dump holds the outputs of layers
 0, 1, 2 and the final state: 4 states a token), warmed up untimed, then driven by the same seeded
-requests (random ids, ShareGPT-like lengths, ``max_new_tokens`` 1, ``--concurrency`` in flight):
+requests (random ids, ShareGPT-like lengths, ``max_new_tokens`` 1, ``--concurrency`` in flight).
+The ``specforge`` server is the ``mooncake`` one started with ``--specforge-ids 0,1,2`` and driven by
+SpecForge 0.2.0's own client classes (its online capture protocol, docs/online.md "Online with
+SpecForge"): ``SGLangServerCaptureAdapter.produce_refs`` with the EAGLE-3 schema sends one
+``/generate`` per batch of SpecForge's default lease (8 prompts, ``max_new_tokens`` 0), ``--concurrency``
+/ 8 batches in flight (at least 1); its ``MooncakeFeatureStore`` reads the objects the server put
+(``aux`` [1, L, 3H] = layers 0-2, ``last_hidden`` [1, L, H] = the final state: the same 4 states a
+token, plus the int64 ``input_ids``, ``loss_mask`` and ``attention_mask`` it passes through).
 
 - ``produce``: every request sent, nothing read; the clock runs from the first request to the
-  flush's return (every object in the store, every file durable): samples/s, tokens/s, GB/s and
-  bytes per token into the sink;
+  flush's return (every object in the store, every file durable); ``specforge``: to the last batch's
+  answer (an answer comes only once every object of its batch is in the store; the flush after it is
+  not timed): samples/s, tokens/s, GB/s and bytes per token into the sink;
 - ``consume``: the produce pass's samples read back as a trainer's loader reads them, one thread:
-  Mooncake ``StoreReader.tensors(handle, delete=True)``, file ``safetensors`` load and unlink; each
-  sample's tensors moved to the GPU (on CPU: left where they are): the reader's rate into a
-  training loop;
+  Mooncake ``StoreReader.tensors(handle, delete=True)``, file ``safetensors`` load and unlink,
+  SpecForge ``MooncakeFeatureStore.get(ref)``, ``release`` and ``abort`` (its delete); each sample's
+  tensors moved to the GPU (on CPU: left where they are): the reader's rate into a training loop;
 - ``online``: other requests of the same lengths, each answer's states read, moved and deleted as
-  soon as its handle comes (a trainer fed straight from the server): tokens/s end to end, first
-  request to last sample on the device.
+  soon as its handle comes (``specforge``: each batch's refs, as soon as the batch answers; a trainer
+  fed straight from the server): tokens/s end to end, first request to last sample on the device.
 
 ``--repeats N`` runs the three passes N times on each server; the JSON keeps every repetition
-and, per pass, the median one with the min, and the Mooncake/file ratios of repetition i against
-repetition i (min, median, all). A flush that counts a failed write fails the run. ``--sinks file`` or
-``--sinks mooncake`` runs one. Exit: 0 done; 1 a sink's server or a pass failed (named in the JSON);
-2 usage error (one line, nothing written).
+and, per pass, the median one with the min, and the Mooncake/file and SpecForge/file ratios of
+repetition i against repetition i (min, median, all). A flush that counts a failed write, or a
+capture SpecForge's adapter answers as failed (``ServerCaptureFailure``), fails the run. After its
+passes the ``specforge`` sink runs SpecForge's ``discard_external_attempts()`` and
+``drain_pending_removals()`` and then looks for every key the run sent with a fresh store client:
+one left fails the run. ``--sinks`` takes a comma list of file, mooncake, specforge; the default is
+all three when SpecForge's package imports, else file and mooncake (said in one stderr line and in
+the JSON's ``sinks_left_out``). Exit: 0 done; 1 a sink's server or a pass failed (named in the
+JSON); 2 usage error (one line, nothing written).
 """
 
 from __future__ import annotations
@@ -50,8 +65,11 @@ for _p in (REPO / "src", REPO / "benchmarks", REPO / "tests" / "extract_fixtures
 import peers  # noqa: E402  (the side-by-side benchmark's server helpers)
 from eaglepatch.errors import UsageError  # noqa: E402
 
-SINKS = ("file", "mooncake")
+SINKS = ("file", "mooncake", "specforge")
+STORE_SINKS = ("mooncake", "specforge")  # the sinks whose server writes into a Mooncake master's store
 PASSES = ("produce", "consume", "online")
+SPECFORGE_IDS = tuple(k - 1 for k in peers.AUX_HF)  # SpecForge's aux ids (output of layer k): 0, 1, 2
+SPECFORGE_FAMILY = "eagle3"  # the schema its adapter sends: aux + last_hidden + input_ids, loss_mask, attention_mask
 PROFILES = {
     "cpu": dict(requests=24, min_len=24, max_len=600, median=110, sigma=0.8, concurrency=4, warm_s=3.0,
                 pass_s=120.0, segment_mb=1024, buffer_mb=256, budget_s=900.0),
@@ -102,8 +120,6 @@ class Consumer:
 
     def read(self, handle: dict, timeout: float = 120.0) -> tuple:
         """(bytes, seconds) of one sample read onto the device and deleted from the sink."""
-        import torch
-
         t = time.monotonic()
         if self.sink == "mooncake":
             tensors, meta = self.reader.tensors(handle, timeout=timeout, delete=True)
@@ -118,12 +134,179 @@ class Consumer:
                 time.sleep(0.005)
             tensors = load_file(str(path))
             path.unlink()
-        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
-        if self.device != "cpu":
-            moved = [v.to(self.device, non_blocking=True) for v in tensors.values()]
-            torch.cuda.synchronize()
-            assert sum(v.numel() * v.element_size() for v in moved) == nbytes
+        return to_device(tensors, self.device), time.monotonic() - t
+
+
+def to_device(tensors: dict, device: str) -> int:
+    """Move one sample's tensors to ``device`` as a training loop does (on CPU: left where they
+    are); their bytes."""
+    import torch
+
+    nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+    if device != "cpu":
+        moved = [v.to(device, non_blocking=True) for v in tensors.values()]
+        torch.cuda.synchronize()
+        assert sum(v.numel() * v.element_size() for v in moved) == nbytes
+    return nbytes
+
+
+def specforge_version() -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version("specforge")
+    except md.PackageNotFoundError:
+        return None
+
+
+def specforge_missing() -> str | None:
+    """Why SpecForge's client classes (its capture adapter, its Mooncake feature store) do not
+    import here; None when they do."""
+    try:
+        import specforge.inference.adapters.server_capture  # noqa: F401
+        import specforge.runtime.data_plane.mooncake_store  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the reason, in one line
+        return "%s: %s" % (type(exc).__name__, " ".join(str(exc).split())[:200])
+    return None
+
+
+class SpecForgeClient:
+    """SpecForge 0.2.0's own client side of its online capture protocol, as its online run builds
+    it: ``SGLangServerCaptureAdapter`` (EAGLE-3 schema) sends each batch of prompts and turns the
+    answers into refs; ``MooncakeFeatureStore`` (lending the store no memory) reads each ref's
+    objects, ``release`` and ``abort`` delete them. Every key a request named is remembered, to be
+    looked for once the run has cleaned up."""
+
+    def __init__(self, url: str, master, hidden: int, device: str, tag: str, concurrency: int):
+        import inspect
+
+        from specforge.algorithms.builtin import builtin_algorithm_registry
+        from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
+        from specforge.inference.capture import CaptureConfig
+        from specforge.launch import build_disagg_online_producer
+        from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+        self.master, self.device = master, device
+        # SpecForge's default lease: the prompts one capture call of its online producer carries
+        self.lease = inspect.signature(build_disagg_online_producer).parameters["lease"].default
+        self.inflight = max(1, concurrency // self.lease)  # capture calls in flight: --concurrency prompts
+        self.run_id = "online-" + tag
+        self.store = MooncakeFeatureStore(store_id="bench-" + tag, retain_on_release=True, setup_kwargs={
+            "local_hostname": "127.0.0.1", "metadata_server": master.metadata, "master_server_addr": master.address,
+            "protocol": "tcp", "rdma_devices": "", "global_segment_size": 0, "local_buffer_size": 64 << 20})
+        reg = builtin_algorithm_registry().resolve(SPECFORGE_FAMILY)
+        lay = reg.providers.server_streaming_for("text").layout
+        schema = ServerCaptureSchema(aux_feature=lay.aux_feature, last_hidden_feature=lay.last_hidden_feature,
+                                     passthrough=lay.passthrough, attention_mask_feature=lay.attention_mask_feature)
+        self.names = [n for n in (lay.aux_feature, lay.last_hidden_feature, *(x[0] for x in lay.passthrough),
+                                  lay.attention_mask_feature) if n]
+        self.adapter = SGLangServerCaptureAdapter(url, self.store, run_id=self.run_id, algorithm=SPECFORGE_FAMILY,
+                                                  schema=schema, timeout_s=600.0)
+        self.capture = CaptureConfig.from_strategy(
+            reg.spec.feature_contract("streaming", "text").required_tensors, aux_hidden_state_layer_ids=SPECFORGE_IDS,
+            target_repr="hidden_state" if lay.last_hidden_feature else None, target_hidden_size=hidden)
+        self.keys: list = []  # every object key a request asked for
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def produce(self, batch: list) -> tuple:
+        """(refs or ServerCaptureFailure per prompt, in order; seconds): one capture call."""
+        from specforge.runtime.contracts import PromptTask
+
+        with self._lock:
+            first, self._n = self._n, self._n + len(batch)
+        tasks = [PromptTask(task_id="t%06d" % (first + i), run_id=self.run_id, source_id="online-bench",
+                            payload={"input_ids": ids, "loss_mask": [1] * len(ids)}, max_length=len(ids))
+                 for i, ids in enumerate(batch)]
+        with self._lock:
+            self.keys += [self.store._tkey("%s:%s" % (self.run_id, t.task_id), 1, n)  # SpecForge's own key layout
+                          for t in tasks for n in self.names]
+        t = time.monotonic()
+        refs = self.adapter.produce_refs(tasks, capture=self.capture)
+        return refs, time.monotonic() - t
+
+    def read(self, ref) -> tuple:
+        """(bytes, seconds) of one ref read onto the device and deleted (release, abort)."""
+        t = time.monotonic()
+        tensors, handle = self.store.get(ref)
+        nbytes = to_device(tensors, self.device)
+        self.store.release(handle)
+        self.store.abort(ref.sample_id)
         return nbytes, time.monotonic() - t
+
+    def close(self) -> dict:
+        """SpecForge's terminal clean-up (``discard_external_attempts``, ``drain_pending_removals``),
+        then every key the run asked for looked for with a fresh client: what is left."""
+        from eaglepatch.mooncake import StoreReader
+
+        out: dict = {"release_pending_before": self.store.health()["release_pending"]}
+        for what, call in (("discarded", self.store.discard_external_attempts),
+                           ("drain", self.store.drain_pending_removals)):
+            try:
+                out[what] = call()
+            except Exception as exc:  # noqa: BLE001 - named in the result, fails the sink
+                out["failed"] = "%s: %s: %s" % (what, type(exc).__name__, str(exc)[:300])
+        try:
+            reader = StoreReader(self.master.address, self.master.metadata)
+            try:
+                left = [k for k in self.keys if reader.store.is_exist(k) != 0]  # 1 there, < 0 no answer
+            finally:
+                reader.close()
+        except Exception as exc:  # noqa: BLE001 - named in the result, fails the sink
+            out["failed"] = "the keys could not be looked for: %s: %s" % (type(exc).__name__, str(exc)[:300])
+            left = None
+        finally:
+            # SpecForge keeps its store's client for the life of its process; this one ends with its master
+            self.store._store.close()
+        if left is not None:
+            out.update(keys=len(self.keys), keys_left=len(left), keys_left_first=left[:5])
+            if left:
+                out["failed"] = "%d of the run's %d keys are still in the store (first %s)" % (
+                    len(left), len(self.keys), left[0])
+        return out
+
+
+def capture_errors(batch: list, refs) -> list:
+    """One line per prompt of ``batch`` that SpecForge's adapter answered with a ServerCaptureFailure."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    return ["capture failed (%d tokens): %s: %s" % (len(ids), r.task_id, str(r.reason)[:300])
+            for ids, r in zip(batch, refs) if isinstance(r, ServerCaptureFailure)]
+
+
+def drive_specforge(client: SpecForgeClient, prompts_: list, deadline: float, read: bool) -> dict:
+    """Send ``prompts_`` through SpecForge's adapter in batches of its lease, ``client.inflight``
+    batches at once; with ``read`` each batch's refs are read, moved and deleted as soon as it
+    answers. Returns per-sample records (with the ref) like ``drive``."""
+    recs, errors = [], []
+    t0 = time.monotonic()
+    batches = [prompts_[i:i + client.lease] for i in range(0, len(prompts_), client.lease)]
+
+    def one(batch):
+        if time.monotonic() > deadline:
+            return
+        try:
+            refs, answer_s = client.produce(batch)
+        except Exception as exc:  # noqa: BLE001 - the whole batch, counted and named
+            errors.append("batch of %d: %s: %s" % (len(batch), type(exc).__name__, str(exc)[:300]))
+            return
+        errors.extend(capture_errors(batch, refs))
+        for ids, ref in zip(batch, refs):
+            if not hasattr(ref, "sample_id"):
+                continue
+            rec = {"tokens": len(ids), "answer_s": answer_s, "ref": ref}
+            if read:
+                try:
+                    rec["bytes"], rec["read_s"] = client.read(ref)
+                except Exception as exc:  # noqa: BLE001 - counted and named
+                    errors.append("read %s: %s: %s" % (ref.sample_id, type(exc).__name__, str(exc)[:300]))
+                    continue
+            rec["done"] = time.monotonic() - t0
+            recs.append(rec)
+
+    with ThreadPoolExecutor(client.inflight) as pool:
+        list(pool.map(one, batches))
+    return {"recs": recs, "errors": errors, "wall_s": time.monotonic() - t0}
 
 
 def drive(url: str, batch: list, concurrency: int, deadline: float, consumer: Consumer | None) -> dict:
@@ -224,10 +407,10 @@ class Bench:
             if not (r.tokenizer / "tokenizer_config.json").is_file():
                 tinychat.build_tokenizer(r.tokenizer, vocab_size=cfg["vocab_size"])
             r.release = r.site_release()
-            self.vocab = cfg["vocab_size"]
+            self.vocab, self.hidden = cfg["vocab_size"], cfg["hidden_size"]
         else:
             r.prepare()  # the CPU demo (model, tokenizer, patched tree) and its conversations
-            self.vocab = r.vocab
+            self.vocab, self.hidden = r.vocab, r.hidden
         n = self.a.requests or self.prof["requests"]
         self.batches = {"produce": prompts(lengths(n, self.prof, 11), self.vocab, 12),
                         "online": prompts(lengths(n, self.prof, 21), self.vocab, 22)}
@@ -261,10 +444,12 @@ class Bench:
                     "--python", sys.executable]
         else:
             cmd += ["--cpu-demo", self.work / "demo", "--layers=" + ",".join(map(str, ids)), "--port", port]
-        if sink == "mooncake":
+        if sink in STORE_SINKS:
             cmd += ["--sink", "mooncake", "--mooncake-master", master.address, "--mooncake-metadata", master.metadata,
                     "--mooncake-segment-mb", self.prof["segment_mb"], "--mooncake-buffer-mb", self.prof["buffer_mb"],
                     "--mooncake-ttl-s", 3600]
+        if sink == "specforge":
+            cmd += ["--specforge-ids", ",".join(map(str, SPECFORGE_IDS))]
         if self.gpu:
             cmd += ["--", "--tokenizer-path", r.tokenizer, "--load-format", "dummy", *r.gpu_engine_flags()]
         return [str(c) for c in cmd]
@@ -280,7 +465,7 @@ class Bench:
         dumps = (self.work / "dumps-gpu") if self.gpu else (self.work / "demo" / "dumps")
         master = None
         env = r.base_env()
-        if sink == "mooncake":
+        if sink in STORE_SINKS:
             site = self.mooncake_site()
             env = mooncake.with_site(env, site)
             os.environ["PYTHONPATH"] = os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
@@ -300,14 +485,26 @@ class Bench:
             except Exception:  # noqa: BLE001 - named in the result
                 return {"failed": "the %s-sink server did not start: %s" % (sink, peers.log_tail(log, 3)), "log": str(log)}
             say("%s: server ready in %.0f s" % (sink, res["server_startup_s"]))
-            consumer = Consumer(sink, dumps, self.device, master)
-            res["warmup"] = self.warm(url, consumer)
+            if sink == "specforge":
+                consumer = SpecForgeClient(url, master, self.hidden, self.device, "%d-%d" % (os.getpid(), port),
+                                           self.a.concurrency or self.prof["concurrency"])
+                res["client"] = {"specforge": specforge_version(), "schema": SPECFORGE_FAMILY,
+                                 "aux_layer_ids": list(SPECFORGE_IDS), "prompts_per_call": consumer.lease,
+                                 "calls_in_flight": consumer.inflight, "store_id": consumer.store.store_id}
+                res["warmup"] = self.warm_specforge(consumer)
+            else:
+                consumer = Consumer(sink, dumps, self.device, master)
+                res["warmup"] = self.warm(url, consumer)
             repeats = self.a.repeats or 1
             res["repeats"] = []
             for i in range(repeats):
                 rep: dict = {}
                 res["repeats"].append(rep)
-                self.passes(sink, url, consumer, rep, "%s (repetition %d of %d)" % (sink, i + 1, repeats))
+                who = "%s (repetition %d of %d)" % (sink, i + 1, repeats)
+                if sink == "specforge":
+                    self.passes_specforge(url, consumer, rep, who)
+                else:
+                    self.passes(sink, url, consumer, rep, who)
             for ps in PASSES:  # the repetition of median tokens/s, with the min, median and all of them
                 reps = [r[ps] for r in res["repeats"] if r.get(ps, {}).get("tokens_per_s")]
                 if not reps:
@@ -322,8 +519,11 @@ class Bench:
             res["online_flush"] = res["repeats"][-1].get("online_flush")
             self.write()
         finally:
+            if isinstance(consumer, SpecForgeClient):  # SpecForge's clean-up while the server's store is up
+                res["cleanup"] = consumer.close()
+                say("specforge clean-up: %s" % {k: v for k, v in res["cleanup"].items() if k != "keys_left_first"})
             peers.stop(p)
-            if consumer is not None:
+            if isinstance(consumer, Consumer):
                 consumer.close()
             if master is not None:
                 master.stop()
@@ -374,6 +574,76 @@ class Bench:
         self.write()
         say("%s online: %s samples, %s tokens/s" % (who, res["online"]["samples"], res["online"]["tokens_per_s"]))
 
+    def passes_specforge(self, url: str, client: SpecForgeClient, res: dict, who: str) -> None:
+        """One repetition of the three passes through SpecForge's adapter and store into ``res``."""
+        pass_s = self.a.pass_s or self.prof["pass_s"]
+        # produce: every batch's capture call answered (its objects all in the store), nothing read
+        got = drive_specforge(client, self.batches["produce"], time.monotonic() + pass_s, read=False)
+        res["produce"] = summary(got["recs"], got["wall_s"], "first capture call to the last answer (every "
+                                 "object in the store)")
+        self.failures(res["produce"], got["errors"], len(self.batches["produce"]))
+        res["produce_flush"] = flush(url)  # untimed: the dump's own counts
+        self.write()
+        say("%s produce: %s samples, %s tokens/s" % (who, res["produce"]["samples"], res["produce"]["tokens_per_s"]))
+        # consume: the produce pass's refs, one reader thread, onto the device, deleted (release, abort)
+        t1 = time.monotonic()
+        reads, errs = [], []
+        for rec in got["recs"]:
+            try:
+                b, sec = client.read(rec["ref"])
+                reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": sec})
+            except Exception as exc:  # noqa: BLE001 - counted and named
+                errs.append("read %s: %s: %s" % (rec["ref"].sample_id, type(exc).__name__, str(exc)[:300]))
+        res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, MooncakeFeatureStore.get + to "
+                                 "%s + release + abort" % self.device)
+        res["consume"]["errors"] = errs[:5]
+        res["consume"]["failed_reads"] = len(errs)
+        res["produce"]["bytes_per_token"] = res["consume"].get("bytes_per_token")
+        say("%s consume: %d samples, %s tokens/s, %s GB/s, %s B/token" % (
+            who, len(reads), res["consume"]["tokens_per_s"], res["consume"].get("gb_per_s"),
+            res["consume"].get("bytes_per_token")))
+        self.write()
+        # online: each batch's refs read, moved and deleted as soon as it answers
+        got = drive_specforge(client, self.batches["online"], time.monotonic() + pass_s, read=True)
+        res["online"] = summary(got["recs"], got["wall_s"], "first capture call to the last sample on %s"
+                                % self.device)
+        self.failures(res["online"], got["errors"], len(self.batches["online"]))
+        res["online"]["failed"] = len(got["errors"])
+        res["online_flush"] = flush(url)
+        res["release_pending"] = client.store.health()["release_pending"]  # removals SpecForge deferred so far
+        self.write()
+        say("%s online: %s samples, %s tokens/s" % (who, res["online"]["samples"], res["online"]["tokens_per_s"]))
+
+    @staticmethod
+    def failures(summ: dict, errors: list, sent: int) -> None:
+        """A pass's errors (failed captures, failed calls and reads) into its summary: any fails the run."""
+        summ["errors"] = errors[:5]
+        summ["failed_captures"] = sum(1 for e in errors if e.startswith("capture failed"))
+        summ["not_captured"] = sent - summ["samples"]
+
+    def warm_specforge(self, client: SpecForgeClient) -> dict:
+        """``warm`` through SpecForge's adapter: rounds of ``client.inflight`` capture calls of its lease
+        (read and deleted) until one runs within 10% of the one before or ``--warm-s`` is spent."""
+        limit = self.prof["warm_s"] if self.a.warm_s is None else self.a.warm_s
+        rec = {"limit_s": limit, "rounds": []}
+        t0 = time.monotonic()
+        seed = 100
+        while time.monotonic() - t0 < limit:
+            n = client.lease * client.inflight
+            batch = prompts(lengths(n, self.prof, seed), self.vocab, seed + 1)
+            seed += 2
+            got = drive_specforge(client, batch, time.monotonic() + limit + 60, read=True)
+            if got["errors"]:
+                rec["error"] = got["errors"][0]
+                break
+            rate = sum(map(len, batch)) / max(got["wall_s"], 1e-9)
+            rec["rounds"].append(round(rate, 1))
+            if len(rec["rounds"]) > 1 and abs(rate - rec["rounds"][-2]) <= 0.1 * rec["rounds"][-2]:
+                break
+        rec["warm_s"] = round(time.monotonic() - t0, 1)
+        say("warm-up: %d round(s), tokens/s %s" % (len(rec["rounds"]), rec["rounds"]))
+        return rec
+
     def warm(self, url: str, consumer: Consumer) -> dict:
         """Untimed rounds of ``concurrency`` requests (read and deleted) until one runs within 10% of
         the one before or ``--warm-s`` is spent: Triton compiles per new batch shape on a fresh server."""
@@ -415,22 +685,24 @@ class Bench:
             self.result["sinks"][sink] = self.sink(sink)
             self.write()
         s = self.result["sinks"]
-        if all(k in s and "repeats" in s[k] for k in SINKS):
+        for sink in ("mooncake", "specforge"):
+            if not all(k in s and "repeats" in s[k] for k in (sink, "file")):
+                continue
             # repetition i of one sink against repetition i of the other: min, median and all the ratios
             ratios = {}
             for ps in PASSES:
                 rs = sorted(round(m[ps]["tokens_per_s"] / f[ps]["tokens_per_s"], 3)
-                            for m, f in zip(s["mooncake"]["repeats"], s["file"]["repeats"])
+                            for m, f in zip(s[sink]["repeats"], s["file"]["repeats"])
                             if m.get(ps, {}).get("tokens_per_s") and f.get(ps, {}).get("tokens_per_s"))
                 if rs:
                     ratios[ps] = {"min": rs[0], "median": rs[(len(rs) - 1) // 2], "all": rs}
-            self.result["mooncake_over_file"] = ratios
+            self.result[sink + "_over_file"] = ratios
         self.result["wall_s"] = round(time.monotonic() - T0, 1)
         self.write()
-        bad = [k for k, v in s.items() if "failed" in v or (v.get("online_flush") or {}).get("failed") or any(
-            v.get(ps, {}).get("errors") for ps in PASSES)]
-        print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in PASSES}
-                          for k, v in s.items()} | {"mooncake_over_file": self.result.get("mooncake_over_file")}))
+        bad = [k for k, v in s.items() if "failed" in v or (v.get("online_flush") or {}).get("failed")
+               or (v.get("cleanup") or {}).get("failed") or any(v.get(ps, {}).get("errors") for ps in PASSES)]
+        print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in PASSES} for k, v in s.items()}
+                         | {k: self.result.get(k) for k in ("mooncake_over_file", "specforge_over_file")}))
         if bad:
             print("error: sink(s) %s failed or lost requests; see %s" % (", ".join(bad), self.a.out or "the JSON"),
                   file=sys.stderr)
@@ -442,7 +714,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="online.py", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="CPU smoke: the CPU demo's model, the CPU Mooncake wheel")
-    ap.add_argument("--sinks", default="file,mooncake", help="comma list of file, mooncake (default: both)")
+    ap.add_argument("--sinks", help="comma list of file, mooncake, specforge (default: all three when SpecForge's "
+                                    "package imports, else file and mooncake)")
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--requests", type=int, help="requests per pass (cpu 24, gpu 400)")
     ap.add_argument("--concurrency", type=int, help="requests in flight (cpu 4, gpu 32)")
@@ -457,12 +730,26 @@ def main(argv=None) -> int:
     ap.add_argument("--mooncake-site", help="the directory holding the mooncake package (GPU: /tmp/mc from "
                                             "benchmarks/mooncake_payload.py; default: the CPU wheel, installed once)")
     a = ap.parse_args(argv)
+    left_out = {}
     try:
-        a.sinks = [s.strip() for s in a.sinks.split(",") if s.strip()]
-        bad = [s for s in a.sinks if s not in SINKS]
-        if bad or not a.sinks:
-            raise UsageError("--sinks %r names no sink or an unknown one (%s)" % (",".join(a.sinks), ",".join(bad)),
-                             "pass a comma list of file, mooncake")
+        if a.sinks is None:
+            a.sinks = list(SINKS)
+            why = specforge_missing()
+            if why:
+                a.sinks.remove("specforge")
+                left_out["specforge"] = "SpecForge's package does not import (%s)" % why
+                print("online: the specforge sink is left out: %s; pip install specforge==0.2.0 to run it"
+                      % left_out["specforge"], file=sys.stderr)
+        else:
+            a.sinks = [s.strip() for s in a.sinks.split(",") if s.strip()]
+            bad = [s for s in a.sinks if s not in SINKS]
+            if bad or not a.sinks:
+                raise UsageError("--sinks %r names no sink or an unknown one (%s)" % (",".join(a.sinks), ",".join(bad)),
+                                 "pass a comma list of %s" % ", ".join(SINKS))
+            why = specforge_missing() if "specforge" in a.sinks else None
+            if why:
+                raise UsageError("--sinks specforge needs SpecForge's package, which does not import here (%s)" % why,
+                                 "pip install specforge==0.2.0, or leave specforge out of --sinks")
         for name in ("requests", "concurrency", "repeats"):
             v = getattr(a, name)
             if v is not None and v < 1:
@@ -475,7 +762,9 @@ def main(argv=None) -> int:
         if a.mooncake_site and not (Path(a.mooncake_site) / "mooncake" / "mooncake_master").is_file():
             raise UsageError("--mooncake-site %s has no mooncake/mooncake_master" % a.mooncake_site,
                              "unpack benchmarks/mooncake_payload.py's output there (sh OUT/unpack.sh DIR)")
-        return Bench(a, PROFILES["cpu" if a.cpu else "gpu"]).go()
+        bench = Bench(a, PROFILES["cpu" if a.cpu else "gpu"])
+        bench.result["sinks_left_out"] = left_out
+        return bench.go()
     except UsageError as exc:
         print("error: %s" % exc, file=sys.stderr)
         return 2

@@ -335,6 +335,22 @@ def test_samples_hold_what_the_draft_reads(world, datasets, tmp_path, family, re
         assert pre > 3 * TOL[storage], f"a pre-norm target passes the check ({pre:.3g})"
 
 
+def three_steps(step, model, draft, batches: list) -> tuple:
+    """Three AdamW steps of SpecForge's step strategy ``step`` over ``model`` on the first three
+    ``batches``: (the losses, the names of the draft's weights that moved)."""
+    torch.manual_seed(0)
+    before = {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for batch in batches[:3]:
+        res = step.forward_loss(batch)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+        losses.append(float(res.loss.detach()))
+    return losses, [k for k, v in draft.named_parameters() if k in before and not torch.equal(v, before[k])]
+
+
 def _specforge_run(w, out: Path, family: str):
     """SpecForge's resolved offline run for ``out`` and the family's draft (its own Config)."""
     from specforge.application.composition import resolve_offline_capture
@@ -384,19 +400,8 @@ def test_specforge_reads_and_trains_on_the_samples(world, datasets, family, stor
     draft = providers.model.build_draft(cfg, draft_config)
     parts = providers.model.build_training_model(cfg, draft, draft_config, AutoConfig.from_pretrained(str(world.model)),
                                                  AutoTokenizer.from_pretrained(str(world.model)))
-    step = providers.step.build(parts.model)
-    torch.manual_seed(0)
-    before = {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
-    opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for batch in batches[:3]:
-        res = step.forward_loss(batch)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-        losses.append(float(res.loss.detach()))
+    losses, moved = three_steps(providers.step.build(parts.model), parts.model, draft, batches)
     assert len(losses) == 3 and all(x == x and abs(x) < 1e4 for x in losses), losses
-    moved = [k for k, v in draft.named_parameters() if k in before and not torch.equal(v, before[k])]
     assert any(k.startswith("fc.") for k in moved), moved  # the layer that reads hidden_states learned
 
     if family == "dspark":

@@ -344,17 +344,9 @@ def _train_three_steps(assets, family: str, batches: list, url: str, master, mon
 
         head = TargetHead.from_pretrained(str(_indexed(assets.ckpt, assets.root / "target-indexed"))).float()
     step = providers.step.build(parts.model, target_head=head) if head is not None else providers.step.build(parts.model)
-    torch.manual_seed(0)
-    before = {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
-    opt = torch.optim.AdamW([p for p in parts.model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for batch in batches[:3]:
-        res = step.forward_loss(batch)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-        losses.append(float(res.loss.detach()))
-    moved = [k for k, v in draft.named_parameters() if k in before and not torch.equal(v, before[k])]
+    from test_extract_dflash import three_steps
+
+    losses, moved = three_steps(step, parts.model, draft, batches)
     return losses, any(k.startswith("fc.") for k in moved)
 
 
