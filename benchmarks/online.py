@@ -162,9 +162,12 @@ def specforge_version() -> str | None:
 def specforge_missing() -> str | None:
     """Why SpecForge's client classes (its capture adapter, its Mooncake feature store) do not
     import here; None when they do."""
+    import importlib
+
     try:
-        import specforge.inference.adapters.server_capture  # noqa: F401
-        import specforge.runtime.data_plane.mooncake_store  # noqa: F401
+        for mod in ("specforge.inference.adapters.server_capture", "specforge.runtime.data_plane.mooncake_store",
+                    "specforge.launch"):
+            importlib.import_module(mod)
     except Exception as exc:  # noqa: BLE001 - any failure to import is the reason, in one line
         return "%s: %s" % (type(exc).__name__, " ".join(str(exc).split())[:200])
     return None
@@ -738,8 +741,7 @@ def main(argv=None) -> int:
             if why:
                 a.sinks.remove("specforge")
                 left_out["specforge"] = "SpecForge's package does not import (%s)" % why
-                print("online: the specforge sink is left out: %s; pip install specforge==0.2.0 to run it"
-                      % left_out["specforge"], file=sys.stderr)
+                say("the specforge sink is left out: %s; pip install specforge==0.2.0 to run it" % left_out["specforge"])
         else:
             a.sinks = [s.strip() for s in a.sinks.split(",") if s.strip()]
             bad = [s for s in a.sinks if s not in SINKS]

@@ -292,3 +292,46 @@ def test_serve_refuses_specforge_ids_without_the_store(tmp_path):
         r = run_tool("serve", "--model-path", tmp_path, "--dump-dir", tmp_path / "d", "--specforge-ids", ids, "--print")
         assert r.returncode == 2 and needle in one_line_error(r), r.stderr
         assert not (tmp_path / "d").exists()
+
+
+def test_a_master_restarted_fails_the_captures_meanwhile_in_specforges_form_and_later_ones_are_read(site, tmp_path):  # noqa: F811
+    """The master killed between two captures and started again on the same address: the capture
+    while it is down answers SpecForge's retryable form at once (not after a store call's ~4.3 s
+    timeout each), naming the master; once the sink has seen the new master a capture is read by
+    SpecForge's store; what was put before the restart is gone with the old master and SpecForge's
+    get raises for it (its own error, not other bytes)."""
+    import time
+
+    from test_mooncake import _close_sinks, _until
+
+    from eaglepatch import mooncake
+
+    m = mooncake.Master(site, tmp_path / "master.log").start()
+    try:
+        w = _spec_writer(tmp_path, m)
+
+        def capture(rid: str, seed: int) -> dict:
+            assert w.expect({rid: _payload(f"r:{rid}", 6)}) == {rid: None}
+            ids, cap, fin = _states([6], LAYERS, seed=seed)
+            w.submit(_Batch(ids, [6], rids=[rid]), cap, fin)
+            return w.captured([rid], 60)[rid]
+
+        before = capture("before", 1)
+        assert "error" not in before
+        m.stop(kill=True)
+        started = time.monotonic()
+        during = capture("during", 2)
+        assert time.monotonic() - started < 15, "a capture during the outage was not failed at once"
+        assert set(during) == {"sample_id", "store_id", "gen", "error"} and "did not answer" in during["error"], during
+        m.start()
+        _until(lambda: w.sink.counts()["master_restarts"] == 1, 60, "the sink noticing the restarted master")
+        after = capture("after", 3)
+        assert "error" not in after, after
+        store = _sf_store(m)
+        assert _read(store, after)["target"].shape == (1, 6, H)
+        with pytest.raises(KeyError):
+            _read(store, before)
+        w.close()
+    finally:
+        _close_sinks()
+        m.stop(kill=True)
