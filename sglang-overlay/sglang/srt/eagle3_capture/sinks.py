@@ -65,6 +65,26 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def durable_replace(path: str, tmp: str, write, fsync=None) -> None:
+    """``write(tmp)``, then ``tmp`` readable by others whatever the umask, fsynced, renamed over
+    ``path`` and the directory fsynced: a reader sees the old file or the whole new one, and a crash
+    leaves one of them; on any failure the temporary file is removed and the error raised.
+    ``fsync``: the caller's (default: this module's ``_fsync``, which the dump files' tests watch)."""
+    fsync = fsync or _fsync
+    try:
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
+        fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync(os.path.dirname(path) or ".")
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -142,20 +162,8 @@ class FileSink:
         from safetensors.torch import save_file
 
         path = self.path(key)
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.chmod(tmp, FILE_MODE)  # readable by a client of another user, whatever the umask
-            _fsync(tmp)
-            os.replace(tmp, path)
-            _fsync(directory)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        tmp = os.path.join(os.path.dirname(path), f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        durable_replace(path, tmp, lambda t: save_file(tensors, t, metadata=metadata))
         return self.where(key)
 
     def fail(self, key: str, why: str) -> None:

@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Callable, Dict, List, Optional
 
-from .sinks import FILE_MODE, _fsync
+from .sinks import _fsync, durable_replace
 
 logger = logging.getLogger(__name__)
 
@@ -125,21 +125,12 @@ class LedgerFile:
                 return
             _fsync(self.directory)
             return
-        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
+        def write(tmp: str) -> None:
             with open(tmp, "w") as handle:
                 json.dump(body, handle, indent=1)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, FILE_MODE)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync(self.directory)
+
+        # the ledger's own fsync: a dump disk that hangs the files' must not hold the ledger back
+        durable_replace(self.path, f"{self.path}.{uuid.uuid4().hex[:12]}.tmp", write, fsync=_fsync)
 
 
 def _die_by(signum: int) -> None:
