@@ -399,5 +399,8 @@ def test_spec_capture_refusals_and_retries_over_http(assets, store_server, maste
         assert "error" not in got and got["sample_id"] == "r:p" and got["features"]["hidden_states"] == want, got
     plain = requests.post(url, json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, timeout=60).json()
     assert "spec_capture" not in plain["meta_info"] and plain["meta_info"]["eagle3_dump"]["sink"] == "mooncake"
+    words = requests.post(url, json={"text": "spec_capture", "sampling_params": {"max_new_tokens": 1}},
+                          timeout=60)  # a prompt that names the field is a prompt
+    assert words.status_code == 200 and "spec_capture" not in words.json()["meta_info"], words.text[:300]
     keys = ["sf-raw/r:p/g1/hidden_states", "sf-raw/r:p/g1/input_ids"]
     assert _keys_left(master, keys, remove=True) == keys  # the retry's objects (removed here, as SpecForge would)

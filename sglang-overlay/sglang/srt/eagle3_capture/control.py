@@ -560,10 +560,15 @@ async def _specforge_expect(obj, request) -> Optional[dict]:
     from . import specforge
 
     raw = await request.body()
-    if b'"spec_capture"' not in raw:
+    if b'"spec_capture"' not in raw:  # the cheap test first: most requests are not SpecForge's
         return None
     try:
         body = json.loads(raw)
+    except ValueError:  # SGLang parsed it already; not a body this hook reads
+        return None
+    if not isinstance(body, dict) or body.get("spec_capture") is None:  # the words in a prompt, say
+        return None
+    try:
         payloads = specforge.payloads(body, specforge.prompt_lengths(body))
     except (ValueError, specforge.ProtocolError) as exc:
         raise ValueError(str(exc)) from None
