@@ -25,11 +25,16 @@ token, plus the int64 ``input_ids``, ``loss_mask`` and ``attention_mask`` it pas
   not timed): samples/s, tokens/s, GB/s and bytes per token into the sink;
 - ``consume``: the produce pass's samples read back as a trainer's loader reads them, one thread:
   Mooncake ``StoreReader.tensors(handle, delete=True)``, file ``safetensors`` load and unlink,
-  SpecForge ``MooncakeFeatureStore.get(ref)``, ``release`` and ``abort`` (its delete); each sample's
-  tensors moved to the GPU (on CPU: left where they are): the reader's rate into a training loop;
+  SpecForge ``MooncakeFeatureStore.get(ref)``, ``release`` and ``abort`` (its delete), and after every
+  8 samples its ``drain_sample_removals`` (the remove its trainer runs at an optimizer step: an
+  ``abort`` right after its ``get`` leaves the objects in the store, the read's lease refusing the
+  remove; in the clock, so that every sink's samples are gone from it when the clock stops); each
+  sample's tensors moved to the GPU (on CPU: left where they are): the reader's rate into a
+  training loop;
 - ``online``: other requests of the same lengths, each answer's states read, moved and deleted as
-  soon as its handle comes (``specforge``: each batch's refs, as soon as the batch answers; a trainer
-  fed straight from the server): tokens/s end to end, first request to last sample on the device.
+  soon as its handle comes (``specforge``: each batch's refs, as soon as the batch answers, then the
+  batch's ``drain_sample_removals``; a trainer fed straight from the server): tokens/s end to end,
+  first request to last sample on the device.
 
 ``--repeats N`` runs the three passes N times on each server; the JSON keeps every repetition
 and, per pass, the median one with the min, and the Mooncake/file and SpecForge/file ratios of
@@ -229,13 +234,22 @@ class SpecForgeClient:
         return refs, time.monotonic() - t
 
     def read(self, ref) -> tuple:
-        """(bytes, seconds) of one ref read onto the device and deleted (release, abort)."""
+        """(bytes, seconds) of one ref read onto the device and deleted (release, abort: the objects
+        are gone for SpecForge at once, from the store once ``reclaim`` has run)."""
         t = time.monotonic()
         tensors, handle = self.store.get(ref)
         nbytes = to_device(tensors, self.device)
         self.store.release(handle)
         self.store.abort(ref.sample_id)
         return nbytes, time.monotonic() - t
+
+    def reclaim(self, sample_ids: list) -> float:
+        """Seconds to remove the objects of ``sample_ids`` from the store: SpecForge's
+        ``drain_sample_removals``, which its trainer runs at each optimizer step (an ``abort`` right
+        after a ``get`` only marks them: the read's lease makes the master refuse the remove)."""
+        t = time.monotonic()
+        self.store.drain_sample_removals(sample_ids)
+        return time.monotonic() - t
 
     def close(self) -> dict:
         """SpecForge's terminal clean-up (``discard_external_attempts``, ``drain_pending_removals``),
@@ -280,8 +294,9 @@ def capture_errors(batch: list, refs) -> list:
 def drive_specforge(client: SpecForgeClient, prompts_: list, deadline: float, read: bool) -> dict:
     """Send ``prompts_`` through SpecForge's adapter in batches of its lease, ``client.inflight``
     batches at once; with ``read`` each batch's refs are read, moved and deleted as soon as it
-    answers. Returns per-sample records (with the ref) like ``drive``."""
-    recs, errors = [], []
+    answers, and then removed from the store (``reclaim``). Returns per-sample records (with the
+    ref) like ``drive``."""
+    recs, errors, reclaim_s = [], [], []
     t0 = time.monotonic()
     batches = [prompts_[i:i + client.lease] for i in range(0, len(prompts_), client.lease)]
 
@@ -294,6 +309,7 @@ def drive_specforge(client: SpecForgeClient, prompts_: list, deadline: float, re
             errors.append("batch of %d: %s: %s" % (len(batch), type(exc).__name__, str(exc)[:300]))
             return
         errors.extend(capture_errors(batch, refs))
+        mine = []
         for ids, ref in zip(batch, refs):
             if not hasattr(ref, "sample_id"):
                 continue
@@ -304,12 +320,20 @@ def drive_specforge(client: SpecForgeClient, prompts_: list, deadline: float, re
                 except Exception as exc:  # noqa: BLE001 - counted and named
                     errors.append("read %s: %s: %s" % (ref.sample_id, type(exc).__name__, str(exc)[:300]))
                     continue
+            mine.append(rec)
+        if read and mine:
+            try:
+                reclaim_s.append(client.reclaim([r["ref"].sample_id for r in mine]))
+            except Exception as exc:  # noqa: BLE001 - counted and named
+                errors.append("reclaim: %s: %s" % (type(exc).__name__, str(exc)[:300]))
+                return
+        for rec in mine:
             rec["done"] = time.monotonic() - t0
-            recs.append(rec)
+        recs.extend(mine)
 
     with ThreadPoolExecutor(client.inflight) as pool:
         list(pool.map(one, batches))
-    return {"recs": recs, "errors": errors, "wall_s": time.monotonic() - t0}
+    return {"recs": recs, "errors": errors, "wall_s": time.monotonic() - t0, "reclaim_s": round(sum(reclaim_s), 3)}
 
 
 def drive(url: str, batch: list, concurrency: int, deadline: float, consumer: Consumer | None) -> dict:
@@ -365,6 +389,13 @@ def flush(url: str) -> dict:
     r = requests.post(url + "/eagle3_dump/flush", json={}, timeout=600)
     r.raise_for_status()
     return r.json()
+
+
+def sink_failed(res: dict) -> bool:
+    """Whether a sink's result fails the run: its server did not start, a flush counted a failed
+    write, a pass lost a request (a failed capture, call or read), or SpecForge's clean-up failed."""
+    return bool("failed" in res or (res.get("online_flush") or {}).get("failed")
+                or (res.get("cleanup") or {}).get("failed") or any(res.get(ps, {}).get("errors") for ps in PASSES))
 
 
 def summary(recs: list, wall: float, what: str) -> dict:
@@ -471,9 +502,10 @@ class Bench:
         if sink in STORE_SINKS:
             site = self.mooncake_site()
             env = mooncake.with_site(env, site)
-            os.environ["PYTHONPATH"] = os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
-                                                                       if os.environ.get("PYTHONPATH") else []))
-            sys.path.insert(0, str(site))
+            if str(site) not in sys.path:  # once, for the first sink of the store
+                os.environ["PYTHONPATH"] = os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]
+                                                                           if os.environ.get("PYTHONPATH") else []))
+                sys.path.insert(0, str(site))
             master = mooncake.Master(site, d / "master.log").start()
         port = cpuserver.free_port()
         url = "http://127.0.0.1:%d" % port
@@ -488,16 +520,17 @@ class Bench:
             except Exception:  # noqa: BLE001 - named in the result
                 return {"failed": "the %s-sink server did not start: %s" % (sink, peers.log_tail(log, 3)), "log": str(log)}
             say("%s: server ready in %.0f s" % (sink, res["server_startup_s"]))
+            conc = self.a.concurrency or self.prof["concurrency"]
             if sink == "specforge":
-                consumer = SpecForgeClient(url, master, self.hidden, self.device, "%d-%d" % (os.getpid(), port),
-                                           self.a.concurrency or self.prof["concurrency"])
+                consumer = sf = SpecForgeClient(url, master, self.hidden, self.device, "%d-%d" % (os.getpid(), port),
+                                                conc)
                 res["client"] = {"specforge": specforge_version(), "schema": SPECFORGE_FAMILY,
-                                 "aux_layer_ids": list(SPECFORGE_IDS), "prompts_per_call": consumer.lease,
-                                 "calls_in_flight": consumer.inflight, "store_id": consumer.store.store_id}
-                res["warmup"] = self.warm_specforge(consumer)
+                                 "aux_layer_ids": list(SPECFORGE_IDS), "prompts_per_call": sf.lease,
+                                 "calls_in_flight": sf.inflight, "store_id": sf.store.store_id}
+                res["warmup"] = self.warm(sf.lease * sf.inflight, lambda b, dl: drive_specforge(sf, b, dl, read=True))
             else:
                 consumer = Consumer(sink, dumps, self.device, master)
-                res["warmup"] = self.warm(url, consumer)
+                res["warmup"] = self.warm(conc, lambda b, dl: drive(url, b, conc, dl, consumer))
             repeats = self.a.repeats or 1
             res["repeats"] = []
             for i in range(repeats):
@@ -590,17 +623,25 @@ class Bench:
         say("%s produce: %s samples, %s tokens/s" % (who, res["produce"]["samples"], res["produce"]["tokens_per_s"]))
         # consume: the produce pass's refs, one reader thread, onto the device, deleted (release, abort)
         t1 = time.monotonic()
-        reads, errs = [], []
-        for rec in got["recs"]:
+        reads, errs, reclaim_s = [], [], 0.0
+        for i in range(0, len(got["recs"]), client.lease):  # a trainer's steps: its lease of samples each
+            done = []
+            for rec in got["recs"][i:i + client.lease]:
+                try:
+                    b, sec = client.read(rec["ref"])
+                    reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": sec})
+                    done.append(rec["ref"].sample_id)
+                except Exception as exc:  # noqa: BLE001 - counted and named
+                    errs.append("read %s: %s: %s" % (rec["ref"].sample_id, type(exc).__name__, str(exc)[:300]))
             try:
-                b, sec = client.read(rec["ref"])
-                reads.append({"tokens": rec["tokens"], "bytes": b, "read_s": sec})
+                reclaim_s += client.reclaim(done) if done else 0.0
             except Exception as exc:  # noqa: BLE001 - counted and named
-                errs.append("read %s: %s: %s" % (rec["ref"].sample_id, type(exc).__name__, str(exc)[:300]))
-        res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, MooncakeFeatureStore.get + to "
-                                 "%s + release + abort" % self.device)
+                errs.append("reclaim: %s: %s" % (type(exc).__name__, str(exc)[:300]))
+        res["consume"] = summary(reads, time.monotonic() - t1, "one reader thread, MooncakeFeatureStore.get + to %s + "
+                                 "release + abort, drain_sample_removals per %d samples" % (self.device, client.lease))
         res["consume"]["errors"] = errs[:5]
         res["consume"]["failed_reads"] = len(errs)
+        res["consume"]["reclaim_s"] = round(reclaim_s, 3)
         res["produce"]["bytes_per_token"] = res["consume"].get("bytes_per_token")
         say("%s consume: %d samples, %s tokens/s, %s GB/s, %s B/token" % (
             who, len(reads), res["consume"]["tokens_per_s"], res["consume"].get("gb_per_s"),
@@ -608,9 +649,10 @@ class Bench:
         self.write()
         # online: each batch's refs read, moved and deleted as soon as it answers
         got = drive_specforge(client, self.batches["online"], time.monotonic() + pass_s, read=True)
-        res["online"] = summary(got["recs"], got["wall_s"], "first capture call to the last sample on %s"
-                                % self.device)
+        res["online"] = summary(got["recs"], got["wall_s"], "first capture call to the last sample on %s "
+                                "(each batch's removed from the store)" % self.device)
         self.failures(res["online"], got["errors"], len(self.batches["online"]))
+        res["online"]["reclaim_s"] = got["reclaim_s"]
         res["online"]["failed"] = len(got["errors"])
         res["online_flush"] = flush(url)
         res["release_pending"] = client.store.health()["release_pending"]  # removals SpecForge deferred so far
@@ -624,41 +666,18 @@ class Bench:
         summ["failed_captures"] = sum(1 for e in errors if e.startswith("capture failed"))
         summ["not_captured"] = sent - summ["samples"]
 
-    def warm_specforge(self, client: SpecForgeClient) -> dict:
-        """``warm`` through SpecForge's adapter: rounds of ``client.inflight`` capture calls of its lease
-        (read and deleted) until one runs within 10% of the one before or ``--warm-s`` is spent."""
+    def warm(self, size: int, send) -> dict:
+        """Untimed rounds of ``size`` requests (``send(batch, deadline)``: each read and deleted) until
+        one runs within 10% of the one before or ``--warm-s`` is spent: Triton compiles per new batch
+        shape on a fresh server."""
         limit = self.prof["warm_s"] if self.a.warm_s is None else self.a.warm_s
         rec = {"limit_s": limit, "rounds": []}
         t0 = time.monotonic()
         seed = 100
         while time.monotonic() - t0 < limit:
-            n = client.lease * client.inflight
-            batch = prompts(lengths(n, self.prof, seed), self.vocab, seed + 1)
+            batch = prompts(lengths(size, self.prof, seed), self.vocab, seed + 1)
             seed += 2
-            got = drive_specforge(client, batch, time.monotonic() + limit + 60, read=True)
-            if got["errors"]:
-                rec["error"] = got["errors"][0]
-                break
-            rate = sum(map(len, batch)) / max(got["wall_s"], 1e-9)
-            rec["rounds"].append(round(rate, 1))
-            if len(rec["rounds"]) > 1 and abs(rate - rec["rounds"][-2]) <= 0.1 * rec["rounds"][-2]:
-                break
-        rec["warm_s"] = round(time.monotonic() - t0, 1)
-        say("warm-up: %d round(s), tokens/s %s" % (len(rec["rounds"]), rec["rounds"]))
-        return rec
-
-    def warm(self, url: str, consumer: Consumer) -> dict:
-        """Untimed rounds of ``concurrency`` requests (read and deleted) until one runs within 10% of
-        the one before or ``--warm-s`` is spent: Triton compiles per new batch shape on a fresh server."""
-        limit = self.prof["warm_s"] if self.a.warm_s is None else self.a.warm_s
-        rec = {"limit_s": limit, "rounds": []}
-        t0 = time.monotonic()
-        seed = 100
-        while time.monotonic() - t0 < limit:
-            conc = self.a.concurrency or self.prof["concurrency"]
-            batch = prompts(lengths(conc, self.prof, seed), self.vocab, seed + 1)
-            seed += 2
-            got = drive(url, batch, conc, time.monotonic() + limit + 60, consumer)
+            got = send(batch, time.monotonic() + limit + 60)
             if got["errors"]:
                 rec["error"] = got["errors"][0]
                 break
@@ -702,8 +721,7 @@ class Bench:
             self.result[sink + "_over_file"] = ratios
         self.result["wall_s"] = round(time.monotonic() - T0, 1)
         self.write()
-        bad = [k for k, v in s.items() if "failed" in v or (v.get("online_flush") or {}).get("failed")
-               or (v.get("cleanup") or {}).get("failed") or any(v.get(ps, {}).get("errors") for ps in PASSES)]
+        bad = [k for k, v in s.items() if sink_failed(v)]
         print(json.dumps({k: {ps: v.get(ps, {}).get("tokens_per_s") for ps in PASSES} for k, v in s.items()}
                          | {k: self.result.get(k) for k in ("mooncake_over_file", "specforge_over_file")}))
         if bad:
@@ -741,7 +759,8 @@ def main(argv=None) -> int:
             if why:
                 a.sinks.remove("specforge")
                 left_out["specforge"] = "SpecForge's package does not import (%s)" % why
-                say("the specforge sink is left out: %s; pip install specforge==0.2.0 to run it" % left_out["specforge"])
+                say("the specforge sink is left out: %s; pip install specforge==0.2.0 to run it"
+                    % left_out["specforge"])
         else:
             a.sinks = [s.strip() for s in a.sinks.split(",") if s.strip()]
             bad = [s for s in a.sinks if s not in SINKS]
