@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,9 +165,10 @@ def test_sigterm_to_the_server_s_process_group_loses_no_file(setups, tmp_path):
                 proc.wait()
         text = log.read_text()
         assert files(dump) == sorted(key(r) + ".safetensors" for r in rids), (len(files(dump)), text[-3000:])
-        # the scheduler got the SIGTERM and wrote its queue (the launcher's own flush before it
-        # kills the tree may end the same wait first, so the drain's last line is not required)
-        assert "SIGTERM: writing the" in text, text[-3000:]
+        # the writer drained its queue on the SIGTERM: its own signal's stop ("SIGTERM: writing the")
+        # or the launcher's stop call, sent the moment the launching process got the same signal,
+        # whichever reaches it first (a race: seen both ways in CI)
+        assert re.search(r"SIGTERM( to the launching process)?: writing the \d+ requests", text), text[-3000:]
         assert not list(Path(dump).glob("eagle3-dump-unwritten.*")), "a ledger although everything was written"
         assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("eagle3-dump")]
 
