@@ -202,7 +202,8 @@ class SGLangClient:
         """(the answer, None), or (None, why a transient failure happened)."""
         try:
             r = self._session(i).post(self.urls[i] + "/generate", json=payload, timeout=self.timeout)
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+            # a server (or a router's replica) that dies mid-answer cuts the body: IncompleteRead
             self._local.sessions.pop(i, None)  # drop a possibly broken connection
             return None, f"{type(exc).__name__}: {str(exc)[:160]}"
         if r.status_code in TRANSIENT_STATUS:
