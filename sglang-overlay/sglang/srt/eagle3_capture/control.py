@@ -578,7 +578,7 @@ async def _specforge_expect(obj, request) -> Optional[dict]:
         raise ValueError("spec_capture needs the hidden-state dump, which is off on this server; start it with "
                          "EAGLE3_DUMP_DIR, EAGLE3_DUMP_SINK=mooncake and EAGLE3_DUMP_SPECFORGE_IDS")
     single = not isinstance(body.get("input_ids", [None])[0], list)
-    given = obj.rid if obj.rid is not None else None
+    given = obj.rid
     rids = ([given] if single else list(given)) if given is not None else [uuid.uuid4().hex for _ in payloads]
     if len(rids) != len(payloads):
         raise ValueError(f"rid names {len(rids)} requests for {len(payloads)} prompts")
