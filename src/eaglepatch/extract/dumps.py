@@ -471,6 +471,19 @@ def _check_header(path: Path, meta: dict) -> None:
                       f"with the eaglepatch of the server's series")
 
 
+def all_finite(t) -> bool:
+    """Whether every value of the float tensor ``t`` is finite, in one pass over it: a NaN or an
+    infinity anywhere makes its minimum or maximum non-finite (``torch.aminmax`` propagates NaN), so
+    this is exact. 5-8x faster than ``torch.isfinite(t).all()`` on bf16 states on a CPU
+    (``benchmarks/extract_path.py``), which makes a bool tensor and converts every value first."""
+    import torch
+
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def decode(path: Path, meta: dict, tensors: dict, rebuilder=None) -> Dump:
     """The ``Dump`` of a dump's metadata and tensors (``input_ids`` among them), past ``load_dump``'s
     checks of the request (rid, key, ids sent, token count): the tensor set, shapes and dtypes
@@ -502,7 +515,7 @@ def decode(path: Path, meta: dict, tensors: dict, rebuilder=None) -> Dump:
         states = _compact_states(path, meta, tensors, state_names, T, H, c, rebuilder, encoded, rebuilt)
     for name in state_names:
         t = states[name]
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             bad = int((~torch.isfinite(t)).sum())
             how = " after dequantising" if storage == FP8 and name not in rebuilt else ""
             raise BadDump(f"{path.name}: {name} holds {bad} non-finite values{how}")

@@ -1,0 +1,139 @@
+"""The per-sample data path of tools/extract.py made faster for issue 45 (benchmarks/extract_path.py):
+the finite check in one pass and torch.save without zip CRCs. Each change keeps what it must:
+
+- ``dumps.all_finite`` says what ``torch.isfinite(t).all()`` says, for every float dtype a dump
+  holds and any NaN or infinity anywhere (hypothesis), and a dump holding one is still refused;
+- leaving the CRCs out loses no check: the installed torch's ``torch.load`` returns a changed byte
+  inside a tensor without an error even when the file carries CRCs (if a torch ever checks them, this
+  test fails and the choice must be made again), and a sample written without them loads equal;
+- the benchmark's smoke runs extract's own functions both ways and finds the samples equal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from eaglepatch.extract import dumps, writers  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BAD = [float("nan"), float("inf"), float("-inf")]
+
+
+@hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(0, 40), cols=st.integers(1, 70),
+       bad=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.floats(0, 1, exclude_max=True),
+                              st.sampled_from(BAD)), max_size=3),
+       big=st.booleans(), seed=st.integers(0, 2**16))
+def test_all_finite_says_what_isfinite_all_says(dtype, rows, cols, bad, big, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g)
+    if big:  # values near the dtype's largest finite one, of both signs: finite, and must pass
+        t = t.sign() * torch.finfo(dtype).max
+    t = t.to(dtype)
+    for r, c, v in bad:
+        if rows:
+            t[int(r * rows), int(c * cols)] = v
+    assert dumps.all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_all_finite_fails_on_each_kind_of_bad_value_in_each_dtype():
+    for dtype in DTYPES:
+        for v in BAD:
+            for where in (0, 777, 4095):  # first, middle, last value
+                t = torch.zeros(64, 64, dtype=dtype)
+                t.view(-1)[where] = v
+                assert not dumps.all_finite(t), (dtype, v, where)
+        assert dumps.all_finite(torch.zeros(64, 64, dtype=dtype))
+
+
+def _save(data: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    return buf.getvalue()
+
+
+def _flip_inside(blob: bytes, name_part: str) -> bytes:
+    """``blob`` with one byte of the stored record whose name contains ``name_part`` changed."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        info = next(i for i in z.infolist() if name_part in i.filename)
+    # the local header: 30 bytes + name + extra, then the stored (uncompressed) data
+    start = info.header_offset + 30 + int.from_bytes(blob[info.header_offset + 26:info.header_offset + 28], "little") \
+        + int.from_bytes(blob[info.header_offset + 28:info.header_offset + 30], "little")
+    out = bytearray(blob)
+    out[start + 5] ^= 0x40
+    return bytes(out)
+
+
+def test_torch_load_never_checks_the_zip_crcs_so_leaving_them_out_loses_no_check():
+    from torch.utils.serialization import config
+
+    data = {"hidden_state": torch.arange(4096, dtype=torch.float32).reshape(1, 64, 64)}
+    with_crc = _save(data)
+    with zipfile.ZipFile(io.BytesIO(with_crc)) as z:
+        assert z.testzip() is None  # torch's default writes CRCs, and they are right
+    changed = _flip_inside(with_crc, "data/0")
+    with zipfile.ZipFile(io.BytesIO(changed)) as z:
+        assert z.testzip() is not None  # the CRC would catch it...
+    loaded = torch.load(io.BytesIO(changed), weights_only=True)  # ...but torch.load does not look
+    assert not torch.equal(loaded["hidden_state"], data["hidden_state"])
+
+    was = config.save.compute_crc32
+    try:
+        assert writers.skip_zip_crc()
+        assert not config.save.compute_crc32
+        without = _save(data)
+    finally:
+        config.save.compute_crc32 = was
+    with zipfile.ZipFile(io.BytesIO(without)) as z:
+        assert all(i.CRC == 0 for i in z.infolist() if "data/" in i.filename)
+    assert torch.equal(torch.load(io.BytesIO(without), weights_only=True)["hidden_state"], data["hidden_state"])
+
+
+def test_a_dump_holding_one_nan_is_still_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    rid = dumps.new_rid()
+    key = dumps.rid_key(rid)
+    ids = torch.arange(3, 9, dtype=torch.int64)
+    states = {f"layer.{k}": torch.randn(6, 32).to(torch.bfloat16) for k in (0, 1, 2)}
+    states["final"] = torch.randn(6, 32).to(torch.bfloat16)
+    states["layer.1"][4, 31] = float("nan")
+    meta = {"format": dumps.FORMAT, "key": key, "rid": rid, "prompt_key": dumps.prompt_key(ids.tolist()),
+            "input_source": "input_ids", "eagle3_layer_ids": json.dumps([0, 1, 2]),
+            "hf_hidden_state_indices": json.dumps([1, 2, 3]), "final": "post_norm", "hidden_size": "32",
+            "num_hidden_layers": "4", "dtype": "bfloat16", "num_tokens": "6"}
+    path = tmp_path / f"{key}.safetensors"
+    save_file({"input_ids": ids, **states}, str(path), metadata=meta)
+    with pytest.raises(dumps.BadDump, match="layer.1 holds 1 non-finite values"):
+        dumps.load_dump(path, ids.tolist(), hidden_size=32, rid=rid)
+    states["layer.1"][4, 31] = 0.5
+    save_file({"input_ids": ids, **states}, str(path), metadata=meta)
+    assert dumps.load_dump(path, ids.tolist(), hidden_size=32, rid=rid).layers["layer.1"].shape == (6, 32)
+
+
+def test_the_benchmark_runs_both_ways_and_finds_the_samples_equal(tmp_path):
+    out = tmp_path / "ep.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "extract_path.py"), "--quick", "--out", str(out),
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["samples_equal"] is True
+    assert sorted(res["lengths"]) == ["128", "2048", "512"]
+    for row in res["lengths"].values():
+        for way in ("before", "now"):
+            assert len(row["ways"][way]["read_validate_s"]) == 1 and row["ways"][way]["write_s"][0] > 0
+        assert row["before_over_now"]["min"] > 0
