@@ -10,6 +10,11 @@ dataset SpecForge 0.2.0's reader loads (``specforge.data.preprocessing.build_off
 final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decoder layers 0, 1 and 2
 (HF hidden-state indices 1, 2, 3) in that order):
 
+- ``limit`` (no dataset: the rate the others are measured against): ``ours``'s server, the same
+  ``tools/serve.py`` command (its ``--print``), run without the dump's variables (the patched
+  server with the dump off), warmed up as ``ours``'s, then the token ids ``ours`` sends, in bucket
+  order, ``ours``'s concurrency, through extract's own client (``/generate``, ``max_new_tokens``
+  1); timed from the first request to the last answer, per bucket from the answers' times;
 - ``ours``: the patched SGLang server with the dump (``tools/serve.py``) and ``tools/extract.py
   --format specforge``, run as a user runs them (one extract run over every conversation, in bucket
   order; per-bucket times from the samples' completion times);
@@ -31,7 +36,11 @@ bucket, and each dataset's rows against a float32 transformers reference on a sa
 (per state: max abs error, and max relative row error |x_t - ref_t| / |ref_t|, the verdict's measure).
 Each method gets ``--method-s`` seconds of work, shared among the buckets (unused time passes on);
 what a method did not reach is reported "not measured", never estimated. ``--budget-s``: no method is
-started once the run has used it.
+started once the run has used it. ``--repeats N``: ``limit`` and ``ours`` make N timed passes on one
+server each (the others one); each pass's figures are kept (``repetitions``), with the min and the
+median overall and per bucket (``over_repetitions``); ``ratio_to_limit``: each method's tokens/s
+over the limit's, overall and per bucket, pass i over the limit's pass i, with the min and the
+median (none without a measured ``limit``: the JSON says why, nothing is estimated).
 
 Exit: 0 done; 1 a method's dataset failed its reference check, this project's method did not run, or
 --check failed; 2 usage error (one line, nothing written).
@@ -45,8 +54,10 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +73,8 @@ for _p in (SRC, REPO / "tests" / "extract_fixtures"):
 
 from eaglepatch.errors import UsageError  # noqa: E402
 
-METHODS = ("ours", "hf", "specforge", "sglang-json")
+METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
+REPEATED = ("limit", "ours")  # the methods --repeats makes several timed passes of (one server start each)
 AUX_HF = (1, 2, 3)  # HF hidden-state indices of the aux states: outputs of decoder layers 0, 1, 2
 T0 = time.monotonic()
 
@@ -71,7 +83,7 @@ T0 = time.monotonic()
 # (each is deleted once measured, unless --keep-work).
 PROFILES = {
     "cpu": dict(conversations=24, min_len=24, max_len=600, median=110, sigma=0.8, extract_max_len=1000,
-                buckets=[24, 64, 128, 256, 601], sample_per_bucket=2, tol=1e-3, method_s=90.0, budget_s=330.0,
+                buckets=[24, 64, 128, 256, 601], sample_per_bucket=2, tol=1e-3, method_s=90.0, budget_s=400.0,
                 concurrency=4, hf_budgets=[256, 1024], json_concurrency=2, dtype="float32", warm_s=3.0),
     "gpu": dict(conversations=1000, min_len=100, max_len=4000, median=350, sigma=0.8, extract_max_len=4096,
                 buckets=[100, 250, 500, 1000, 2000, 4001], sample_per_bucket=1, tol=0.1, method_s=45.0,
@@ -316,6 +328,39 @@ def bucket_record(b: dict, done: list, t0: float, t1: float) -> dict:
     toks = sum(n for _, n in done)
     return {"bucket": b["name"], "samples_planned": len(b["convs"]), "samples_done": len(done), "tokens": toks,
             "seconds": round(t1 - t0, 3), "tokens_per_s": round(toks / (t1 - t0), 1) if done and t1 > t0 else None}
+
+
+def buckets_by_completion(buckets: list, finished: dict, start: float) -> list:
+    """Per-bucket records of one pass over every bucket in order, from each sample's completion time
+    (``finished``: id -> wall-clock time): a bucket runs from the last completion of the one before
+    it (the first from ``start``) to its own last; with requests in flight at once they overlap at
+    a bucket's edges."""
+    recs, prev = [], start
+    for b in buckets:
+        done = [(c["id"], c["n"]) for c in b["convs"] if c["id"] in finished]
+        end = max([finished[i] for i, _ in done], default=prev)
+        recs.append(bucket_record(b, done, prev, max(end, prev)))
+        prev = max(end, prev)
+    return recs
+
+
+def spread(values: list) -> dict:
+    """The figures of the repetitions, with their min and median; when a repetition has no number
+    (a bucket it did not reach), min and median are "not measured" too."""
+    nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if values and len(nums) == len(values):
+        return {"per_repetition": values, "min": min(nums), "median": round(statistics.median(nums), 6)}
+    return {"per_repetition": values, "min": "not measured", "median": "not measured",
+            "why": "%d of %d repetition(s) measured it" % (len(nums), len(values))}
+
+
+def ratio(a, b):
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return round(a / b, 4) if ok and b > 0 else "not measured"
+
+
+def bucket_rate(rep: dict, name: str):
+    return next((b["tokens_per_s"] for b in rep["buckets"] if b["bucket"] == name), "not measured")
 
 
 # ---- workers (run as `peers.py --worker NAME --plan FILE`) ------------------------------------------
@@ -610,7 +655,70 @@ def worker_json(plan: dict) -> dict:
             "error_count": len(errors), "json_bytes": json_bytes[0], "requests_abandoned_at_deadline": abandoned}
 
 
-WORKERS = {"reference": worker_reference, "hf": worker_hf, "specforge": worker_specforge, "json": worker_json}
+def worker_limit(plan: dict) -> dict:
+    """The limit's client: ``plan["repeats"]`` timed passes, each over the token ids ``ours`` sends
+    in bucket order with ``concurrency`` requests in flight, through extract's own client (its
+    ``/generate`` body: the ids, ``max_new_tokens`` 1, temperature 0, a rid of its own). A pass runs
+    from its first request to its last answer, ``method_s`` at most: an answer after that is not
+    counted, and the pass waits for it (the server is still prefilling it) before the next starts.
+    Writes nothing but its result."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    import torch
+
+    from eaglepatch.extract.client import SGLangClient
+    from eaglepatch.extract.dumps import new_rid
+
+    inputs = torch.load(plan["inputs"], weights_only=True)
+    order = [c for b in plan["buckets"] for c in b["convs"]]
+    ids = {c["id"]: inputs[c["id"]]["input_ids"].tolist() for c in order}
+    client = SGLangClient(plan["url"])
+    conc = plan["concurrency"]
+
+    def one(cid):
+        client.generate(ids[cid], rid=new_rid())
+        return cid, time.time()
+
+    reps = []
+    for _ in range(plan["repeats"]):
+        finished, errors, after = {}, [], 0
+        it = iter(order)
+        running = set()
+        pool = ThreadPoolExecutor(conc)
+        first = time.time()
+        end = first + plan["method_s"]
+        while True:
+            while len(running) < conc and time.time() < end:
+                c = next(it, None)
+                if c is None:
+                    break
+                running.add(pool.submit(one, c["id"]))
+            if not running:
+                break
+            fin, running = wait(running, timeout=max(0.0, end - time.time()), return_when=FIRST_COMPLETED)
+            for f in fin:
+                try:
+                    cid, t = f.result()
+                except Exception as exc:  # counted and reported; the conversation is not
+                    errors.append("%s: %s" % (type(exc).__name__, str(exc)[:200]))
+                    continue
+                if t <= end:
+                    finished[cid] = t
+                else:
+                    after += 1
+            if time.time() >= end:
+                break
+        late = after + len(running)
+        wait(running, timeout=plan["drain_s"])
+        pool.shutdown(wait=False, cancel_futures=True)
+        reps.append({"buckets": buckets_by_completion(plan["buckets"], finished, first),
+                     "work_s": round(max(finished.values(), default=first) - first, 3), "answers": len(finished),
+                     "answers_after_the_time": late, "error_count": len(errors), "errors": errors[:5]})
+    return {"repetitions": reps}
+
+
+WORKERS = {"reference": worker_reference, "hf": worker_hf, "specforge": worker_specforge, "json": worker_json,
+           "limit": worker_limit}
 
 
 def run_worker(name: str, plan_file: Path) -> int:
@@ -900,8 +1008,85 @@ class Run:
             shutil.rmtree(self.extra_dumps.pop(), ignore_errors=True)
 
     # -- methods --
+    def serve_cmd(self, port: int, dumps: Path) -> list:
+        """``tools/serve.py``'s command line of ours's server (GPU: the installed sglang with the series'
+        patched files laid over it, dumps in ``dumps``; CPU: the demo, dumps in its own directory).
+        The limit's server is the command this prints with ``--print``."""
+        serve = [self.env_py, REPO / "tools" / "serve.py"]
+        ids = ",".join(map(str, self.dump_ids(self.release)))
+        if not self.gpu:
+            return serve + ["--cpu-demo", self.work / "demo", "--layers=" + ids, "--port", port]
+        from eaglepatch.gpucheck.patched_files import lay_patched_files
+
+        pp = lay_patched_files(Path(self.a.patched_files or REPO / ".gpu-patched"), self.site, self.work / "patched")
+        return serve + ["--model-path", self.model, "--dump-dir", dumps, "--layers=" + ids, "--sglang", pp, "--series",
+                        REPO / "patches" / ("sglang-" + self.release), "--port", port, "--python", self.env_py, "--",
+                        "--tokenizer-path", self.tokenizer, *self.gpu_engine_flags()]
+
+    def method_limit(self, s: Sampler) -> dict:
+        """ours's server with the dump off: the line ``tools/serve.py --print`` gives for ours's command,
+        run without its EAGLE3_DUMP_* variables (the patched server without EAGLE3_DUMP_DIR has no
+        dump, and no flush route: checked), in a temporary directory of its own as serve.py runs it."""
+        import cpuserver
+        import requests
+
+        from eaglepatch.serve import Plan, launch_environ
+
+        d = self.work / "limit"
+        d.mkdir(exist_ok=True)
+        port = cpuserver.free_port()
+        url = "http://127.0.0.1:%d" % port
+        log = d / "server.log"
+        cmd = self.serve_cmd(port, d / "dump-off")
+        cmd.insert(2, "--print")  # serve.py's own flag: before any "--" (what follows goes to launch_server)
+        r = subprocess.run([str(c) for c in cmd], env=self.base_env(), cwd=REPO, capture_output=True, text=True,
+                           timeout=self.wait_s())
+        lines = r.stdout.strip().splitlines()
+        if r.returncode != 0 or not lines:
+            return {"refused": "tools/serve.py --print exited %s: %s" % (r.returncode, r.stderr.strip()[-300:])}
+        words = shlex.split(lines[-1])
+        k = 0
+        while k < len(words) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[k], re.S):
+            k += 1
+        assigned = dict(w.split("=", 1) for w in words[:k])
+        dropped = sorted(v for v in assigned if v.startswith("EAGLE3_DUMP_"))
+        env, tmp = launch_environ(Plan(words[k:], dict(self.base_env(), **{v: x for v, x in assigned.items()
+                                                                          if v not in dropped}), url))
+        p = start(words[k:], log, env=env, sampler=s)
+        try:
+            try:
+                startup = wait_http(p, url, log, self.wait_s())
+            except Exception:
+                return {"refused": "the dump-off server did not start: " + log_tail(log, 2), "log": str(log)}
+            say("limit: dump-off server ready in %.0f s (%s)" % (startup, url))
+            code = requests.post(url + "/eagle3_dump/flush", json={}, timeout=60).status_code
+            if code != 404:
+                return {"failed": "the dump-off server answers POST /eagle3_dump/flush with HTTP %d: its dump is on"
+                                  % code}
+            warm = self.warm_server(url, "limit")
+            method_s = self.method_s()
+            plan = self.plan("limit", url=url, concurrency=self.prof["concurrency"], repeats=self.a.repeats,
+                             method_s=method_s, drain_s=60)
+            res = self.worker("limit", plan, self.base_env(), s, self.a.repeats * (method_s + 60) + self.wait_s())
+        finally:
+            stop(p)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if "failed" in res:
+            return res
+        if not any(rep["answers"] for rep in res["repetitions"]):
+            e = res["repetitions"][0]
+            return dict(res, failed="no answer in time, %d request(s) failed%s" % (
+                e["error_count"], (": " + e["errors"][0]) if e["errors"] else ""))
+        return dict(res, startup_s=round(startup, 2), warmup=warm, method_s_per_repetition=round(method_s, 1),
+                    server="the patched sglang %s of ours, the same tools/serve.py command (its --print line) run "
+                           "without %s: the dump off" % (self.release, ", ".join(dropped) or "any EAGLE3_DUMP_ variable"),
+                    dump_route="POST /eagle3_dump/flush answered 404 (no dump)",
+                    client="tools/extract.py's SGLangClient: /generate with the ids, max_new_tokens 1, %d in flight"
+                           % self.prof["concurrency"])
+
     def method_ours(self, s: Sampler) -> dict:
         import cpuserver
+        import requests
 
         d = self.work / "ours"
         d.mkdir(exist_ok=True)
@@ -909,19 +1094,8 @@ class Run:
         url = "http://127.0.0.1:%d" % port
         log = d / "server.log"
         ids = self.dump_ids(self.release)
-        serve = [self.env_py, REPO / "tools" / "serve.py"]
-        if self.gpu:
-            from eaglepatch.gpucheck.patched_files import lay_patched_files
-
-            files = Path(self.a.patched_files or REPO / ".gpu-patched")
-            pp = lay_patched_files(files, self.site, self.work / "patched")
-            dumps = self.dumps_dir()
-            serve += ["--model-path", self.model, "--dump-dir", dumps, "--layers=" + ",".join(map(str, ids)),
-                      "--sglang", pp, "--series", REPO / "patches" / ("sglang-" + self.release), "--port", port,
-                      "--python", self.env_py, "--", "--tokenizer-path", self.tokenizer, *self.gpu_engine_flags()]
-        else:
-            dumps = self.work / "demo" / "dumps"
-            serve += ["--cpu-demo", self.work / "demo", "--layers=" + ",".join(map(str, ids)), "--port", port]
+        dumps = self.dumps_dir() if self.gpu else self.work / "demo" / "dumps"
+        serve = self.serve_cmd(port, dumps)
         env = self.base_env()
         t0 = time.monotonic()
         p = start(serve, log, env=env, sampler=s)
@@ -931,57 +1105,76 @@ class Run:
             stop(p)
             return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
         say("ours: server ready in %.0f s (%s)" % (startup, url))
-        warm = self.warm_server(url, "ours")
-        if warm["rounds"]:  # the warm-up's dump files: flushed, then removed (this directory is the run's own)
-            import requests
 
+        def clear_dumps():  # this directory is the run's own: what a pass left (flushed first) is removed
             requests.post(url + "/eagle3_dump/flush", json={}, timeout=120)
             for f in Path(dumps).glob("*.safetensors"):
                 f.unlink()
-        out = d / "dataset"
+
+        reps = []
+        try:
+            warm = self.warm_server(url, "ours")
+            if warm["rounds"]:
+                clear_dumps()
+            method_s = self.method_s()
+            for k in range(self.a.repeats):
+                if k:
+                    clear_dumps()
+                rep = self.ours_pass(url, dumps, d, k, method_s, env, s)
+                if "failed" in rep:
+                    return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
+                reps.append(rep)
+        finally:
+            stop(p)
+        return {"startup_s": round(startup + reps[0]["client_startup_s"], 2), "server_startup_s": round(startup, 2),
+                "client_startup_s": reps[0]["client_startup_s"], "warmup": warm, "repetitions": reps,
+                "method_s_per_repetition": round(method_s, 1), "bucket_times": "from the sample files' modification times",
+                "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
+                          % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps),
+                "start_to_ready_s": round(time.monotonic() - t0, 1)}
+
+    def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler) -> dict:
+        """One timed ``tools/extract.py`` run (repetition ``k``) over every conversation into a new
+        dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
+        reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each)."""
+        out = d / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
+        xlog = d / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
         w0, wall0 = time.monotonic(), time.time()
         cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
                "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
                "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
                "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
-        xlog = d / "extract.log"
         first = None  # when extract.py, its imports and tokenizing done, sends its first request
+        x = start(cmd, xlog, env=env, sampler=s)
+        deadline = w0 + method_s
         try:
-            x = start(cmd, xlog, env=env, sampler=s)
-            deadline = w0 + self.method_s()
             while x.poll() is None and time.monotonic() < deadline:
                 if first is None and "extracting " in xlog.read_text(errors="replace"):
                     first = time.time()
                 time.sleep(0.1)
+        finally:
             cut = x.poll() is None  # its time is up: stopped as a user stops it (SIGTERM: it records and exits 2)
             if cut:
                 stop(x, grace=10)
-            dump_counts = flush_counts(url)
-        finally:
-            stop(p)
+        dump_counts = flush_counts(url)
         client_startup = (first - wall0) if first else 0.0
-        # per bucket, from the samples' completion times (the data file is in bucket order; with
-        # --concurrency requests overlap at a bucket's edges)
-        recs, prev = [], first or wall0
-        for b in self.buckets:
-            done = [(c["id"], c["n"], (out / sample_rel(c["id"])).stat().st_mtime)
-                    for c in b["convs"] if (out / sample_rel(c["id"])).is_file()]
-            end = max([m for _, _, m in done], default=prev)
-            recs.append(bucket_record(b, [(i, n) for i, n, _ in done], prev, max(end, prev)))
-            prev = max(end, prev)
+        # per bucket, from the samples' completion times (the data file is in bucket order)
+        times = {c["id"]: (out / sample_rel(c["id"])).stat().st_mtime for b in self.buckets for c in b["convs"]
+                 if (out / sample_rel(c["id"])).is_file()}
+        recs = buckets_by_completion(self.buckets, times, first or wall0)
         if x.returncode != 0 and not cut:
-            return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(d / "extract.log", 2))}
+            return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(xlog, 2))}
         try:  # extract's own figure: first request to the manifest
             extract_wall = json.loads((out / "manifest.json").read_text())["last_run"]["wall_s"]
         except (OSError, ValueError, KeyError, TypeError):
             extract_wall = None
-        return {"startup_s": round(startup + client_startup, 2), "server_startup_s": round(startup, 2),
-                "client_startup_s": round(client_startup, 2), "warmup": warm, "dump_counts": dump_counts,
-                "extract_progress": progress_lines(xlog),
-                "work_s": round(time.monotonic() - w0 - client_startup, 3),
-                "buckets": recs, "extract_exit": x.returncode, "extract_own_wall_s": extract_wall, "bucket_times": "from the sample files' modification times",
-                "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
-                          % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps), "start_to_ready_s": round(time.monotonic() - t0, 1)}
+        rep = {"buckets": recs, "client_startup_s": round(client_startup, 2), "dump_counts": dump_counts,
+               "extract_progress": progress_lines(xlog), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+               "extract_exit": x.returncode, "extract_own_wall_s": extract_wall}
+        rep.update(self.check_rep(out, len(times)))
+        if not self.a.keep_work:
+            shutil.rmtree(out, ignore_errors=True)
+        return rep
 
     def method_hf(self, s: Sampler) -> dict:
         return self.worker("hf", self.plan("hf"), self.base_env(), s, self.method_s() + self.wait_s())
@@ -1092,31 +1285,86 @@ class Run:
         return out
 
     # -- checks --
+    def check_rep(self, ds: Path, done: int) -> dict:
+        """A pass's dataset: its size, SpecForge's reader on it and its rows against the reference."""
+        size = sum(p.stat().st_size for p in ds.rglob("*.ckpt")) if ds.is_dir() else 0
+        return {"dataset": str(ds), "dataset_bytes": size, "reader": reader_check(ds, done, self.prof["extract_max_len"]),
+                "reference": check_dataset(ds, self.work / "reference.pt", self.prof["tol"])}
+
     def finish_method(self, name: str, res: dict, mem: dict, wall: float) -> dict:
-        r = {"method": name, **{k: v for k, v in res.items() if k not in ("buckets",)}, **mem,
+        """The method's record: every repetition's figures (``repetitions``: ``limit`` and ``ours``
+        make --repeats passes, the others one), the first one's at the top level (as one pass
+        reports them), and per method and bucket the min and median over the repetitions."""
+        r = {"method": name, **{k: v for k, v in res.items() if k not in ("buckets", "repetitions")}, **mem,
              "wall_s_including_startup": round(wall, 1)}
         if "refused" in res or "failed" in res:
             r["status"] = "refused" if "refused" in res else "failed"
+            if res.get("repetitions"):  # the passes made before it failed, for the record
+                r["repetitions_before_the_failure"] = res["repetitions"]
             return r
-        recs = res.get("buckets", [])
-        r["buckets"] = recs
-        done = sum(b["samples_done"] for b in recs)
-        toks = sum(b["tokens"] for b in recs)
-        secs = sum(b["seconds"] for b in recs)
-        ds = self.work / ("ours" if name == "ours" else name) / "dataset"
-        size = sum(p.stat().st_size for p in ds.rglob("*.ckpt")) if ds.is_dir() else 0
-        r.update(status="measured", samples_planned=sum(len(b["convs"]) for b in self.buckets), samples_done=done,
-                 complete=done == sum(len(b["convs"]) for b in self.buckets), tokens_done=toks,
-                 tokens_per_s=round(toks / secs, 1) if secs and toks else None,
-                 tokens_per_s_including_startup=round(toks / wall, 1) if wall and toks else None,
-                 dataset_bytes=size, gb_per_million_tokens=round(size / 1e9 / (toks / 1e6), 3) if toks else None,
-                 dataset=str(ds))
-        for b in recs:
-            if not b["samples_done"]:
-                b["tokens_per_s"] = "not measured"
-        r["reader"] = reader_check(ds, done, self.prof["extract_max_len"])
-        r["reference"] = check_dataset(ds, self.work / "reference.pt", self.prof["tol"])
+        planned = sum(len(b["convs"]) for b in self.buckets)
+        reps = res.get("repetitions") or [{"buckets": res.get("buckets", [])}]
+        for rep in reps:
+            recs = rep["buckets"]
+            done = sum(b["samples_done"] for b in recs)
+            toks = sum(b["tokens"] for b in recs)
+            secs = sum(b["seconds"] for b in recs)
+            for b in recs:
+                if not b["samples_done"]:
+                    b["tokens_per_s"] = "not measured"
+            rep.update(samples_done=done, complete=done == planned, tokens_done=toks,
+                       tokens_per_s=round(toks / secs, 1) if secs and toks else None)
+            if name == "limit":
+                continue
+            if "reference" not in rep:  # a method that leaves its dataset in WORK/NAME/dataset
+                rep.update(self.check_rep(self.work / name / "dataset", done))
+            size = rep["dataset_bytes"]
+            rep["gb_per_million_tokens"] = round(size / 1e9 / (toks / 1e6), 3) if toks else None
+        all_toks = sum(rep["tokens_done"] for rep in reps)
+        r.update({k: v for k, v in reps[0].items() if k != "buckets"})
+        r.update(status="measured", samples_planned=planned, buckets=reps[0]["buckets"], repetitions=reps,
+                 tokens_per_s_including_startup=round(all_toks / wall, 1) if wall and all_toks else None,
+                 over_repetitions={"repeats": len(reps),
+                                   "tokens_per_s": spread([rep["tokens_per_s"] for rep in reps]),
+                                   "buckets": {b["name"]: spread([bucket_rate(rep, b["name"]) for rep in reps])
+                                               for b in self.buckets}})
+        if self.a.repeats > 1 and name not in REPEATED:
+            r["over_repetitions"]["note"] = "--repeats makes passes of %s only: this method ran once" % " and ".join(
+                REPEATED)
+        if name == "limit":
+            r.update(dataset=None, why_no_dataset="the limit prefills and writes nothing: the rate the dataset "
+                                                  "methods are measured against")
         return r
+
+    def ratio_to_limit(self) -> dict:
+        """Each measured method's tokens/s over the limit's, overall and per bucket, repetition i over
+        the limit's repetition i (as many pairs as both have), with the min and the median; none
+        without a measured limit."""
+        m = self.results["methods"]
+        lim = m.get("limit")
+        if lim is None:
+            return {"computed": False, "why": "limit was not among the methods run (--methods %s); no ratio is "
+                                              "estimated" % ",".join(m)}
+        if lim.get("status") != "measured":
+            return {"computed": False, "why": "limit was %s (%s); no ratio is estimated" % (
+                lim.get("status"), lim.get("refused") or lim.get("failed") or lim.get("reason"))}
+        L = lim["repetitions"]
+        out = {"computed": True, "limit_tokens_per_s": lim["over_repetitions"]["tokens_per_s"],
+               "pairing": "repetition i of a method over repetition i of limit", "methods": {}, "not_compared": {}}
+        for name, v in m.items():
+            if name == "limit":
+                continue
+            if v.get("status") != "measured":
+                out["not_compared"][name] = v.get("status")
+                continue
+            R = v["repetitions"]
+            n = min(len(R), len(L))
+            out["methods"][name] = {
+                "repetitions_paired": n,
+                "overall": spread([ratio(R[i]["tokens_per_s"], L[i]["tokens_per_s"]) for i in range(n)]),
+                "buckets": {b["name"]: spread([ratio(bucket_rate(R[i], b["name"]), bucket_rate(L[i], b["name"]))
+                                               for i in range(n)]) for b in self.buckets}}
+        return out
 
     def write(self, partial: bool) -> None:
         out = Path(self.a.out)
@@ -1175,17 +1423,21 @@ class Run:
             r = self.finish_method(name, res, mem, time.monotonic() - t)
             self.results["methods"][name] = r
             if r["status"] == "measured":
-                say("%s: %d/%d samples, %s tokens/s, %s GB per M tokens, reference %s (max row error %s)"
-                    % (name, r["samples_done"], r["samples_planned"], r["tokens_per_s"], r["gb_per_million_tokens"],
-                       r["reference"]["verdict"], r["reference"].get("max_row_rel")))
-                if r["reference"]["verdict"] == "fail":
+                for i, rep in enumerate(r["repetitions"]):
+                    say("%s%s: %d/%d samples, %s tokens/s" % (
+                        name, " repetition %d" % (i + 1) if len(r["repetitions"]) > 1 else "", rep["samples_done"],
+                        r["samples_planned"], rep["tokens_per_s"]) + (
+                        ", %s GB per M tokens, reference %s (max row error %s)" % (
+                            rep["gb_per_million_tokens"], rep["reference"]["verdict"],
+                            rep["reference"].get("max_row_rel")) if "reference" in rep else ""))
+                if any(rep.get("reference", {}).get("verdict") == "fail" for rep in r["repetitions"]):
                     rc = 1
             else:
                 say("%s: %s: %s" % (name, r["status"], res.get("refused") or res.get("failed")))
                 if name == "ours":
                     rc = 1  # the project's own method must run
             if not self.a.keep_work:  # datasets of hidden 7168 are tens of GB: one at a time on the disk
-                for sub in ("dataset", "scratch"):
+                for sub in ("dataset", "scratch", *(x.name for x in (self.work / name).glob("dataset-rep*"))):
                     shutil.rmtree(self.work / name / sub, ignore_errors=True)
                 shutil.rmtree(self.work / "dumps", ignore_errors=True)
             self.drop_extra_dumps()
@@ -1193,13 +1445,40 @@ class Run:
         self.summarize()
         self.results["plot"] = plot(self.results, Path(self.a.out).with_suffix(".png"))
         self.write(False)
+        for line in self.summary_lines():
+            say(line)
         say("wrote %s" % self.a.out)
         return rc
 
+    def summary_lines(self) -> list:
+        """The lines said at the end: per method its tokens/s over the repetitions and its ratio to the
+        limit, overall and per bucket (min / median)."""
+        def mm(x):
+            return "%s / %s" % (x["min"], x["median"])
+
+        ratios = self.results["ratio_to_limit"]
+        lines = []
+        for name, v in self.results["methods"].items():
+            if v.get("status") != "measured":
+                lines.append("summary: %s %s" % (name, v.get("status")))
+                continue
+            o = v["over_repetitions"]
+            line = "summary: %s tokens/s min / median %s over %d repetition(s)" % (name, mm(o["tokens_per_s"]),
+                                                                                     o["repeats"])
+            mine = ratios.get("methods", {}).get(name)
+            if mine:
+                line += "; ratio to limit min / median %s; per bucket %s" % (mm(mine["overall"]), ", ".join(
+                    "%s %s" % (b, mm(x)) for b, x in mine["buckets"].items()))
+            lines.append(line)
+        if not ratios["computed"]:
+            lines.append("summary: no ratio to the limit: " + ratios["why"])
+        return lines
+
     def summarize(self) -> None:
         m = self.results["methods"]
+        self.results["ratio_to_limit"] = self.ratio_to_limit()
         ok = {k: v for k, v in m.items() if v.get("status") == "measured" and v.get("tokens_per_s")}
-        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k != "ours"}
+        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "limit")}
         s = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in ok.items()}}
         if "ours" in ok and peers:
             best = max(peers, key=peers.get)
@@ -1207,13 +1486,16 @@ class Run:
             s["ours_over_fastest_peer"] = round(ok["ours"]["tokens_per_s"] / peers[best], 3)
             per = {}
             for b in ok["ours"]["buckets"]:
-                theirs = [x["tokens_per_s"] for k, v in ok.items() if k != "ours" for x in v["buckets"]
+                theirs = [x["tokens_per_s"] for k, v in ok.items() if k in peers for x in v["buckets"]
                           if x["bucket"] == b["bucket"] and isinstance(x["tokens_per_s"], (int, float))]
                 if isinstance(b["tokens_per_s"], (int, float)) and theirs:
                     per[b["bucket"]] = round(b["tokens_per_s"] / max(theirs), 3)
             s["ours_over_fastest_peer_per_bucket"] = per
             if self.gpu:
                 s["goal_5x_met"] = s["ours_over_fastest_peer"] >= 5
+        r = self.results["ratio_to_limit"]
+        s["ratio_to_limit"] = ({k: {"min": v["overall"]["min"], "median": v["overall"]["median"]}
+                                for k, v in r["methods"].items()} if r["computed"] else r["why"])
         self.results["summary"] = s
 
 
@@ -1338,9 +1620,12 @@ def main(argv=None) -> int:
                                     "config.json)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
     ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
-    ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 330, gpu 400)")
+    ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 400, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes of limit and ours, each on its one server "
+                                                           "(default 1): min and median over them, and the ratio "
+                                                           "to the limit per pass")
     ap.add_argument("--warm-s", type=float, help="untimed warm-up of each fresh server at most this long (cpu 3, "
                                                  "gpu 30; 0: none): Triton compiles a kernel per new batch shape")
     ap.add_argument("--work", help="working directory (default: a new temporary one, removed at the end)")
@@ -1399,6 +1684,8 @@ def main(argv=None) -> int:
                 raise UsageError("--%s must be positive" % flag.replace("_", "-"), "pass seconds > 0")
         if a.warm_s is not None and not 0 <= a.warm_s < float("inf"):
             raise UsageError("--warm-s must be 0 or more seconds", "pass e.g. --warm-s 30, or 0 for no warm-up")
+        if a.repeats < 1:
+            raise UsageError("--repeats must be >= 1", "pass the number of timed passes, e.g. --repeats 3")
         if a.conversations is not None and a.conversations < 1:
             raise UsageError("--conversations must be >= 1", "pass a positive count")
         if a.model:

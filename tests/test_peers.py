@@ -2,11 +2,12 @@
 tiny DeepSeek-V3, each dataset loaded with SpecForge 0.2.0's own reader and checked against a float32
 transformers reference; the reference check shown failing on wrong data (aux layers shifted by one
 either way, the pre-norm state where the post-norm one belongs); the refusals reported with their
-reasons; the usage errors; --budget-s reporting what it did not run.
+reasons; the usage errors; --budget-s reporting what it did not run; the limit (ours's server with the
+dump off) over two repetitions and each method's ratio to it, recomputed from the JSON's figures.
 
 CPU figures prove the plumbing, not performance. Runs inside the CPU environment
 (``eaglepatch.cpuenv``); under another interpreter ``test_peers_suite_in_cpu_env`` reruns this file
-there. About 4-5 minutes on a 2-core machine.
+there. About 8 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ TOL = 1e-3  # the CPU profile's tolerance: float32 on both sides
 
 @pytest.mark.skipif(IN_ENV, reason="already inside the CPU env")
 def test_peers_suite_in_cpu_env():
-    run_suite_in_cpu_env(__file__, 900)
+    run_suite_in_cpu_env(__file__, 1200)
 
 
 def peers(*args, timeout=840) -> subprocess.CompletedProcess:
@@ -42,28 +43,34 @@ def peers(*args, timeout=840) -> subprocess.CompletedProcess:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("peers")
     out, work = root / "peers.json", root / "work"
-    p = peers("--cpu", "--out", out, "--work", work, "--keep-work")
+    # --budget-s 600: the limit's server and the second repetitions take the default's room
+    p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
-    return SimpleNamespace(root=root, out=out, work=work, res=res, stderr=p.stderr,
-                           measured={k: v for k, v in res["methods"].items() if v["status"] == "measured"})
+    measured = {k: v for k, v in res["methods"].items() if v["status"] == "measured"}
+    return SimpleNamespace(root=root, out=out, work=work, res=res, stderr=p.stderr, measured=measured,
+                           datasets={k: v for k, v in measured.items() if k != "limit"})
 
 
 @in_env
 def test_every_method_reported_with_its_figures(run):
     m = run.res["methods"]
-    assert set(m) == {"ours", "hf", "specforge", "sglang-json"}
+    assert set(m) == {"limit", "ours", "hf", "specforge", "sglang-json"}
     assert run.res["partial"] is False and "CPU smoke" in run.res["note"]
-    assert {"ours", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
+    assert {"limit", "ours", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
     conv = run.res["conversations"]
     for name, r in run.measured.items():
         assert r["complete"] and r["samples_done"] == conv["count"], name
         assert r["tokens_done"] == conv["tokens"], name
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_including_startup"] > 0, name
-        assert r["gb_per_million_tokens"] > 0 and r["peak_rss_bytes"] > 100 << 20, name
+        assert r["peak_rss_bytes"] > 100 << 20, name
         assert r["peak_gpu_bytes"] is None  # no GPU here
         assert [b["bucket"] for b in r["buckets"]] == [b["bucket"] for b in conv["buckets"]]
+        if name == "limit":  # a bucket whose answers all came before the last of the bucket before has no time
+            assert all(b["tokens_per_s"] > 0 for b in r["buckets"] if b["seconds"] > 0), r["buckets"]
+            continue
+        assert r["gb_per_million_tokens"] > 0, name
         assert all(b["tokens_per_s"] > 0 for b in r["buckets"]), (name, r["buckets"])
     # each fresh server was warmed up before its timed pass (untimed; Triton compiles per shape on a GPU)
     warm = [run.measured["ours"]["warmup"]] + [p["warmup"] for p in m["sglang-json"].get("passes", {}).values()
@@ -80,6 +87,77 @@ def test_every_method_reported_with_its_figures(run):
     assert run.res["summary"]["tokens_per_s"].keys() == run.measured.keys()
     assert "ours_over_fastest_peer" in run.res["summary"]
     assert run.res["plot"]["written"] or "matplotlib" in run.res["plot"]["why"]
+
+
+@in_env
+def test_limit_is_ours_server_with_the_dump_off(run):
+    """``limit``: ours's server (the tools/serve.py command's --print line) without the dump's
+    variables, every conversation prefilled in each of the two repetitions, figures in the JSON,
+    nothing written but them."""
+    lim = run.measured["limit"]
+    conv = run.res["conversations"]
+    assert "404" in lim["dump_route"] and "EAGLE3_DUMP_DIR" in lim["server"], lim
+    assert lim["dataset"] is None and "gb_per_million_tokens" not in lim and "reference" not in lim
+    assert lim["warmup"]["rounds"] and "error" not in lim["warmup"]
+    assert len(lim["repetitions"]) == 2 and len(run.measured["ours"]["repetitions"]) == 2
+    assert len(run.measured["hf"]["repetitions"]) == 1  # --repeats: limit and ours only
+    for rep in lim["repetitions"]:
+        assert rep["answers"] == rep["samples_done"] == conv["count"] and rep["tokens_done"] == conv["tokens"], rep
+        assert rep["error_count"] == 0 and rep["tokens_per_s"] > 0, rep
+        assert [b["tokens"] for b in rep["buckets"]] == [b["tokens"] for b in conv["buckets"]]
+    o = lim["over_repetitions"]
+    tps = [rep["tokens_per_s"] for rep in lim["repetitions"]]
+    assert o["tokens_per_s"] == {"per_repetition": tps, "min": min(tps), "median": pytest.approx(sum(tps) / 2)}
+    for rep in run.measured["ours"]["repetitions"]:  # each repetition of ours made and checked its own dataset
+        assert rep["samples_done"] == conv["count"] and rep["reference"]["verdict"] == "pass", rep
+    assert len({rep["dataset"] for rep in run.measured["ours"]["repetitions"]}) == 2
+    left = [p for p in (run.work / "limit").rglob("*") if p.suffix in (".ckpt", ".safetensors", ".pt")]
+    assert not left, left
+
+
+@in_env
+def test_ratio_to_limit_is_each_repetition_over_the_limits(run):
+    """The ratio block, recomputed from the JSON's own per-repetition figures: pass i of a method over
+    pass i of the limit, overall and per bucket, with their min and median; the lines said at the end
+    show them."""
+    import statistics
+
+    r = run.res["ratio_to_limit"]
+    assert r["computed"] is True and set(r["methods"]) == set(run.measured) - {"limit"}
+    L = run.measured["limit"]["repetitions"]
+
+    def rate(rep, bucket=None):
+        if bucket is None:
+            return rep["tokens_per_s"]
+        return next(b["tokens_per_s"] for b in rep["buckets"] if b["bucket"] == bucket)
+
+    def check(got, mine, bucket=None):
+        want = []
+        for a, b in zip(mine, L):
+            x, y = rate(a, bucket), rate(b, bucket)
+            want.append(x / y if isinstance(x, (int, float)) and isinstance(y, (int, float)) else "not measured")
+        assert len(got["per_repetition"]) == len(want) == min(len(mine), len(L))
+        for g, w in zip(got["per_repetition"], want):
+            assert g == (w if w == "not measured" else pytest.approx(w, abs=6e-5)), (bucket, got, want)
+        if "not measured" in want:
+            assert got["min"] == got["median"] == "not measured"
+        else:
+            assert got["min"] == min(got["per_repetition"])
+            assert got["median"] == pytest.approx(statistics.median(got["per_repetition"]))
+
+    for name, block in r["methods"].items():
+        mine = run.measured[name]["repetitions"]
+        assert block["repetitions_paired"] == min(len(mine), len(L))
+        check(block["overall"], mine)
+        assert list(block["buckets"]) == [b["bucket"] for b in run.res["conversations"]["buckets"]]
+        for bucket, got in block["buckets"].items():
+            check(got, mine, bucket)
+    ours = r["methods"]["ours"]
+    assert ours["repetitions_paired"] == 2 and all(x > 0 for x in ours["overall"]["per_repetition"])
+    assert run.res["summary"]["ratio_to_limit"]["ours"] == {k: ours["overall"][k] for k in ("min", "median")}
+    line = next(x for x in run.stderr.splitlines() if "summary: ours " in x)
+    assert "ratio to limit min / median %s / %s" % (ours["overall"]["min"], ours["overall"]["median"]) in line
+    assert run.res["summary"]["fastest_peer"] != "limit"  # the limit is no peer: it makes no dataset
 
 
 @in_env
@@ -109,7 +187,7 @@ def test_datasets_load_in_specforge_with_the_same_samples(run):
     from specforge.data.preprocessing import build_offline_eagle3_dataset
 
     ids = {}
-    for name, r in run.measured.items():
+    for name, r in run.datasets.items():
         ds = build_offline_eagle3_dataset(r["dataset"], max_len=1000)
         assert len(ds) == run.res["conversations"]["count"] == r["reader"]["samples"], name
         item = ds[0]
@@ -125,7 +203,7 @@ def test_datasets_load_in_specforge_with_the_same_samples(run):
 def test_rows_within_tolerance_of_the_float32_reference(run):
     n = len(run.res["conversations"]["reference_sample"])
     assert n >= 6
-    for name, r in run.measured.items():
+    for name, r in run.datasets.items():
         ref = r["reference"]
         assert ref["verdict"] == "pass" and ref["checked"] == n and not ref["missing"], (name, ref)
         assert set(ref["states"]) == {"aux.hf1", "aux.hf2", "aux.hf3", "final"}
@@ -199,6 +277,7 @@ def test_reference_check_fails_on_a_methods_dataset_with_shifted_aux(run, tmp_pa
     (["--cpu", "--methods", "ours,nope"], "unknown"),
     (["--cpu", "--budget-s", "0"], "--budget-s must be positive"),
     (["--cpu", "--warm-s", "-1"], "--warm-s must be 0 or more"),
+    (["--cpu", "--repeats", "0"], "--repeats must be >= 1"),
     (["--cpu", "--dump-dir", "/dev/shm"], "--dump-dir is for the GPU profile"),
     (["--model", "m", "--dump-dir", "/nonexistent-dump-dir"], "--dump-dir /nonexistent-dump-dir: not an existing directory"),
 ])
@@ -224,6 +303,11 @@ def test_budget_spent_reports_not_measured(tmp_path):
     for r in res["methods"].values():
         assert r["status"] == "not measured" and "--budget-s" in r["reason"] and "tokens_per_s" not in r
     assert res["summary"]["tokens_per_s"] == {}
+    # no limit among the methods: no ratio, said so, nothing estimated
+    r = res["ratio_to_limit"]
+    assert r["computed"] is False and "limit was not among the methods run" in r["why"] and "methods" not in r
+    assert res["summary"]["ratio_to_limit"] == r["why"]
+    assert "summary: no ratio to the limit: limit was not among the methods run" in p.stderr
 
 
 @in_env
