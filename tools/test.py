@@ -18,8 +18,8 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 (2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
-pytest runs as `<env python> -m pytest tests ARGS` with PYTHONPATH=src; test paths among the
-arguments replace `tests`.
+pytest runs as `<env python> -m pytest tests --durations=40 ARGS` with PYTHONPATH=src (the whole
+suite lists its 40 slowest tests); test paths among the arguments replace `tests --durations=40`.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
 environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
@@ -120,7 +120,8 @@ def main(argv: list[str]) -> int:
     env[cpuenv.NO_BUILD_ENV] = "1"  # every environment the run needs is built: none is built inside pytest
     if pytest_help:
         return subprocess.call([str(py), "-m", "pytest", "--help"], cwd=REPO, env=env)
-    cmd = [str(py), "-m", "pytest"] + ([] if test_paths(args) else ["tests"]) + args
+    # the whole suite also lists its 40 slowest tests, so every CI log shows where the time goes
+    cmd = [str(py), "-m", "pytest"] + ([] if test_paths(args) else ["tests", "--durations=40"]) + args
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=REPO, env=env)
     if rc == 5:
