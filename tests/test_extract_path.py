@@ -82,7 +82,12 @@ def test_torch_load_never_checks_the_zip_crcs_so_leaving_them_out_loses_no_check
     from torch.utils.serialization import config
 
     data = {"hidden_state": torch.arange(4096, dtype=torch.float32).reshape(1, 64, 64)}
-    with_crc = _save(data)
+    was = config.save.compute_crc32  # an extract run earlier in this process has switched them off
+    try:
+        config.save.compute_crc32 = True  # torch's default
+        with_crc = _save(data)
+    finally:
+        config.save.compute_crc32 = was
     with zipfile.ZipFile(io.BytesIO(with_crc)) as z:
         assert z.testzip() is None  # torch's default writes CRCs, and they are right
     changed = _flip_inside(with_crc, "data/0")
@@ -91,8 +96,8 @@ def test_torch_load_never_checks_the_zip_crcs_so_leaving_them_out_loses_no_check
     loaded = torch.load(io.BytesIO(changed), weights_only=True)  # ...but torch.load does not look
     assert not torch.equal(loaded["hidden_state"], data["hidden_state"])
 
-    was = config.save.compute_crc32
     try:
+        config.save.compute_crc32 = True
         assert writers.skip_zip_crc()
         assert not config.save.compute_crc32
         without = _save(data)
