@@ -541,9 +541,10 @@ def test_gpu_bundle_runs_in_the_venv_docs_gpu_md_makes(tmp_path):
     (["serve", "--cpu-demo", "DEMO", "--print"], "unidiff"),
     (["serve", "--model-path", "m", "--dump-dir", "DUMPS", "--print"], "unidiff"),
     (["gpu_bundle", "--out", "OUT"], "packaging"),
+    (["gpucheck", "--make-patched-files", "--series", "SERIES", "--patched-files", "OUT"], "unidiff"),
 ])
 def test_tools_before_pip_install_name_what_is_missing(tmp_path, small, argv, names):
-    """Issue 43 item 17: apply, verify, serve (and gpu_bundle) run with a Python that has none of the
+    """Issue 43 item 17: apply, verify, serve (and gpu_bundle, gpucheck --make-patched-files) run with a Python that has none of the
     project's dependencies: one line naming the missing packages and `pip install -e .`, exit 2,
     nothing read or written (was: "internal error (ModuleNotFoundError: ...)"), as extract.py names
     what its format misses. --help works there."""
@@ -552,7 +553,7 @@ def test_tools_before_pip_install_name_what_is_missing(tmp_path, small, argv, na
     py = _venv(tmp_path / "venv")
     before = hashes(small)
     fill = {"ROOT": str(small), "DEMO": str(tmp_path / "demo"), "DUMPS": str(tmp_path / "dumps"),
-            "OUT": str(tmp_path / "out")}
+            "OUT": str(tmp_path / "out"), "SERIES": str(REPO / "patches" / "sglang-0.5.17")}
     tool, *args = argv
     p = subprocess.run([str(py), str(REPO / "tools" / f"{tool}.py"), *[fill.get(a, a) for a in args]],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

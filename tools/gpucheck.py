@@ -65,6 +65,7 @@ def main(argv=None) -> int:
         from eaglepatch.gpucheck.check import CHECKS, Options, run_check
 
         if a.make_patched_files:
+            cli.require("gpucheck.py", "unidiff")  # --make-patched-files reads the series with unidiff
             from eaglepatch.gpucheck.patched_files import make_patched_files
 
             if a.series is None:
