@@ -16,7 +16,7 @@ two ways, alternating which goes first in each repetition:
 
 - ``before``: every value checked finite by ``torch.isfinite(t).all()``, and ``torch.save`` computing
   the zip CRC-32 of every tensor (torch's default);
-- ``now``: ``dumps.all_finite`` (``torch.aminmax``: one pass, exact) and ``writers.skip_zip_crc()``
+- ``now``: ``dumps.all_finite`` (``torch.aminmax``: one pass, exact) and ``writers.no_zip_crcs()``
   (``torch.load`` never checks those CRCs).
 
 Both ways' samples of the first repetition are loaded back with ``torch.load`` and must be equal,
@@ -118,7 +118,8 @@ def write_dumps(directory: Path, lengths: list, files: int, hidden: int) -> dict
 
 
 class Way:
-    """One way through the two stages: the finite check and the zip CRCs set while it runs."""
+    """One way through the two stages: the finite check and the zip CRCs set while it runs (the
+    samples are written on this thread: torch's CRC switch is per thread)."""
 
     def __init__(self, name: str, finite, crc: bool):
         self.name, self.finite, self.crc = name, finite, crc
@@ -128,17 +129,23 @@ class Way:
 
         from eaglepatch.extract import dumps
 
-        self._saved = (dumps.all_finite, config.save.compute_crc32)
+        import contextlib
+
+        from eaglepatch.extract import writers
+
+        self._saved = (dumps.all_finite, config.save.compute_crc32, writers.no_zip_crcs)
         dumps.all_finite = self.finite
         config.save.compute_crc32 = self.crc
+        if self.crc:  # write_sample's own switch off, for the way before it
+            writers.no_zip_crcs = contextlib.nullcontext
         return self
 
     def __exit__(self, *exc):
         from torch.utils.serialization import config
 
-        from eaglepatch.extract import dumps
+        from eaglepatch.extract import dumps, writers
 
-        dumps.all_finite, config.save.compute_crc32 = self._saved
+        dumps.all_finite, config.save.compute_crc32, writers.no_zip_crcs = self._saved
 
 
 def one_sample(item, layout, out_dir: Path, hidden: int, keep: bool) -> tuple:

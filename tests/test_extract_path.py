@@ -96,19 +96,18 @@ def test_torch_load_never_checks_the_zip_crcs_so_leaving_them_out_loses_no_check
     loaded = torch.load(io.BytesIO(changed), weights_only=True)  # ...but torch.load does not look
     assert not torch.equal(loaded["hidden_state"], data["hidden_state"])
 
-    try:
-        config.save.compute_crc32 = True
-        assert writers.skip_zip_crc()
+    with writers.no_zip_crcs():
         assert not config.save.compute_crc32
         without = _save(data)
-    finally:
-        config.save.compute_crc32 = was
+    assert config.save.compute_crc32 == was  # left as it was found
     with zipfile.ZipFile(io.BytesIO(without)) as z:
         assert all(i.CRC == 0 for i in z.infolist() if "data/" in i.filename)
     assert torch.equal(torch.load(io.BytesIO(without), weights_only=True)["hidden_state"], data["hidden_state"])
 
 
-def test_a_dump_holding_one_nan_is_still_refused(tmp_path):
+def _dump_file(tmp_path, nan: bool):
+    """(rid, ids, path) of a 6-token dump file, hidden 32, layers 0-2 and the final state; ``nan``:
+    one NaN in layer.1."""
     from safetensors.torch import save_file
 
     rid = dumps.new_rid()
@@ -116,18 +115,49 @@ def test_a_dump_holding_one_nan_is_still_refused(tmp_path):
     ids = torch.arange(3, 9, dtype=torch.int64)
     states = {f"layer.{k}": torch.randn(6, 32).to(torch.bfloat16) for k in (0, 1, 2)}
     states["final"] = torch.randn(6, 32).to(torch.bfloat16)
-    states["layer.1"][4, 31] = float("nan")
+    if nan:
+        states["layer.1"][4, 31] = float("nan")
     meta = {"format": dumps.FORMAT, "key": key, "rid": rid, "prompt_key": dumps.prompt_key(ids.tolist()),
             "input_source": "input_ids", "eagle3_layer_ids": json.dumps([0, 1, 2]),
             "hf_hidden_state_indices": json.dumps([1, 2, 3]), "final": "post_norm", "hidden_size": "32",
             "num_hidden_layers": "4", "dtype": "bfloat16", "num_tokens": "6"}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{key}.safetensors"
     save_file({"input_ids": ids, **states}, str(path), metadata=meta)
+    return rid, ids, path
+
+
+def test_a_dump_holding_one_nan_is_still_refused(tmp_path):
+    rid, ids, path = _dump_file(tmp_path / "bad", nan=True)
     with pytest.raises(dumps.BadDump, match="layer.1 holds 1 non-finite values"):
         dumps.load_dump(path, ids.tolist(), hidden_size=32, rid=rid)
-    states["layer.1"][4, 31] = 0.5
-    save_file({"input_ids": ids, **states}, str(path), metadata=meta)
+    rid, ids, path = _dump_file(tmp_path / "good", nan=False)
     assert dumps.load_dump(path, ids.tolist(), hidden_size=32, rid=rid).layers["layer.1"].shape == (6, 32)
+
+
+def test_samples_written_on_worker_threads_carry_no_crcs_and_load_equal(tmp_path):
+    """extract writes its samples on worker threads, and torch's CRC switch is per thread: a switch set
+    once in the main thread left every worker's sample with CRCs (the first cut did that)."""
+    import threading
+
+    from torch.utils.serialization import config
+
+    rid, ids, path = _dump_file(tmp_path, nan=False)
+    dump = dumps.load_dump(path, ids.tolist(), hidden_size=32, rid=rid)
+    layout = writers.resolve_layout("specforge", [0, 1, 2], True, 4)
+    done = []
+    t = threading.Thread(target=lambda: done.append(writers.write_sample(layout, tmp_path / "out", "s/x.ckpt", "x",
+                                                                          dump, [1] * 6)))
+    t.start()
+    t.join()
+    assert done and config.save.compute_crc32  # this thread's switch is left as it was
+    sample = tmp_path / "out" / "s" / "x.ckpt"
+    with zipfile.ZipFile(sample) as z:
+        crcs = [i.CRC for i in z.infolist() if "/data/" in i.filename]
+    assert len(crcs) == 4 and set(crcs) == {0}, crcs
+    got = torch.load(sample, weights_only=True)
+    assert torch.equal(got["hidden_state"][0], dump.final)
+    assert torch.equal(got["aux_hidden_state"][0], torch.cat([dump.layers[f"layer.{k}"] for k in (0, 1, 2)], -1))
 
 
 def test_the_benchmark_runs_both_ways_and_finds_the_samples_equal(tmp_path):

@@ -65,7 +65,7 @@ from .inputs import Inputs, Options, check_options, read_inputs
 from .record import PROVENANCE, STORAGE_PROVENANCE, Fatal
 from .tokenize import MaskError
 from .writers import (FP8, Layout, check_backend, layers_arg, publish_speculators, resolve_layout, restart_with,
-                      sample_rel, skip_zip_crc, specforge_trains, speculators_train_flags, stale_temporaries,
+                      sample_rel, specforge_trains, speculators_train_flags, stale_temporaries,
                       write_sample)
 
 __all__ = ["Extractor", "Options", "Outcome", "extract"]
@@ -316,7 +316,6 @@ class Extractor:
             bar.set_postfix_str(f"{tokens[0] / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False)
             bar.update(1)
 
-        skip_zip_crc()  # torch.load never checks them (writers.skip_zip_crc)
         try:
             # each server alone until one conversation has been sent to it: it proves the server writes
             # dumps where we look

@@ -361,32 +361,26 @@ def stored_tensors(dump) -> dict:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def skip_zip_crc() -> bool:
-    """Make this process's ``torch.save`` leave out the zip CRC-32 of each tensor (torch >= 2.6's
-    ``torch.utils.serialization.config.save.compute_crc32``); False where this torch has no such
-    switch (its files then carry CRCs: the same tensors, written slower).
+def no_zip_crcs():
+    """A context in which this thread's ``torch.save`` leaves out the zip CRC-32 of each tensor
+    (torch >= 2.6's ``torch.utils.serialization.config.save.compute_crc32``, restored on exit); a
+    context that changes nothing where this torch has no such switch (its files then carry CRCs: the
+    same tensors, written slower).
 
     Why: ``torch.load`` never checks these CRCs (a byte changed inside a tensor loads without an error
     either way: tests/test_extract_path.py shows it on the installed torch), so computing them protects
     no reader of the dataset, and it took half of ``torch.save``'s time on a 7168-wide sample
-    (``benchmarks/extract_path.py``). ``tools/extract.py`` calls it once at the start of its run: the
-    switch is process-wide, so a library caller decides for its own process."""
+    (``benchmarks/extract_path.py``). The switch is the calling thread's own (a value set in one
+    thread is not seen by another), so ``write_sample`` holds this context around each ``torch.save``."""
+    import contextlib
+
     try:
         from torch.utils.serialization import config
     except ImportError:
-        return False
-    save = getattr(config, "save", None)
-    if save is None or not hasattr(save, "compute_crc32"):
-        return False
-    save.compute_crc32 = False
-    return True
-
-
-def save_ckpt(data: dict, fh) -> None:
-    """``torch.save`` of one sample's dict into the open binary file ``fh``."""
-    import torch
-
-    torch.save(data, fh)
+        return contextlib.nullcontext()
+    if not hasattr(getattr(config, "save", None), "compute_crc32"):
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": False})
 
 
 def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, loss_mask) -> int:
@@ -399,8 +393,9 @@ def write_sample(layout: Layout, out_dir: Path, rel: str, sample_id: str, dump, 
     try:
         if layout.format in ("specforge", *DRAFT_FORMATS):
             data = (specforge_sample if layout.format == "specforge" else draft_sample)(layout, dump, loss_mask)
-            with open(tmp, "wb") as fh:  # closed here even when the disk is full (no fd kept by the error)
-                save_ckpt(data, fh)
+            # closed here even when the disk is full (no fd kept by the error); torch's switch is per thread
+            with open(tmp, "wb") as fh, no_zip_crcs():
+                torch.save(data, fh)
         else:
             from safetensors.torch import save_file
 
