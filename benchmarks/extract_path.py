@@ -178,29 +178,41 @@ def same_samples(a: Path, b: Path) -> str:
     return ""
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+def parser(doc: str, files: int, quick_files: int) -> argparse.ArgumentParser:
+    """The options this benchmark and benchmarks/extract_threads.py share (``parse`` checks them)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=doc.split("\n\n", 1)[1])
     ap.add_argument("--out", required=True, help="results JSON")
     ap.add_argument("--dir", default="/dev/shm", help="where the dump files and samples go (default /dev/shm)")
     ap.add_argument("--lengths", default="128,512,2048", help="prompt lengths, comma list (default 128,512,2048)")
-    ap.add_argument("--files", type=int, default=8, help="dump files per length (default 8)")
+    ap.add_argument("--files", type=int, default=files, help=f"dump files per length (default {files})")
     ap.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions (default 3)")
-    ap.add_argument("--quick", action="store_true", help="a smoke: hidden 256, 2 files a length, 1 repetition")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke: hidden 256, {quick_files} files a length, 1 repetition")
+    ap.set_defaults(quick_files=quick_files)
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser) -> tuple:
+    """(the options, the lengths), checked (exit 2 with argparse's message), inside the CPU environment."""
     a = ap.parse_args()
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
     except ValueError:
         ap.error(f"--lengths {a.lengths!r} is not a comma list of integers")
     if a.quick:
-        a.hidden, a.files, a.repeats = 256, 2, 1
-    if min(lengths) < 1 or a.files < 1 or a.repeats < 1 or a.hidden < 1:
-        ap.error("--lengths, --files, --repeats and --hidden must be >= 1")
+        a.hidden, a.files, a.repeats = 256, a.quick_files, 1
+    if min(lengths) < 1 or min(a.files, a.repeats, a.hidden, getattr(a, "threads", 1)) < 1:
+        ap.error("--lengths, --files, --repeats, --hidden (and --threads) must be >= 1")
     if not Path(a.dir).is_dir():
         ap.error(f"--dir {a.dir} is not a directory")
     reexec_in_env()
+    return a, lengths
+
+
+def main() -> int:
+    a, lengths = parse(parser(__doc__, files=8, quick_files=2))
     import torch
 
     from eaglepatch.extract import dumps, writers

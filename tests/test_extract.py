@@ -402,6 +402,9 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     assert set(st) == {"tokenize", "generate", "wait_for_file", "read_validate", "write", "record"}, st
     assert st["generate"] > 0 and st["read_validate"] > 0 and st["write"] > 0, st
     assert "time per stage, summed over the 4 workers" in p.stderr
+    # 4 workers on this machine's cores: torch's intra-op threads are its cores over 4, at least 1
+    want = min(torch.get_num_threads(), max(1, len(os.sched_getaffinity(0)) // 4))
+    assert f"torch intra-op threads {want}" in p.stderr, p.stderr[-1500:]
     FIGURES["specforge"] = {"max_abs_diff_vs_hf": worst, "wall_s": round(p.wall, 2), "tokens": man["tokens"],
                             "summary": [x for x in p.stderr.splitlines() if x.startswith("summary:")][0]}
 

@@ -172,3 +172,40 @@ def test_the_benchmark_runs_both_ways_and_finds_the_samples_equal(tmp_path):
         for way in ("before", "now"):
             assert len(row["ways"][way]["read_validate_s"]) == 1 and row["ways"][way]["write_s"][0] > 0
         assert row["before_over_now"]["min"] > 0
+
+
+def test_intra_op_threads_are_the_cores_over_the_workers_and_restored():
+    """32 workers on 16 cores: one intra-op thread each (benchmarks/extract_threads.py measured torch's
+    default 16 at 1.13-1.27x slower there); never more than torch had; restored on exit, error or not."""
+    from eaglepatch.extract.run import intra_op_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        with intra_op_threads(32, cores=16) as n:
+            assert n == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 16
+        with intra_op_threads(4, cores=16) as n:
+            assert n == 4 and torch.get_num_threads() == 4
+        with intra_op_threads(1, cores=64) as n:  # never above what torch had
+            assert n == 16 and torch.get_num_threads() == 16
+        with pytest.raises(RuntimeError):
+            with intra_op_threads(8, cores=16):
+                raise RuntimeError("a worker's failure")
+        assert torch.get_num_threads() == 16
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_threads_benchmark_runs_both_settings(tmp_path):
+    out = tmp_path / "et.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "extract_threads.py"), "--quick", "--threads", "2",
+                        "--out", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["intra_op_threads"]["one"] == 1 and res["samples"] == 12
+    for name in ("default", "one"):
+        (run,) = res["runs"][name]
+        assert run["tokens_per_s"] > 0 and run["process_threads"] >= 1
+    assert res["one_over_default"]["min"] > 0
+    assert list(tmp_path.iterdir()) == [out]  # its dumps and samples are removed

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,25 @@ class Outcome:
 
 # ---- the run ------------------------------------------------------------------------------------
 
+@contextmanager
+def intra_op_threads(workers: int, cores: int | None = None):
+    """torch's intra-op threads while ``workers`` threads run samples: this process's cores over the
+    workers (at least 1, never more than torch had), restored on exit. Each worker thread that runs a
+    torch op gets its own team of intra-op threads, so 32 workers at torch's default of 16 held ~500
+    threads on a 16-core host and moved samples 1.13-1.27x slower than with one intra-op thread each
+    (benchmarks/extract_threads.py, docs/peers.md)."""
+    import torch
+
+    before = torch.get_num_threads()
+    cores = cores or len(os.sched_getaffinity(0))
+    want = min(before, max(1, cores // max(1, workers)))
+    torch.set_num_threads(want)
+    try:
+        yield want
+    finally:
+        torch.set_num_threads(before)
+
+
 class Extractor:
     def __init__(self, opts: Options, log=None):
         self.o = opts
@@ -129,6 +149,7 @@ class Extractor:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self.finished = 0  # samples of this run recorded so far (finished, failed or skipped)
         self.store = None  # --mooncake-master: the ``eaglepatch.mooncake.StoreReader`` (``open_store``)
+        self.intra_op = None  # torch's intra-op threads while the workers run (``intra_op_threads``)
 
     def _spent(self, stage: str, since: float) -> float:
         now = time.monotonic()
@@ -140,8 +161,9 @@ class Extractor:
         """Seconds per stage so far, one line: where a slow run's time goes."""
         with self.lock:
             spent = dict(self.stage_s)
+        threads = "" if self.intra_op is None else f"; torch intra-op threads {self.intra_op}"
         return (f"time per stage, summed over the {self.o.concurrency} workers (record: the main thread): "
-                + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in spent.items()))
+                + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in spent.items()) + threads)
 
     def serve_hint(self) -> str:
         """How to start the patched server with the dump on for this run (its flag form)."""
@@ -230,7 +252,8 @@ class Extractor:
                      f"({len(inp.convs) - len(inp.pending)} already done) from {client.describe()} into {o.out} "
                      f"(--format {o.format})")
             try:
-                outcomes = self._run_pending(inp, client, t0)
+                with intra_op_threads(o.concurrency) as self.intra_op:
+                    outcomes = self._run_pending(inp, client, t0)
             except BaseException as exc:  # a stopped run reports and removes its unused dumps too
                 if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (tools/extract.py)
                     self.log(f"stopped: {self.finished} sample(s) of this run finished and recorded (kept: the same "
