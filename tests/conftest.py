@@ -223,6 +223,61 @@ def checkout_059(fast_tmp) -> Path:
     return make_git_checkout("0.5.9", fast_tmp / "sglang", quiet=True)
 
 
+@pytest.fixture(scope="session")
+def series_smoke(tmp_path_factory):
+    """run(release, group) -> (results, work dir): one smoke worker group ("import", "runner" or
+    "engine") on the series-patched tree of a release (upstream + series + smoke.series), each tree
+    built and each group run at most once per session; tests/test_functional.py checks the results,
+    tests/test_plugin.py compares its plugin runs with the dumps in the work dir."""
+    from eaglepatch.series import available_series
+    from eaglepatch.smoke import run_smoke
+    from eaglepatch.smoke.tree import patched_tree
+
+    series = available_series()
+    trees, runs = {}, {}
+
+    def tree(release: str) -> Path:
+        """The package parent of the release's patched tree (read only)."""
+        if release not in trees:
+            trees[release] = patched_tree(unpacked_release(release, quiet=True), series[release],
+                                          tmp_path_factory.mktemp("smoke-tree-" + release))
+        return trees[release]
+
+    def run(release: str, group: str):
+        key = (release, group)
+        if key not in runs:
+            level = "import" if group == "import" else "functional"
+            checks = None if level == "import" else [group]
+            work = tmp_path_factory.mktemp("smoke-%s-%s" % (release, group))
+            runs[key] = (run_smoke(level, tree(release), series[release], checks=checks, work_dir=work), work)
+        return runs[key]
+
+    run.tree = tree
+    return run
+
+
+@pytest.fixture(scope="session")
+def plugin_cli_smoke(tmp_path_factory):
+    """``tools/verify.py --plugin ROOT --smoke functional --json --smoke-work`` on the unmodified newest
+    release the plugin covers, run once per session in an empty working directory:
+    tests/test_plugin_targets.py checks the command, tests/test_plugin.py compares the dump files of
+    its engine checks with the series' (the run's work directory is kept for that)."""
+    from types import SimpleNamespace
+
+    from eaglepatch.plugin import plugin_releases
+
+    release = plugin_releases()[-1]
+    root = unpacked_release(release, quiet=True)
+    base = tmp_path_factory.mktemp("plugin-cli-smoke")
+    cwd = base / "cwd"
+    cwd.mkdir()
+    before = hashes(root)
+    r = run_tool("verify", "--plugin", root, "--smoke", "functional", "--json", base / "r.json",
+                 "--smoke-work", base / "work", cwd=cwd)
+    return SimpleNamespace(release=release, proc=r, json=base / "r.json", work=base / "work",
+                           made=sorted(x.name for x in cwd.iterdir()), tree_unchanged=hashes(root) == before)
+
+
 def run_suite_in_cpu_env(test_file: str, timeout: int) -> None:
     """Run one test module again inside the cached CPU SGLang environment (built if absent); a
     failure there fails the caller (its output is above)."""

@@ -18,14 +18,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOY_TARGET = REPO / "tests" / "data" / "acceptance-toy-target"
-# the language the toy target was trained on, and draft settings under which a one-layer draft
-# learns the lookup from the aux states: 150 steps (about 45 s here), by steps and not by seconds,
-# and the run without a budget (--budget-s 0): a busy machine takes longer, it does not train the
-# drafts less (a 240 s cap stopped one at 17 of 150 steps on a loaded 2-core machine)
-TOY_SETTINGS = dict(language="copy", symbols=16, alphabet=32, answer_len=12, lead=0, train_prompts=256,
-                    heldout_prompts=32, gate_prompts=16, draft_fc_norm="true", draft_batch=64, draft_lr=2e-3,
-                    draft_max_steps=150)
+sys.path.insert(0, str(REPO / "tests"))
+
+import acceptance_toy  # noqa: E402
+from acceptance_toy import TOY_SETTINGS, TOY_TARGET  # noqa: E402  (the toy target and its settings)
+
 TOOL = REPO / "tools" / "acceptance.py"
 
 
@@ -50,6 +47,8 @@ def result(tmp_path_factory):
     # a figure of drafts the run cut short is no figure: fail with the reason, assert nothing on it
     d = r["verdicts"].get("drafts", {})
     assert d.get("measured"), (d.get("verdict"), p.stderr[-2000:])
+    # its data and correct draft are the check-draft toy's too: that toy's build starts from them
+    acceptance_toy.publish(work / "w")
     return p, r
 
 

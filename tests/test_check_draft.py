@@ -18,11 +18,12 @@ diagnosis replays), and EAGLE-3 drafts trained with SpecForge 0.2.0's own classe
 
 Each check runs the real command line. Nothing is stubbed: every figure is the drafts' own
 forward over the extracted data. The inputs are made once and cached while the code that makes
-them is unchanged (the ``toy`` fixture).
+them is unchanged (the ``toy`` fixture); the greedy conversations, the correct-layer datasets, the
+kept held-out dumps and the correct draft are the acceptance test's own (tests/acceptance_toy.py:
+the same target, settings and seed), copied from its run when one of the same code published them.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -31,13 +32,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOY_TARGET = REPO / "tests" / "data" / "acceptance-toy-target"
+sys.path.insert(0, str(REPO / "tests"))
+
+import acceptance_toy  # noqa: E402
+# the acceptance test's toy target and settings: the language the toy target was trained on, and
+# draft settings under which a one-layer draft learns the lookup
+from acceptance_toy import TOY_SETTINGS, TOY_TARGET  # noqa: E402
+
 TOOL = REPO / "tools" / "check_draft.py"
-# the acceptance test's toy settings (tests/test_acceptance.py TOY_SETTINGS): the language the toy
-# target was trained on, and draft settings under which a one-layer draft learns the lookup
-TOY_SETTINGS = dict(language="copy", symbols=16, alphabet=32, answer_len=12, lead=0, train_prompts=256,
-                    heldout_prompts=32, gate_prompts=16, draft_fc_norm="true", draft_batch=64, draft_lr=2e-3,
-                    draft_max_steps=150)
 CORRECT_HF, LAST_HF = [0, 2, 3], [0, 2, 4]
 
 
@@ -63,18 +65,39 @@ def _with_final_last(src: Path, dest: Path) -> None:
         torch.save(d, p)
 
 
-def build(work: Path, say=print) -> dict:
+def build(work: Path, say=print, shared: Path | None = None) -> dict:
     """The toy inputs under ``work``: greedy data from the patched CPU server (dump on, every layer),
     the extractions, the kept held-out dumps, the post-norm datasets, the drafts. Returns their
-    paths relative to ``work`` (the cache renames the directory it is built in)."""
+    paths relative to ``work`` (the cache renames the directory it is built in). With ``shared``
+    (``acceptance_toy.shared()``: an acceptance run's greedy conversations, correct-layer datasets,
+    kept held-out dumps and correct draft, made from the same target, settings and seed), those are
+    copied, not made again: the server extracts only the [0, 2, 4] data of the same conversations."""
     from eaglepatch.acceptance import pipeline, train
 
     work = Path(work)
     sets = pipeline.parse_sets("cpu", [f"{k}={v}" for k, v in TOY_SETTINGS.items()])
+    greedy = None
+    if shared is not None:
+        (work / "data").mkdir(parents=True)
+        for name in acceptance_toy.SHARED_DATA:
+            src = shared / "data" / name
+            if src.is_dir():
+                shutil.copytree(src, work / "data" / name)
+            else:
+                shutil.copy2(src, work / "data" / name)
+        shutil.copytree(shared / acceptance_toy.SHARED_DRAFT, work / "drafts" / "correct")
+        greedy = json.loads((work / "data" / "greedy.json").read_text())
 
     class DataRun(pipeline.Run):
         def datasets_needed(self):
+            if greedy is not None:
+                return [("heldout@last", LAST_HF)]
             return [("train@correct", CORRECT_HF), ("heldout@correct", CORRECT_HF), ("heldout@last", LAST_HF)]
+
+        def reused_greedy(self, prompts):  # the shared conversations, when of these very prompts
+            if greedy is not None:
+                assert [c["prompt_ids"] for c in greedy] == prompts, "the shared conversations are of other prompts"
+            return greedy
 
     run = DataRun(pipeline.Options(work=work, scale="cpu", target=TOY_TARGET, release="0.5.9", budget_s=0,
                                    overrides=sets, port=_free_port(), say=say))
@@ -95,6 +118,8 @@ def build(work: Path, say=print) -> dict:
     # 3.459 on either state): a swap that costs nothing is nothing to diagnose
     for name, files, ids, fc_norm in (("correct", data / "ds-train@correct", [-1, 1, 2], p["draft_fc_norm"]),
                                       ("postnorm", post_train, [-1, 1, 3], False)):
+        if (work / "drafts" / name).is_dir():  # shared
+            continue
         cfg = train.draft_config(run.cfg, ids, p["dtype"], fc_norm)
         d = train.DraftRun(TOY_TARGET, cfg, pipeline.NUM_STEPS, "cpu", seed=0)
         d.train(train.sample_files(files), p["draft_epochs"], p["draft_batch"], p["draft_lr"], None, 0, say,
@@ -117,14 +142,15 @@ def build(work: Path, say=print) -> dict:
 
 def toy_key() -> str:
     """What the toy inputs are made from: the sglang 0.5.9 series (the data server), the project's
-    code (but the check itself: check.py, serve_check.py), tools/extract.py, the target, this module's
-    build, the settings and the environment. The cache holds inputs of this key only."""
+    code (but the check itself: check.py, serve_check.py), tools/extract.py, tools/acceptance.py (whose
+    run's inputs ``build`` may start from), the target, this module's build, the settings and the
+    environment. The cache holds inputs of this key only."""
     import hashlib
     import inspect
 
     h = hashlib.sha256()
     files = sorted((REPO / "patches" / "sglang-0.5.9").rglob("*")) + sorted((REPO / "src" / "eaglepatch").rglob("*.py"))
-    files += [REPO / "tools" / "extract.py"] + sorted(TOY_TARGET.iterdir())
+    files += [REPO / "tools" / "extract.py", REPO / "tools" / "acceptance.py"] + sorted(TOY_TARGET.iterdir())
     for f in files:
         if f.is_file() and f.name not in ("check.py", "serve_check.py"):  # the check itself makes no input
             h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
@@ -141,27 +167,12 @@ def toy():
     unchanged: making them took 18 and 25 minutes on this 2-core machine while other tests ran
     (load 4-5), mostly the two drafts' 150 steps; with them cached the module took 2 minutes. A
     build goes to a temporary directory beside it, renamed in when done; other keys' inputs are
-    removed then."""
-    import tempfile
-
+    removed then. A build after test_acceptance.py's run of the same code (the whole suite) starts
+    from what that run published (``acceptance_toy.shared``)."""
     from eaglepatch import cpuenv
 
-    root = cpuenv.cache_dir() / "check-draft-toy"
-    dest = root / toy_key()
-    if not (dest / "inputs.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-        try:
-            build(tmp, say=lambda m: print(m, file=sys.stderr))
-            try:
-                os.rename(tmp, dest)
-            except OSError:  # another run built it first: keep theirs
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for old in root.iterdir():
-            if old != dest and not old.name.startswith(".build-"):
-                shutil.rmtree(old, ignore_errors=True)
+    dest = acceptance_toy.made_once(cpuenv.cache_dir() / "check-draft-toy", toy_key(), "inputs.json", lambda tmp: build(
+        tmp, say=lambda m: print(m, file=sys.stderr), shared=acceptance_toy.shared()))
     rel = json.loads((dest / "inputs.json").read_text())
     return dict({k: str(dest / v) for k, v in rel.items() if k != "drafts"},
                 drafts={n: str(dest / v) for n, v in rel["drafts"].items()})

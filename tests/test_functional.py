@@ -49,37 +49,13 @@ def release(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="session")
-def _trees(tmp_path_factory):
-    return {}
-
-
-@pytest.fixture(scope="session")
-def smoke_tree(release, _trees, tmp_path_factory) -> Path:
-    """Package parent of the patched tree under test (series + test-only smoke series)."""
-    if release not in _trees:
-        _trees[release] = patched_tree(unpacked_release(release, quiet=True), SERIES[release],
-                                       tmp_path_factory.mktemp("smoke-tree-" + release))
-    return _trees[release]
-
-
-@pytest.fixture(scope="session")
-def _group_cache():
-    return {}
-
-
 @pytest.fixture
-def smoke_groups(release, smoke_tree, _group_cache, tmp_path_factory):
-    """group -> results, each worker group of each release run at most once per session."""
+def smoke_groups(release, series_smoke):
+    """group -> results, each worker group of each release run at most once per session (conftest's
+    series_smoke: tests/test_plugin.py reuses the engine group's dumps)."""
 
     def get(group: str):
-        key = (release, group)
-        if key not in _group_cache:
-            level = "import" if group == "import" else "functional"
-            checks = None if level == "import" else [group]
-            _group_cache[key] = run_smoke(level, smoke_tree, SERIES[release], checks=checks,
-                                          work_dir=tmp_path_factory.mktemp("smoke-%s-%s" % (release, group)))
-        return _group_cache[key]
+        return series_smoke(release, group)[0]
 
     return get
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import sys
@@ -147,12 +148,20 @@ def test_bodies_that_cannot_be_captured_are_refused():
 
 # ---- the writer, a real master, SpecForge's reader ------------------------------------------------
 
+@contextlib.contextmanager
 def _sf_store(master):  # noqa: F811
+    """SpecForge's MooncakeFeatureStore on ``master``, its store client closed on leaving (before the
+    master stops). SpecForge 0.2.0's store has no close of its own: its client is ``_store``; left open,
+    it is destroyed at the interpreter's exit asking the stopped master to unmount."""
     from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 
-    return MooncakeFeatureStore(store_id="sid", retain_on_release=True, setup_kwargs={
+    store = MooncakeFeatureStore(store_id="sid", retain_on_release=True, setup_kwargs={
         "local_hostname": "127.0.0.1", "metadata_server": master.metadata, "master_server_addr": master.address,
         "protocol": "tcp", "rdma_devices": "", "global_segment_size": 0, "local_buffer_size": 32 << 20})
+    try:
+        yield store
+    finally:
+        store._store.close()
 
 
 def _payload(sample: str, n: int, replace: bool = False) -> dict:
@@ -192,22 +201,22 @@ def test_the_writer_puts_specforges_objects_and_a_retry_replaces_them(master, tm
     ids, cap, fin = _states(lens, LAYERS, seed=1)
     w.submit(_Batch(ids, lens, rids=["a", "b"]), cap, fin)
     got = w.captured(["a", "b"], 60)
-    store = _sf_store(master)
-    for i, (rid, n) in enumerate(zip("ab", lens)):
-        answer = got[rid]
-        assert answer["aux_layer_ids"] == list(IDS) and answer["gen"] == 1, answer
-        assert answer["features"]["hidden_state"] == {"shape": [1, n, 2 * H], "dtype": "float32"}
-        t = _read(store, answer)
-        start = sum(lens[:i])
-        want = torch.cat([cap[k + 1][start:start + n] for k in IDS], -1)[None]
-        assert torch.equal(t["hidden_state"], want) and torch.equal(t["target"], fin[start:start + n][None])
-        assert t["input_ids"].tolist() == [list(range(n))]
-    # the same sample again (SpecForge's retry: replace) with other rows: the store holds the new ones
-    assert w.expect({"a2": _payload("r:a", 5, replace=True)}) == {"a2": None}
-    ids, cap2, fin2 = _states([5], LAYERS, seed=9)
-    w.submit(_Batch(ids, [5], rids=["a2"]), cap2, fin2)
-    answer = w.captured(["a2"], 60)["a2"]
-    assert torch.equal(_read(store, answer)["target"], fin2[None])
+    with _sf_store(master) as store:
+        for i, (rid, n) in enumerate(zip("ab", lens)):
+            answer = got[rid]
+            assert answer["aux_layer_ids"] == list(IDS) and answer["gen"] == 1, answer
+            assert answer["features"]["hidden_state"] == {"shape": [1, n, 2 * H], "dtype": "float32"}
+            t = _read(store, answer)
+            start = sum(lens[:i])
+            want = torch.cat([cap[k + 1][start:start + n] for k in IDS], -1)[None]
+            assert torch.equal(t["hidden_state"], want) and torch.equal(t["target"], fin[start:start + n][None])
+            assert t["input_ids"].tolist() == [list(range(n))]
+        # the same sample again (SpecForge's retry: replace) with other rows: the store holds the new ones
+        assert w.expect({"a2": _payload("r:a", 5, replace=True)}) == {"a2": None}
+        ids, cap2, fin2 = _states([5], LAYERS, seed=9)
+        w.submit(_Batch(ids, [5], rids=["a2"]), cap2, fin2)
+        answer = w.captured(["a2"], 60)["a2"]
+        assert torch.equal(_read(store, answer)["target"], fin2[None])
     assert not torch.equal(fin2, fin[:5])
     w.close()
 
@@ -234,7 +243,9 @@ def test_a_store_too_small_answers_specforges_error_and_leaves_nothing(master, t
     assert m.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
     assert [m.is_exist(f"sid/r:big/g1/{n}") for n in ("hidden_state", "target")] == [0, 0]
     m.close()
-    assert "error" not in got["small"] and _read(_sf_store(master), got["small"])["target"].shape == (1, 4, H)
+    assert "error" not in got["small"]
+    with _sf_store(master) as store:
+        assert _read(store, got["small"])["target"].shape == (1, 4, H)
     w.close()
 
 
@@ -331,10 +342,10 @@ def test_a_master_restarted_fails_the_captures_meanwhile_in_specforges_form_and_
         _until(lambda: w.sink.counts()["master_restarts"] == 1, 60, "the sink noticing the restarted master")
         after = capture("after", 3)
         assert "error" not in after, after
-        store = _sf_store(m)
-        assert _read(store, after)["target"].shape == (1, 6, H)
-        with pytest.raises(KeyError):
-            _read(store, before)
+        with _sf_store(m) as store:
+            assert _read(store, after)["target"].shape == (1, 6, H)
+            with pytest.raises(KeyError):
+                _read(store, before)
         w.close()
     finally:
         _close_sinks()

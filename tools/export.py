@@ -16,6 +16,11 @@ on disk differs by one byte.
 --overlay regenerates the first patch of every series (or of --out), the one that adds the
 package in sglang-overlay/, and its manifest entries; with --check it only compares.
 
+--plugin DIR builds the eaglepatch-capture wheel (the capture as an SGLang plugin for the
+releases sglang-plugin/targets.py covers: the overlay's package + sglang-plugin/, its release
+facts from the series' manifests) into DIR, by one rename; it needs setuptools>=70.1 in this
+Python. Install it with pip install DIR/eaglepatch_capture-*.whl beside an unmodified sglang.
+
 Exit: 0 exported (with --check: byte-identical), 1 --check found a difference (or refused),
 2 usage or input error.
 """
@@ -39,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="series dir (default: patches/sglang-<release of --base>)")
     ap.add_argument("--series-version", help="series version for manifest.json (default: kept, else <release>-1)")
     ap.add_argument("--check", action="store_true", help="compare with the files on disk; write nothing")
+    ap.add_argument("--plugin", type=Path, metavar="DIR",
+                    help="build the eaglepatch-capture plugin wheel into DIR (no REPO)")
     a = ap.parse_args(argv)
 
     def body() -> int:
@@ -48,6 +55,14 @@ def main(argv=None) -> int:
         from eaglepatch.series import check_release, default_patches_root
 
         lock_timeout()  # a bad EAGLEPATCH_LOCK_TIMEOUT: one line, exit 2, before anything is read or written
+        if a.plugin is not None:
+            if a.repo or a.base or a.branch or a.series_version or a.overlay or a.out or a.check:
+                raise UsageError("--plugin takes no REPO, --base, --branch, --series-version, --overlay, --out "
+                                 "or --check", "run: export.py --plugin DIR")
+            from eaglepatch.plugin import build_wheel
+
+            print(f"built {build_wheel(a.plugin)}")
+            return 0
         if a.overlay:
             if a.repo or a.base or a.branch or a.series_version:
                 raise UsageError("--overlay takes no REPO, --base, --branch or --series-version",

@@ -10,7 +10,7 @@ The environments are virtual environments under ${EAGLEPATCH_CACHE:-~/.cache/eag
 (cpu-env-<key>, key = the requirement list and the Python version; eaglepatch.cpuenv), built
 before pytest starts, each step logged as it goes: the test environment
 (src/eaglepatch/cpu-requirements.txt) always; when the run includes tests/test_functional.py or
-tests/test_dump_stops.py or tests/test_draft_capture.py (every run without test paths does), also the environment of every
+tests/test_dump_stops.py or tests/test_draft_capture.py or tests/test_plugin.py (every run without test paths does), also the environment of every
 series' release and its tiny smoke checkpoints. Before them, the Debian packages the tests need
 (eaglepatch.sysdeps: libfuse3 and fusermount3 for the slow and hung dump disks, libibverbs1 for Mooncake) are installed with
 apt-get when missing (as root; otherwise the command to run is printed and the run stops). Tests never build one themselves: inside pytest a missing environment is an
@@ -39,7 +39,8 @@ from eaglepatch import cli, cpuenv, sysdeps  # noqa: E402
 
 # the tests that run every series' environment
 FUNCTIONAL = (REPO / "tests" / "test_functional.py", REPO / "tests" / "test_dump_stops.py",
-              REPO / "tests" / "test_draft_capture.py")
+              REPO / "tests" / "test_draft_capture.py", REPO / "tests" / "test_plugin.py",
+              REPO / "tests" / "test_plugin_targets.py")
 
 
 def _parser():

@@ -154,10 +154,28 @@ def stubs_for(requirements: Path, work: Path) -> Path:
     return dest
 
 
-def worker_env(package_parent: Path, stubs: Path = STUBS) -> dict:
+def smoke_plugin_dir(work: Path) -> Path:
+    """A directory holding the test-only ``eaglepatch_smoke`` plugin (smoke_plugin.py as a package,
+    with a dist-info naming its entry point), for a smoke run of an unmodified release with the
+    eaglepatch-capture plugin."""
+    from .smoke_plugin import ENTRY_POINT
+
+    dest = Path(work) / "smoke-plugin"
+    pkg = dest / ENTRY_POINT
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_bytes((HERE / "smoke_plugin.py").read_bytes())
+    meta = dest / ("%s-0.0.0.dist-info" % ENTRY_POINT)
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: %s\nVersion: 0.0.0\n" % ENTRY_POINT)
+    (meta / "entry_points.txt").write_text("[sglang.srt.plugins]\n%s = %s:register\n" % (ENTRY_POINT, ENTRY_POINT))
+    return dest
+
+
+def worker_env(package_parent: Path, stubs: Path = STUBS, plugin_paths: Iterable[Path] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
     env["PYTHONPYCACHEPREFIX"] = _pycache_prefix()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve()), str(stubs)])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve())]
+                                        + [str(Path(p).resolve()) for p in plugin_paths] + [str(stubs)])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -296,9 +314,19 @@ def _group_specs(checks) -> list:
 
 
 def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | None = None,
-              work_dir: Path | None = None) -> list[Result]:
+              work_dir: Path | None = None, plugin: Path | None = None) -> list[Result]:
+    """``plugin``: a directory the eaglepatch-capture wheel is installed in (``eaglepatch.plugin.install``);
+    the checks then run on ``package_parent``, an UNMODIFIED release, with that directory and the
+    test-only ``eaglepatch_smoke`` plugin (in place of the smoke patch) on PYTHONPATH: SGLang's own
+    plugin loader installs the capture. Only the engine group (checks through ``sglang.Engine``,
+    which loads plugins) runs this way."""
     if level not in LEVELS:
         raise ValueError("error: unknown smoke level %r; use one of %s" % (level, ", ".join(LEVELS)))
+    if plugin is not None and (level != "functional" or any(str(c).partition(":")[0] != "engine"
+                                                            for c in (checks or ["runner"]))):
+        raise ValueError("error: a smoke run with the plugin runs the engine group only (the other workers "
+                         "build SGLang's parts without its plugin loader); pass checks=['engine'] or "
+                         "['engine:LETTERS']")
     package_parent = Path(package_parent).resolve()
     if not (package_parent / "sglang" / "__init__.py").is_file():
         raise FileNotFoundError("error: %s holds no sglang/ package; pass the package parent" % package_parent)
@@ -310,8 +338,12 @@ def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | N
     work = Path(tempfile.mkdtemp(prefix="eaglepatch-smoke-")) if own_work else Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     stubs = stubs_for(requirements, work)
-    env = worker_env(package_parent, stubs)
-    smoke_patches = _smoke_patch_names(series)
+    plugin_paths = [Path(plugin), smoke_plugin_dir(work)] if plugin is not None else []
+    env = worker_env(package_parent, stubs, plugin_paths)
+    smoke_patches = _smoke_patch_names(series) if plugin is None else []
+    if plugin is not None:
+        _say("smoke: the eaglepatch-capture plugin from %s and the test-only smoke plugin eaglepatch_smoke "
+             "(DeepSeek attention routed to MLA on torch_native) on an unmodified sglang" % plugin)
     _say("smoke %s: sglang %s from %s (CPU environment %s)" % (level, release, package_parent,
                                                                 py.parent.parent.name))
     if smoke_patches:
@@ -348,4 +380,5 @@ def run_smoke(level: str, package_parent, series=None, checks: Iterable[str] | N
     return results
 
 
-__all__ = ["Result", "run_smoke", "ensure_checkpoints", "checkpoint_dir", "worker_env", "LEVELS", "GROUPS"]
+__all__ = ["Result", "run_smoke", "ensure_checkpoints", "checkpoint_dir", "worker_env", "smoke_plugin_dir", "LEVELS",
+           "GROUPS"]

@@ -65,10 +65,10 @@ def start_engine(ckpt: Path, **extra):
     return engine
 
 
-def generate(engine, prompts, new_tokens):
+def generate(engine, prompts, new_tokens, rids=None):
     sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     t0 = time.monotonic()
-    out = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=sp)
+    out = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=sp, rid=rids)
     log("generate %d requests x %d new tokens: %.1f s" % (len(prompts), new_tokens, time.monotonic() - t0))
     return out
 
@@ -379,10 +379,13 @@ def main() -> int:
             sent = order(prompts) if order else prompts
             sent = sent + [sent[-1]]  # the same prompt twice in one call: two requests, two files
             sent_refs = [refs[prompts.index(p)] for p in sent]
+            # the client's own request ids: the same files (names and metadata) in every run, so two
+            # runs' dumps compare byte for byte (tests/test_plugin.py: series against plugin)
+            rids = ["smoke-%s-%d" % (subdir, i) for i in range(len(sent))]
             with dumping(directory):
                 engine = start_engine(ckpt, **engine_kw)
             try:
-                out = generate(engine, sent, NEW_TOKENS)
+                out = generate(engine, sent, NEW_TOKENS, rids)
                 flushed = engine.flush_eagle3_dump(timeout=120)
                 rids = [o["meta_info"]["id"] for o in out]
                 check_dump(name, directory, sent, sent_refs, architecture, ckpt, rids, flushed)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from typing import List, Optional
 
+from .release import DELIVERY
 from .settings import (
     DUMP_VARS,
     SERIES_VERSION,
@@ -100,7 +101,28 @@ def _state(model) -> CaptureState:
     if state is None:
         state = CaptureState()
         model._eagle3_capture_state = state
+        if DELIVERY == "plugin":
+            _route_inner_output(model)
     return state
+
+
+def _route_inner_output(model) -> None:
+    """Plugin delivery only: what the series' line in ``DeepseekV2ForCausalLM.forward`` does
+    (``hidden_states = after_model(self, hidden_states, forward_batch)`` right after the call
+    of the decoder stack), as a forward hook on this model's decoder stack instance: module
+    hooks run around the call, outside anything compiled inside it. Only on a model whose forward
+    is DeepseekV2ForCausalLM's, the one forward the series changes (a NextN draft's own forward,
+    or another architecture's, never calls after_model there either)."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    if type(model).forward is not DeepseekV2ForCausalLM.forward:
+        return
+
+    def hook(module, args, kwargs, output):
+        # the forward calls self.model(input_ids, positions, forward_batch, ...)
+        return after_model(model, output, kwargs["forward_batch"] if "forward_batch" in kwargs else args[2])
+
+    model.model.register_forward_hook(hook, with_kwargs=True)
 
 
 def _keep_last(state: CaptureState):

@@ -10,3 +10,6 @@ SERIES_VERSION = "0.5.9-4"
 # How unpatched sglang SERIES_RELEASE maps EAGLE-3 draft-config ids to capture indices:
 # "plus_one" (id k -> k + 1) or "plus_one_if_first_is_one" (k + 1 only when the first id is 1).
 UPSTREAM_EAGLE_ID_MAPPING = "plus_one"
+# How this copy reaches sglang: "series" (a patched tree: the upstream files call the package)
+# or "plugin" (the eaglepatch-capture wheel: sglang's plugin loader installs the hooks).
+DELIVERY = "series"
