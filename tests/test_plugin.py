@@ -33,12 +33,12 @@ from conftest import one_line_error, run_tool  # noqa: E402
 from eaglepatch import cpuenv, overlay, plugin  # noqa: E402
 from eaglepatch.fetch import unpacked_release  # noqa: E402
 from eaglepatch.series import available_series  # noqa: E402
+from eaglepatch.plugin_check import dump_differences  # noqa: E402
 from eaglepatch.smoke import run_smoke, stubs_for, worker_env  # noqa: E402
 
 SERIES = available_series()
 COVERED = plugin.plugin_releases()
 # dump metadata that names the run, not the data: the launch's random id and the dump directory
-RUN_FIELDS = ("launch_id", "dump_dirs")
 DUMPS = ("dump-deepseek", "dump-kimi")  # check b's and check c's files (engine group work dir)
 PREFIX = "error: eaglepatch-capture plugin: "
 
@@ -195,50 +195,6 @@ def test_register_on_0_5_9_names_its_series(installed, tmp_path):
 
 
 # ---- parity with the series, bit for bit ----------------------------------------------------------
-
-def _raw(t) -> bytes:
-    """A tensor's bytes as stored (any dtype, bfloat16 too)."""
-    import torch
-
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def dump_differences(series_dir: Path, plugin_dir: Path) -> list:
-    """What differs between two dump directories of the same requests: file names, any tensor's
-    dtype, shape or bytes, any metadata but RUN_FIELDS (each run's dump_dirs must name its own
-    directory, and one launch id must hold for all its files)."""
-    from safetensors import safe_open
-
-    out = []
-    names = sorted(p.name for p in series_dir.iterdir())
-    other = sorted(p.name for p in plugin_dir.iterdir())
-    if names != other or not names:
-        return [f"file names differ: series {names}, plugin {other}"]
-    launches = {"series": set(), "plugin": set()}
-    for name in names:
-        read = {}
-        for side, d in (("series", series_dir), ("plugin", plugin_dir)):
-            with safe_open(str(d / name), framework="pt") as f:
-                meta = dict(f.metadata() or {})
-                read[side] = (meta, {k: f.get_tensor(k) for k in f.keys()})
-            if json.loads(meta.get("dump_dirs", "null")) != [str(d)]:
-                out.append(f"{name}: {side} dump_dirs {meta.get('dump_dirs')!r}, not its own directory")
-            launches[side].add(meta.get("launch_id"))
-        (ms, ts), (mp, tp) = read["series"], read["plugin"]
-        if sorted(ts) != sorted(tp):
-            out.append(f"{name}: tensors {sorted(ts)} vs {sorted(tp)}")
-        for k in sorted(set(ts) & set(tp)):
-            a, b = ts[k], tp[k]
-            if a.dtype != b.dtype or a.shape != b.shape or _raw(a) != _raw(b):
-                out.append(f"{name}: tensor {k} differs ({a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)})")
-        for k in sorted((set(ms) | set(mp)) - set(RUN_FIELDS)):
-            if ms.get(k) != mp.get(k):
-                out.append(f"{name}: metadata {k}: series {ms.get(k)!r}, plugin {mp.get(k)!r}")
-    for side, ids in launches.items():
-        if len(ids) != 1 or None in ids:
-            out.append(f"{side}: launch ids {sorted(map(str, ids))}, want one per run")
-    return out
-
 
 @pytest.fixture(scope="session")
 def plugin_engine_runs(installed, tmp_path_factory):

@@ -169,3 +169,55 @@ def smoke(rep: PluginReport, level: str, say=print, keep: Path | None = None) ->
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- parity with the series: two runs' dump files, bit for bit ------------------------------------
+
+RUN_FIELDS = ("launch_id", "dump_dirs")  # dump metadata that names the run, not the data
+
+
+def _raw(t) -> bytes:
+    """A tensor's bytes as stored (any dtype, bfloat16 too)."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def dump_differences(series_dir: Path, plugin_dir: Path, own_dirs: bool = True, run_fields=RUN_FIELDS) -> list:
+    """What differs between two dump directories of the same requests (the series' and the plugin's):
+    file names, any tensor's dtype, shape or bytes, any metadata but ``run_fields`` (the fields that
+    name the run itself); one launch id must hold for all of a run's files, and with ``own_dirs``
+    each run's dump_dirs must name its own directory (off for a directory moved after the run)."""
+    import json
+
+    from safetensors import safe_open
+
+    out = []
+    names = sorted(p.name for p in series_dir.iterdir())
+    other = sorted(p.name for p in plugin_dir.iterdir())
+    if names != other or not names:
+        return [f"file names differ: series {names}, plugin {other}"]
+    launches = {"series": set(), "plugin": set()}
+    for name in names:
+        read = {}
+        for side, d in (("series", series_dir), ("plugin", plugin_dir)):
+            with safe_open(str(d / name), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+                read[side] = (meta, {k: f.get_tensor(k) for k in f.keys()})
+            if own_dirs and json.loads(meta.get("dump_dirs", "null")) != [str(d)]:
+                out.append(f"{name}: {side} dump_dirs {meta.get('dump_dirs')!r}, not its own directory")
+            launches[side].add(meta.get("launch_id"))
+        (ms, ts), (mp, tp) = read["series"], read["plugin"]
+        if sorted(ts) != sorted(tp):
+            out.append(f"{name}: tensors {sorted(ts)} vs {sorted(tp)}")
+        for k in sorted(set(ts) & set(tp)):
+            a, b = ts[k], tp[k]
+            if a.dtype != b.dtype or a.shape != b.shape or _raw(a) != _raw(b):
+                out.append(f"{name}: tensor {k} differs ({a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)})")
+        for k in sorted((set(ms) | set(mp)) - set(run_fields)):
+            if ms.get(k) != mp.get(k):
+                out.append(f"{name}: metadata {k}: series {ms.get(k)!r}, plugin {mp.get(k)!r}")
+    for side, ids in launches.items():
+        if len(ids) != 1 or None in ids:
+            out.append(f"{side}: launch ids {sorted(map(str, ids))}, want one per run")
+    return out
