@@ -71,8 +71,9 @@ def _releases(patches_root: Path | None = None, plugin_dir: Path | None = None) 
     from .overlay import series_params
 
     covered = plugin_releases(plugin_dir)
-    table, every = {}, tuple(available_series(patches_root))
-    for release, d in available_series(patches_root).items():
+    series = available_series(patches_root)
+    table, every = {}, tuple(series)
+    for release, d in series.items():
         if release not in covered:
             continue
         manifest = load_manifest(d / "manifest.json")
