@@ -137,6 +137,7 @@ def test_spy_records_what_the_target_hands_the_draft(cpu_capture, small):
     assert "installed ModelRunner.forward" in notes
     assert any(ln.startswith("installed DeepseekV2DecoderLayer.forward probe") for ln in notes)
     recs = R.load_records(cpu_capture / "spy")
+    assert R.overlays(recs) == ["sglang.srt.eagle3_capture:series"]  # the capture package the process had loaded
     target = [r for r in recs if r["kind"] == "target"]
     assert len(target) == 1 and target[0]["mode"] == "EXTEND" and target[0]["extend_seq_lens"] == models.BATCHES["small"]
     assert tuple(target[0]["hidden"].shape) == (sum(models.BATCHES["small"]), 3 * models.CHECK_MODEL["hidden_size"])

@@ -261,3 +261,80 @@ def test_dump_differences_sees_a_shifted_layer_and_a_metadata_change(tmp_path):
     flipped.view(torch.int32)[0, 0] ^= 1
     write(tmp_path / "bit", dict(t, **{"layer.1": flipped}), base)
     assert len(dump_differences(tmp_path / "s", tmp_path / "bit")) == 1
+
+
+# ---- tools/gpucheck.py --plugin (the GPU parity run's options; the engines run on the GPU) ------------
+
+def _no_trace(r, *paths) -> str:
+    """Exit 2, one line, nothing written."""
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert not any(Path(p).exists() for p in paths), [p for p in paths if Path(p).exists()]
+    return one_line_error(r)
+
+
+def test_gpucheck_plugin_arguments_are_refused_with_one_line(wheel, installed, tmp_path):
+    site = unpacked_release(COVERED[-1], quiet=True)
+    work, out = tmp_path / "w", tmp_path / "r.json"
+    base = ["--site", site, "--work", work, "--out", out, "--checks", "f"]
+    junk = tmp_path / "junk.whl"
+    junk.write_text("not a zip")
+    other = tmp_path / "other.whl"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("other-0.1.dist-info/entry_points.txt", "[sglang.srt.plugins]\nother = other:register\n")
+    cases = [
+        (["--plugin", wheel, "--series", REPO / "patches" / f"sglang-{COVERED[-1]}"], {}, "name a patched tree"),
+        (["--plugin", junk], {}, "is not a readable wheel"),
+        (["--plugin", other], {}, "is not the eaglepatch-capture wheel"),
+        (["--plugin", wheel], {"PYTHONPATH": str(installed)}, "the plugin is already importable here"),
+    ]
+    for extra, env, want in cases:
+        line = _no_trace(run_tool("gpucheck", *base, *extra, env=env), work, out)
+        assert want in line, (extra, line)
+    line = _no_trace(run_tool("gpucheck", "--work", work, "--out", out, "--plugin", wheel), work, out)
+    assert "--plugin needs --site" in line
+    # the control: the real wheel with --site passes the plugin's checks and stops at the next one (no CUDA here)
+    line = _no_trace(run_tool("gpucheck", *base, "--plugin", wheel), work, out)
+    assert "CUDA is not available" in line
+
+
+def test_gpucheck_plugin_reaches_the_engines_under_test_only(wheel, tmp_path):
+    """--plugin: the engines under test find the plugin's entry point and SGLANG_PLUGINS selects it;
+    the unpatched engines (checks e, f, h) find no such entry point. What the engines then load is
+    judged on the GPU: check f's and h's verdicts require the spy's records to name the plugin's
+    package in the engine under test and none in the unpatched one (``_overlay_seen``)."""
+    from eaglepatch.gpucheck.check import Options, patched_parent, worker_env as gpu_env
+
+    site = unpacked_release(COVERED[-1], quiet=True)
+    opts = Options(out=tmp_path / "r.json", work=tmp_path / "w", site=site, plugin=wheel, say=lambda m: None)
+    pp = patched_parent(opts)
+    code = ("import json, os\nfrom importlib.metadata import entry_points\n"
+            "print(json.dumps([sorted(e.name for e in entry_points(group='sglang.srt.plugins')), "
+            "os.environ.get('SGLANG_PLUGINS')]))")
+    seen = {}
+    for role, parent in (("under test", pp), ("unpatched", site)):
+        env = gpu_env(parent, site)
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        seen[role] = json.loads(p.stdout)
+    assert "eaglepatch_capture" in seen["under test"][0] and seen["under test"][1] == "eaglepatch_capture", seen
+    assert "eaglepatch_capture" not in seen["unpatched"][0], seen
+    assert not (pp / "sglang").exists()  # sglang itself comes from --site, unmodified
+
+
+def test_gpucheck_verdicts_require_the_capture_package_they_compare(wheel, tmp_path):
+    """A patched-vs-unpatched comparison proves nothing when the capture never loaded: the engine under
+    test must record the plugin's (or the series') package, the unpatched one none."""
+    from eaglepatch.gpucheck.check import Options, State, _overlay_seen
+
+    for plugin_opt, want in ((wheel, "eaglepatch_capture:plugin"), (None, "sglang.srt.eagle3_capture:series")):
+        st = State(Options(out=tmp_path / "r.json", work=tmp_path, plugin=plugin_opt), 0.0)
+        assert _overlay_seen(st, [{"overlay": want}] * 3, True)[0]
+        assert _overlay_seen(st, [{"overlay": None}] * 3, False)[0]
+        assert not _overlay_seen(st, [{"overlay": None}] * 3, True)[0]  # the capture did not load
+        assert not _overlay_seen(st, [{"overlay": want}], False)[0]  # the "unpatched" engine had it
+        assert not _overlay_seen(st, [{"overlay": want}, {"overlay": None}], True)[0]  # one process without it
+        assert not _overlay_seen(st, [], True)[0]  # nothing recorded
+    st = State(Options(out=tmp_path / "r.json", work=tmp_path, plugin=wheel), 0.0)
+    ok, fig = _overlay_seen(st, [{"overlay": "sglang.srt.eagle3_capture:series"}], True)
+    assert not ok and "want eaglepatch_capture:plugin" in fig  # a patched tree where the plugin was asked for

@@ -2,7 +2,7 @@
 """The GPU check of a patched SGLang (checks a-e of docs/gpu.md) on a CUDA machine.
 
   python3 tools/gpucheck.py --make-patched-files --series patches/sglang-<release> [--release R] [--patched-files DIR]
-  python3 tools/gpucheck.py --site DIR (--patched-files DIR | --series DIR | --package-parent DIR)
+  python3 tools/gpucheck.py --site DIR (--patched-files DIR | --series DIR | --package-parent DIR | --plugin WHEEL)
                             [--checks abce] [--out FILE] [--logs FILE.tar.gz] [--work DIR] [--budget-s 540]
                             [--unpatched-parent DIR] [--dump-ids=-1,1,2,3] [--new-tokens 16] [--prefill-graph]
 
@@ -10,7 +10,9 @@
 needs). The sglang under test is --site's sglang with the series laid over a copy: --patched-files is
 the series applied here (--make-patched-files writes it, default .gpu-patched; no git needed on
 the GPU machine), --series applies it there with git. a, b, c and e run on one GPU; d needs two
-(run it alone: --checks d). Raw results go to --out as JSON (docs/results/ keeps them).
+(run it alone: --checks d). --plugin WHEEL checks the unmodified --site sglang with the eaglepatch-capture
+plugin (tools/export.py --plugin DIR builds it) in the engines under test; the unpatched engines of e, f
+and h run without it. Raw results go to --out as JSON (docs/results/ keeps them).
 Exit: 0 every check passed, 1 a check failed, 2 usage error (no CUDA, no sglang, bad arguments).
 """
 import argparse
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
                     help="apply --series to the released wheel here and write --patched-files (default .gpu-patched)")
     ap.add_argument("--release", help="release of --make-patched-files (default: the series directory's name)")
     ap.add_argument("--package-parent", type=Path, help="an already patched package parent (instead of --series)")
+    ap.add_argument("--plugin", type=Path, help="the eaglepatch-capture wheel: check the unmodified --site sglang "
+                                                "with it (instead of a patched tree)")
     ap.add_argument("--unpatched-parent", type=Path, help="the unpatched sglang for check e (default: --site)")
     ap.add_argument("--e-decode-only", action="store_true",
                     help="check e: decode alone (no prefill benchmark first), the series with the dump off and "
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
             raise UsageError("--new-tokens %d is too small" % a.new_tokens, "use at least 2 (verify needs decoding)")
         opts = Options(out=a.out, work=a.work, site=a.site, package_parent=a.package_parent, series=a.series,
                        patched_files=a.patched_files,
-                       unpatched_parent=a.unpatched_parent, checks=a.checks, budget_s=a.budget_s,
+                       unpatched_parent=a.unpatched_parent, plugin=a.plugin, checks=a.checks, budget_s=a.budget_s,
                        new_tokens=a.new_tokens, dump_ids=a.dump_ids, prefill_graph=a.prefill_graph,
                        cpu=a.cpu, g_modes=a.g_modes, e_decode_only=a.e_decode_only)
         try:

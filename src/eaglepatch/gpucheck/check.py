@@ -86,6 +86,7 @@ class Options:
     series: Path | None = None
     patched_files: Path | None = None
     unpatched_parent: Path | None = None
+    plugin: Path | None = None  # the eaglepatch-capture wheel: the unmodified --site sglang with it is under test
     checks: str = TP1_CHECKS
     budget_s: float = 540.0
     new_tokens: int = 16
@@ -113,8 +114,49 @@ def _say(opts, msg):
 
 # ---- preflight ----------------------------------------------------------------------------
 
+PLUGIN_NAME = "eaglepatch_capture"  # the plugin's entry point and top-level package
+
+
+def plugin_problem(opts: Options) -> UsageError | None:
+    """What is wrong with --plugin and the options beside it (argument errors, checked before CUDA)."""
+    if opts.plugin is None:
+        return None
+    if opts.series is not None or opts.patched_files is not None or opts.package_parent is not None:
+        return UsageError("--plugin checks the unmodified --site sglang with the plugin; --series, --patched-files "
+                          "and --package-parent name a patched tree", "pass either --plugin WHEEL or one of those")
+    if opts.cpu:
+        return UsageError("--plugin runs on the GPU only", "the CPU parity of the plugin is tests/test_plugin.py")
+    if opts.site is None:
+        return UsageError("--plugin needs --site (the unpacked bundle holding the unmodified sglang)",
+                          "pass --site /tmp/site")
+    import importlib.util
+    import zipfile
+
+    w = Path(opts.plugin)
+    try:
+        with zipfile.ZipFile(w) as z:
+            names = set(z.namelist())
+    except (OSError, zipfile.BadZipFile) as exc:
+        return UsageError("--plugin %s is not a readable wheel (%s)" % (w, exc),
+                          "pass the wheel python3 tools/export.py --plugin DIR wrote")
+    eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    if "%s/plugin.py" % PLUGIN_NAME not in names or not eps:
+        return UsageError("--plugin %s is not the eaglepatch-capture wheel (no %s/plugin.py or no entry points)"
+                          % (w, PLUGIN_NAME), "pass the wheel python3 tools/export.py --plugin DIR wrote")
+    spec = importlib.util.find_spec(PLUGIN_NAME)
+    if spec is not None:
+        return UsageError("the plugin is already importable here (%s): the unpatched engines of checks e, f and h "
+                          "would load it too" % (spec.origin or PLUGIN_NAME),
+                          "run the check where it is not installed (pip uninstall eaglepatch-capture, or drop it from "
+                          "PYTHONPATH); --plugin brings it to the engines under test only")
+    return None
+
+
 def preflight(opts: Options) -> dict:
     """One-line errors for what makes the run impossible: no CUDA, too few GPUs, no sglang."""
+    bad = plugin_problem(opts)
+    if bad is not None:
+        raise bad
     try:
         import torch
     except ImportError:
@@ -134,9 +176,10 @@ def preflight(opts: Options) -> dict:
     if torch.cuda.device_count() < need:
         raise UsageError("check d needs 2 GPUs, this machine has %d" % torch.cuda.device_count(),
                          "run d on a 2-GPU machine (--checks d) and the others here (--checks abce)")
-    if opts.package_parent is None and opts.series is None and opts.patched_files is None:
+    if opts.package_parent is None and opts.series is None and opts.patched_files is None and opts.plugin is None:
         raise UsageError("no sglang under test",
-                         "pass --patched-files DIR or --series DIR (laid over --site's sglang) or --package-parent DIR")
+                         "pass --patched-files DIR or --series DIR (laid over --site's sglang), --package-parent DIR "
+                         "or --plugin WHEEL")
     if (opts.series is not None or opts.patched_files is not None) and opts.site is None:
         raise UsageError("--series and --patched-files need --site (the unpacked bundle holding the upstream sglang)",
                          "pass --site /tmp/site")
@@ -158,6 +201,18 @@ def preflight(opts: Options) -> dict:
 
 
 def patched_parent(opts: Options) -> Path:
+    """The directory put first on the PYTHONPATH of the engines under test: a patched package parent,
+    or with --plugin the wheel unpacked (its package and dist-info; sglang comes from --site)."""
+    if opts.plugin is not None:
+        import zipfile
+
+        dest = Path(opts.work) / "plugin"
+        shutil.rmtree(dest, ignore_errors=True)
+        with zipfile.ZipFile(opts.plugin) as z:
+            z.extractall(dest)
+        _say(opts, "gpucheck: the plugin %s (unpacked in %s) on the unmodified sglang of %s"
+             % (Path(opts.plugin).name, dest, opts.site))
+        return dest.resolve()
     if opts.package_parent is not None:
         return Path(opts.package_parent).resolve()
     if opts.patched_files is not None:
@@ -181,6 +236,8 @@ def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, 
     for k, v in MULTICAST_OFF.items():
         env.setdefault(k, v)
     paths = [str(sglang_parent)]
+    if (Path(sglang_parent) / PLUGIN_NAME).is_dir():  # --plugin: SGLang's loader loads this plugin, no other
+        env["SGLANG_PLUGINS"] = PLUGIN_NAME
     if spy is not None:
         paths.append(str(SPY))
     if cpu:
@@ -354,7 +411,9 @@ def spy_engine(state, name, ck, draft, sglang_pp, prompts, engine=None, dump=Non
     if not res.get("ok"):
         return res, []
     state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
-    return res, R.load_records(spy_dir)
+    recs = R.load_records(spy_dir)
+    state.results["stages"][name]["overlay"] = R.overlays(recs)
+    return res, recs
 
 
 def stage_spec_engine(state, ck, draft, sglang_pp, prompts, refs, name="S", checks=("a", "b")):
@@ -435,6 +494,7 @@ def stage_dump_engine(state, ck, draft, sglang_pp, prompts, name, tp=1, emulate=
     recs = R.load_records(spy_dir) if res.get("ok") else []
     if res.get("ok"):
         state.results.setdefault("spy_hooks", {})[name] = R.hook_notes(spy_dir)
+        state.results["stages"][name]["overlay"] = R.overlays(recs)
     return res, recs, dump_dir, ids
 
 
@@ -504,6 +564,17 @@ F_NAMES = {
 F_SAME = "f. draft ids [2, 0, 3]: patched and unpatched feed the draft the same prefill rows and give the same tokens"
 
 
+def _overlay_seen(state, recs, under_test: bool) -> tuple[bool, str]:
+    """Whether the engine's records name the capture package they must (the series' or the plugin's
+    for the engine under test, none for the unpatched one): a comparison of patched and unpatched
+    proves nothing when the capture never loaded."""
+    from . import records as R
+
+    want, got = [expected_overlay(state.opts)] if under_test else [None], R.overlays(recs)
+    return got == want, "capture package %s%s" % ("/".join(map(str, got)) or "unrecorded",
+                                                    "" if got == want else " (want %s)" % want[0])
+
+
 def check_f(state, ck, sglang_pp, prompts, refs):
     """One draft in upstream's id convention on the patched and on the unpatched tree."""
     from . import records as R
@@ -524,8 +595,9 @@ def check_f(state, ck, sglang_pp, prompts, refs):
         cap = R.check_capture(F_NAMES[name], recs, ps, rs, models.EAGLE_IDS)
         ver = R.check_draft(F_NAMES[name], recs, ps, outputs, lambda toks: ref_states(state, ck, toks), models.EAGLE_IDS)
         release_reference(state)
-        v = {"name": F_NAMES[name], "passed": cap.passed and ver.passed,
-             "figure": "prefill %s; verify %s" % (cap.figure, ver.figure),
+        loaded, which = _overlay_seen(state, recs, name == "F-patched")
+        v = {"name": F_NAMES[name], "passed": cap.passed and ver.passed and loaded,
+             "figure": "prefill %s; verify %s; %s" % (cap.figure, ver.figure, which),
              "detail": "prefill: %s || verify: %s" % (cap.detail, ver.detail)}
         _add(state, v)
         seen[name] = (R.draft_prefill_inputs(recs, ps, models.EAGLE_IDS), outputs)
@@ -596,9 +668,10 @@ def check_h(state, ck, sglang_pp, prompts, refs):
         wrong = R.check_capture(label, recs, ps, rs, shifted)
         writes = _draft_writes(recs)
         d = v.as_dict()
-        d["passed"] = d["passed"] and bool(writes) and not wrong.passed
-        d["figure"] = "%s; the shifted reading (layers %s) fails: %s, %s; %d writes into the draft's KV cache" % (
-            d["figure"], shifted, not wrong.passed, wrong.figure, len(writes))
+        loaded, which = _overlay_seen(state, recs, name != "H-unpatched")
+        d["passed"] = d["passed"] and bool(writes) and not wrong.passed and loaded
+        d["figure"] = "%s; the shifted reading (layers %s) fails: %s, %s; %d writes into the draft's KV cache; %s" % (
+            d["figure"], shifted, not wrong.passed, wrong.figure, len(writes), which)
         if dmp is not None:
             files = sorted(dump_dir.glob("*.safetensors"))
             d["passed"] = d["passed"] and len(files) == len(ps)
@@ -811,6 +884,19 @@ def _patched_files_info(files):
     return json.loads(p.read_text()) if p.is_file() else str(files)
 
 
+def _plugin_info(wheel) -> dict | None:
+    if wheel is None:
+        return None
+    import hashlib
+
+    return {"wheel": Path(wheel).name, "sha256": hashlib.sha256(Path(wheel).read_bytes()).hexdigest()}
+
+
+def expected_overlay(opts: Options) -> str:
+    """What the spy's records of an engine under test name as its capture package (records.overlays)."""
+    return "%s:plugin" % PLUGIN_NAME if opts.plugin is not None else "sglang.srt.eagle3_capture:series"
+
+
 def static_problems(opts: Options, sglang_pp: Path) -> list:
     from .static import check_tree
 
@@ -834,13 +920,14 @@ def run_check(opts: Options) -> dict:
                           "series": str(opts.series) if opts.series else None,
                           "patched_files": _patched_files_info(opts.patched_files),
                           "package_parent": str(opts.package_parent) if opts.package_parent else None,
+                          "plugin": _plugin_info(opts.plugin),
                           "criterion": {"tol": TOL, "rule": "max over token rows of |x - ref| / |ref| <= tol"},
                           "model": models.CHECK_MODEL, "shaping": models.SHAPING, "eagle_ids": models.EAGLE_IDS,
                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     write_results(state)
     sglang_pp = patched_parent(opts)
     state.results["patched_parent"] = str(sglang_pp)
-    problems = [] if opts.cpu else static_problems(opts, sglang_pp)
+    problems = [] if opts.cpu else static_problems(opts, Path(opts.site) if opts.plugin else sglang_pp)
     state.results["static_problems"] = problems
     write_results(state)
     if problems:

@@ -36,6 +36,12 @@ def load_records(spy_dir: Path) -> list[dict]:
     return recs
 
 
+def overlays(recs) -> list:
+    """The capture packages the recording processes had loaded (the spy's ``overlay``: '<module>:<DELIVERY>',
+    None for none), sorted; "unknown" for a record of a spy before it said."""
+    return sorted({r.get("overlay", "unknown") for r in recs}, key=lambda x: (x is not None, str(x)))
+
+
 def hook_notes(spy_dir: Path) -> dict:
     out = {}
     for p in sorted(Path(spy_dir).glob("hooks-*.txt")):

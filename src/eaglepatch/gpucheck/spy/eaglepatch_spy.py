@@ -20,7 +20,8 @@ Installed by the check's ``sitecustomize`` in every process of an engine started
   fused kernel: the layer's unfused fallback). This is the data flow of the fusion on machines
   whose FlashInfer workspace cannot be created.
 
-Records are ``torch.save`` dicts in EAGLEPATCH_SPY_DIR, named ``<pid>-<seq>-<kind>.pt``; each
+Records are ``torch.save`` dicts in EAGLEPATCH_SPY_DIR, named ``<pid>-<seq>-<kind>.pt`` (each names
+the capture package loaded in its process, ``overlay``: the series', the plugin's or none); each
 process also writes ``hooks-<pid>.txt`` listing the hooks it installed or could not install.
 Only TP rank 0 records.
 """
@@ -86,6 +87,19 @@ def _mode(fb) -> str:
     return getattr(m, "name", str(m))
 
 
+# where the capture came from in this process: the series' package, the plugin's, or neither (unpatched)
+OVERLAYS = ("sglang.srt.eagle3_capture", "eaglepatch_capture")
+
+
+def overlay():
+    """'<module>:<DELIVERY>' of the capture package loaded in this process, or None."""
+    for name in OVERLAYS:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            return "%s:%s" % (name, getattr(mod, "DELIVERY", "?"))
+    return None
+
+
 def save(kind: str, fb, hidden, extra=None) -> None:
     """One record (TP rank 0 only)."""
     import torch
@@ -107,6 +121,7 @@ def save(kind: str, fb, hidden, extra=None) -> None:
         "extend_seq_lens": [int(x) for x in esl] if esl is not None else None,
         "draft_token_num": getattr(spec, "draft_token_num", None),
         "hidden": _cpu(hidden),
+        "overlay": overlay(),
     }
     rec.update(extra or {})
     name = "%d-%06d-%s.pt" % (os.getpid(), rec["seq"], kind)
