@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,20 +62,13 @@ def shared() -> Path | None:
 
 def made_once(root: Path, key: str, marker: str, make) -> Path:
     """``root/key``: where it holds no ``marker`` yet, made by ``make(tmp)`` in a temporary directory
-    beside it and renamed in when whole (where another run renamed its own in first, theirs is
-    kept), other keys' directories under ``root`` removed then."""
+    beside it and renamed in when whole (``eaglepatch.outputs.build_beside``: where another run
+    renamed its own in first, theirs is kept), other keys' directories under ``root`` removed then."""
+    from eaglepatch.outputs import build_beside
+
     dest = Path(root) / key
     if not (dest / marker).is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=dest.parent))
-        try:
-            make(tmp)
-            try:
-                os.rename(tmp, dest)
-            except OSError:  # another run made it first: keep theirs
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        build_beside(dest, make)
         for old in dest.parent.iterdir():
             if old != dest and not old.name.startswith(".build-"):
                 shutil.rmtree(old, ignore_errors=True)

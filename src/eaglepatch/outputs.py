@@ -79,6 +79,28 @@ def filled_dir(tmp: Path, dest: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def build_beside(dest: Path | str, make, prefix: str = ".build-") -> bool:
+    """A directory built once (a cache): ``make(tmp)`` fills ``tmp``, a new directory beside
+    ``dest`` (its name starts with ``prefix``; ``dest``'s parent is created), which is then renamed
+    to ``dest``. Unlike ``filled_dir`` an existing ``dest`` is never replaced: where another process
+    renamed its own in first, the rename fails and theirs is kept (no lock: both may build, the
+    first rename wins, and a reader of ``dest`` never sees it change). ``tmp`` is removed whatever
+    happens; an exception of ``make`` goes on to the caller. Returns whether ours was renamed in.
+    Standard library only: the smoke workers, run by file path in the CPU environment, use it too."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
+    try:
+        make(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another run made it first: keep theirs
+            return False
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _kind(mode: int) -> str:
     return ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)

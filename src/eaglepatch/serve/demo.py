@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .. import PINNED_RELEASE, cpuenv
 from ..errors import UsageError
+from ..outputs import build_beside
 from . import (DEFAULT_HOST, DEFAULT_PORT, Plan, _url, cpu_flags, dump_dir_list, dump_settings, mooncake_extract,
                mooncake_next_steps,
                mooncake_notes, patched_tree_at, tinychat)
@@ -85,17 +86,12 @@ def cached_tree(series_dir=None, say=_say) -> Path:
         return dest
     release = unpacked_release(PINNED_RELEASE)  # downloaded from the package index the first time
     say(f"[serve] building sglang {PINNED_RELEASE} + {series.name} + its smoke patch at {dest} ...")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=dest.parent))
-    try:
+
+    def make(tmp: Path) -> None:
         patched_tree(release, series.dir, tmp, smoke=True)
         (tmp / ".complete").write_text(f"{series.dir}\n")
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another run built it first: keep theirs
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    build_beside(dest, make)  # where another run renamed its tree in first, theirs is kept
     return dest
 
 

@@ -10,9 +10,7 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
@@ -28,17 +26,21 @@ def _deepseek_config():
     return DeepseekV3Config(**cfg)
 
 
-def _atomic_dir(dest: Path):
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="." + dest.name + ".", dir=dest.parent))
-
-
-def _publish(tmp: Path, dest: Path) -> None:
-    (tmp / ".complete").write_text("ok\n")
+def _publish(dest: Path, make) -> None:
+    """``dest`` made by ``make(tmp)`` in a temporary directory ``.<name>.*`` beside it, marked
+    ``.complete`` and renamed in when whole (``eaglepatch.outputs.build_beside``: where another
+    builder renamed its own in first, theirs is kept; the temporary directory never stays)."""
     try:
-        os.rename(tmp, dest)
-    except OSError:  # another builder won the race; keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+        from eaglepatch.outputs import build_beside
+    except ModuleNotFoundError:  # a worker run by file path (_build.py): src/ is two directories up
+        sys.path.append(str(Path(__file__).resolve().parents[2]))
+        from eaglepatch.outputs import build_beside
+
+    def marked(tmp: Path) -> None:
+        make(tmp)
+        (tmp / ".complete").write_text("ok\n")
+
+    build_beside(dest, marked, prefix="." + dest.name + ".")
 
 
 def build_deepseek(dest: Path) -> None:
@@ -54,15 +56,17 @@ def build_deepseek(dest: Path) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # noaux_tc routing bias starts at 0
                 b.copy_(0.5 * torch.randn(b.shape, generator=gen))
-    tmp = _atomic_dir(dest)
-    model.save_pretrained(tmp, safe_serialization=True)
-    cfg = json.loads((tmp / "config.json").read_text())
-    # keep the SGLang-only keys (topk_method, scoring_func, ...) that transformers drops
-    for k, v in tinyconfig.DEEPSEEK_V3.items():
-        cfg.setdefault(k, v)
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    _publish(tmp, dest)
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        cfg = json.loads((tmp / "config.json").read_text())
+        # keep the SGLang-only keys (topk_method, scoring_func, ...) that transformers drops
+        for k, v in tinyconfig.DEEPSEEK_V3.items():
+            cfg.setdefault(k, v)
+        cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    _publish(dest, save)
 
 
 def _vision_weights(gen: torch.Generator) -> dict:
@@ -108,10 +112,12 @@ def build_kimi(dest: Path, deepseek_dir: Path) -> None:
         text.update(load_file(str(f)))
     weights = {"language_model." + k: v.contiguous() for k, v in text.items()}
     weights.update(_vision_weights(torch.Generator().manual_seed(tinyconfig.SEED + 2)))
-    tmp = _atomic_dir(dest)
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(tinyconfig.kimi_config(), indent=2) + "\n")
-    _publish(tmp, dest)
+
+    def save(tmp: Path) -> None:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(tinyconfig.kimi_config(), indent=2) + "\n")
+
+    _publish(dest, save)
 
 
 def build_draft(dest: Path, layer_ids) -> None:
