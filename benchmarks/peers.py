@@ -18,6 +18,9 @@ final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decod
 - ``ours``: the patched SGLang server with the dump (``tools/serve.py``) and ``tools/extract.py
   --format specforge``, run as a user runs them (one extract run over every conversation, in bucket
   order; per-bucket times from the samples' completion times);
+- ``ours-sharded``: ``ours`` with ``--extract-shards`` extract processes at once, the conversations
+  dealt round robin among them and ``ours``'s concurrency shared out (not among the defaults' peers: a
+  probe of whether one extract process is what holds ``ours`` back);
 - ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
   lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
   at the best of a few batch sizes tried first on a subset (the sweep is reported);
@@ -73,8 +76,9 @@ for _p in (SRC, REPO / "tests" / "extract_fixtures"):
 
 from eaglepatch.errors import UsageError  # noqa: E402
 
-METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
-REPEATED = ("limit", "ours")  # the methods --repeats makes several timed passes of (one server start each)
+METHODS = ("limit", "ours", "ours-sharded", "hf", "specforge", "sglang-json")
+DEFAULT_METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
+REPEATED = ("limit", "ours", "ours-sharded")  # the methods --repeats makes several timed passes of (one server start each)
 AUX_HF = (1, 2, 3)  # HF hidden-state indices of the aux states: outputs of decoder layers 0, 1, 2
 T0 = time.monotonic()
 
@@ -1084,11 +1088,18 @@ class Run:
                     client="tools/extract.py's SGLangClient: /generate with the ids, max_new_tokens 1, %d in flight"
                            % self.prof["concurrency"])
 
-    def method_ours(self, s: Sampler) -> dict:
+    def method_ours_sharded(self, s: Sampler) -> dict:
+        """``ours`` with the conversations dealt round robin to ``--extract-shards`` extract processes
+        (each its own interpreter, GIL and address space; ``--concurrency`` shared out among them), each
+        writing its own dataset beside the others: whether one extract process is what holds ours back."""
+        return self.method_ours(s, shards=self.a.extract_shards)
+
+    def method_ours(self, s: Sampler, shards: int = 1) -> dict:
         import cpuserver
         import requests
 
-        d = self.work / "ours"
+        name = "ours" if shards == 1 else "ours-sharded"
+        d = self.work / name
         d.mkdir(exist_ok=True)
         port = cpuserver.free_port()
         url = "http://127.0.0.1:%d" % port
@@ -1104,7 +1115,7 @@ class Run:
         except Exception:
             stop(p)
             return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
-        say("ours: server ready in %.0f s (%s)" % (startup, url))
+        say("%s: server ready in %.0f s (%s)" % (name, startup, url))
 
         def clear_dumps():  # this directory is the run's own: what a pass left (flushed first) is removed
             requests.post(url + "/eagle3_dump/flush", json={}, timeout=120)
@@ -1113,14 +1124,14 @@ class Run:
 
         reps = []
         try:
-            warm = self.warm_server(url, "ours")
+            warm = self.warm_server(url, name)
             if warm["rounds"]:
                 clear_dumps()
             method_s = self.method_s()
             for k in range(self.a.repeats):
                 if k:
                     clear_dumps()
-                rep = self.ours_pass(url, dumps, d, k, method_s, env, s)
+                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, shards)
                 if "failed" in rep:
                     return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
                 reps.append(rep)
@@ -1131,46 +1142,74 @@ class Run:
                 "method_s_per_repetition": round(method_s, 1), "bucket_times": "from the sample files' modification times",
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
                           % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps),
+                "extract_processes": shards,
                 "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
-    def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler) -> dict:
+    def shard_data(self, d: Path, shards: int) -> list:
+        """The data file dealt round robin into ``shards`` files (each keeps the bucket order)."""
+        lines = (self.work / "data" / "ordered.jsonl").read_text().splitlines(keepends=True)
+        files = []
+        for i in range(shards):
+            f = d / "data" / ("shard-%d.jsonl" % i)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text("".join(lines[i::shards]))
+            files.append(f)
+        return files
+
+    def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler,
+                  shards: int = 1) -> dict:
         """One timed ``tools/extract.py`` run (repetition ``k``) over every conversation into a new
         dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
-        reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each)."""
+        reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each).
+        ``shards`` > 1: that many extract processes at once, each on its share of the conversations
+        (``shard_data``) into its own dataset DATASET/shard-I (the checks read them all as one)."""
         out = d / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
         xlog = d / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
+        datas = [self.work / "data" / "ordered.jsonl"] if shards == 1 else self.shard_data(d, shards)
+        outs = [out] if shards == 1 else [out / ("shard-%d" % i) for i in range(shards)]
+        xlogs = [xlog] if shards == 1 else [xlog.with_name("%s-shard%d.log" % (xlog.stem, i)) for i in range(shards)]
+        conc = max(1, self.prof["concurrency"] // shards)
         w0, wall0 = time.monotonic(), time.time()
-        cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
-               "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
-               "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
-               "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
-        first = None  # when extract.py, its imports and tokenizing done, sends its first request
-        x = start(cmd, xlog, env=env, sampler=s)
+        xs = []
+        for data, o, lg in zip(datas, outs, xlogs):
+            cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
+                   "--tokenizer", self.tokenizer, "--data", data, "--dump-dir", dumps,
+                   "--out", o, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
+                   "--concurrency", conc, "--no-progress", "--log-every", "5"]
+            xs.append(start(cmd, lg, env=env, sampler=s))
+        first = None  # when the first extract.py, its imports and tokenizing done, sends its first request
         deadline = w0 + method_s
         try:
-            while x.poll() is None and time.monotonic() < deadline:
-                if first is None and "extracting " in xlog.read_text(errors="replace"):
+            while any(x.poll() is None for x in xs) and time.monotonic() < deadline:
+                if first is None and any("extracting " in lg.read_text(errors="replace") for lg in xlogs if lg.is_file()):
                     first = time.time()
                 time.sleep(0.1)
         finally:
-            cut = x.poll() is None  # its time is up: stopped as a user stops it (SIGTERM: it records and exits 2)
-            if cut:
-                stop(x, grace=10)
+            cut = any(x.poll() is None for x in xs)  # time is up: stopped as a user stops it (SIGTERM: records, exits 2)
+            for x in xs:
+                if x.poll() is None:
+                    stop(x, grace=10)
         dump_counts = flush_counts(url)
         client_startup = (first - wall0) if first else 0.0
         # per bucket, from the samples' completion times (the data file is in bucket order)
-        times = {c["id"]: (out / sample_rel(c["id"])).stat().st_mtime for b in self.buckets for c in b["convs"]
-                 if (out / sample_rel(c["id"])).is_file()}
+        times = {c["id"]: p.stat().st_mtime for b in self.buckets for c in b["convs"]
+                 for p in [o / sample_rel(c["id"]) for o in outs] if p.is_file()}
         recs = buckets_by_completion(self.buckets, times, first or wall0)
-        if x.returncode != 0 and not cut:
-            return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(xlog, 2))}
-        try:  # extract's own figure: first request to the manifest
-            extract_wall = json.loads((out / "manifest.json").read_text())["last_run"]["wall_s"]
-        except (OSError, ValueError, KeyError, TypeError):
-            extract_wall = None
+        for x, lg in zip(xs, xlogs):
+            if x.returncode != 0 and not cut:
+                return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(lg, 2))}
+        walls = []
+        for o in outs:  # extract's own figure: first request to the manifest
+            try:
+                walls.append(json.loads((o / "manifest.json").read_text())["last_run"]["wall_s"])
+            except (OSError, ValueError, KeyError, TypeError):
+                walls.append(None)
         rep = {"buckets": recs, "client_startup_s": round(client_startup, 2), "dump_counts": dump_counts,
-               "extract_progress": progress_lines(xlog), "work_s": round(time.monotonic() - w0 - client_startup, 3),
-               "extract_exit": x.returncode, "extract_own_wall_s": extract_wall}
+               "extract_progress": progress_lines(xlogs[0]), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+               "extract_exit": xs[0].returncode if shards == 1 else [x.returncode for x in xs],
+               "extract_own_wall_s": walls[0] if shards == 1 else walls}
+        if shards > 1:
+            rep.update(extract_processes=shards, concurrency_each=conc)
         rep.update(self.check_rep(out, len(times)))
         if not self.a.keep_work:
             shutil.rmtree(out, ignore_errors=True)
@@ -1434,7 +1473,7 @@ class Run:
                     rc = 1
             else:
                 say("%s: %s: %s" % (name, r["status"], res.get("refused") or res.get("failed")))
-                if name == "ours":
+                if name in ("ours", "ours-sharded"):
                     rc = 1  # the project's own method must run
             if not self.a.keep_work:  # datasets of hidden 7168 are tens of GB: one at a time on the disk
                 for sub in ("dataset", "scratch", *(x.name for x in (self.work / name).glob("dataset-rep*"))):
@@ -1478,7 +1517,7 @@ class Run:
         m = self.results["methods"]
         self.results["ratio_to_limit"] = self.ratio_to_limit()
         ok = {k: v for k, v in m.items() if v.get("status") == "measured" and v.get("tokens_per_s")}
-        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "limit")}
+        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "ours-sharded", "limit")}
         s = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in ok.items()}}
         if "ours" in ok and peers:
             best = max(peers, key=peers.get)
@@ -1618,11 +1657,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU smoke: the CPU demo's tiny model, small sizes")
     ap.add_argument("--model", help="GPU: the target's directory (built there, DeepSeek-V3 widths, when it has no "
                                     "config.json)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-sharded)")
     ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
     ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 400, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
+    ap.add_argument("--extract-shards", type=int, default=4,
+                    help="extract processes of ours-sharded, each on its round-robin share (default 4)")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes of limit and ours, each on its one server "
                                                            "(default 1): min and median over them, and the ratio "
                                                            "to the limit per pass")
@@ -1684,6 +1726,9 @@ def main(argv=None) -> int:
                 raise UsageError("--%s must be positive" % flag.replace("_", "-"), "pass seconds > 0")
         if a.warm_s is not None and not 0 <= a.warm_s < float("inf"):
             raise UsageError("--warm-s must be 0 or more seconds", "pass e.g. --warm-s 30, or 0 for no warm-up")
+        if a.extract_shards < 2:
+            raise UsageError("--extract-shards must be >= 2 (ours is one extract process)",
+                             "pass the number of extract processes of ours-sharded, e.g. --extract-shards 4")
         if a.repeats < 1:
             raise UsageError("--repeats must be >= 1", "pass the number of timed passes, e.g. --repeats 3")
         if a.conversations is not None and a.conversations < 1:
@@ -1694,7 +1739,7 @@ def main(argv=None) -> int:
             if importlib.util.find_spec("torch") is None:
                 raise UsageError("torch is not importable", "run with PYTHONPATH=/tmp/site:src (docs/gpu.md)")
             pf = Path(a.patched_files or REPO / ".gpu-patched")
-            if "ours" in methods and not (pf / "patched-files.json").is_file():
+            if {"ours", "ours-sharded"} & set(methods) and not (pf / "patched-files.json").is_file():
                 raise UsageError("%s holds no patched files of the series (patched-files.json)" % pf,
                                  "make them here with python3 tools/gpucheck.py --make-patched-files --series "
                                  "patches/sglang-0.5.17 and carry .gpu-patched, or pass --patched-files DIR")

@@ -209,3 +209,20 @@ def test_the_threads_benchmark_runs_both_settings(tmp_path):
         assert run["tokens_per_s"] > 0 and run["process_threads"] >= 1
     assert res["one_over_default"]["min"] > 0
     assert list(tmp_path.iterdir()) == [out]  # its dumps and samples are removed
+
+
+def test_the_gil_benchmark_runs_every_setting_and_checks_the_samples(tmp_path):
+    """benchmarks/extract_gil.py: the sample path alone, after pure-Python work in the same threads,
+    with a shorter switch interval, and in worker processes; every pass's samples compared with the
+    first pass's (a setting that wrote other bytes exits 1)."""
+    out = tmp_path / "eg.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "extract_gil.py"), "--quick", "--threads", "2",
+                        "--processes", "2", "--py-ms", "2", "--out", str(out), "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["samples"] == 12 and res["samples_equal"] and res["worker_processes"] == 2
+    assert sorted(res["runs"]) == ["alone", "processes", "python", "switch"]
+    assert all(run["tokens_per_s"] > 0 for runs in res["runs"].values() for run in runs)
+    assert set(res["ratios"]) == {"python_over_alone", "switch_over_python", "processes_over_python"}
+    assert list(tmp_path.iterdir()) == [out]  # its dumps and samples are removed

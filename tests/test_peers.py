@@ -67,11 +67,13 @@ def test_every_method_reported_with_its_figures(run):
         assert r["peak_rss_bytes"] > 100 << 20, name
         assert r["peak_gpu_bytes"] is None  # no GPU here
         assert [b["bucket"] for b in r["buckets"]] == [b["bucket"] for b in conv["buckets"]]
-        if name == "limit":  # a bucket whose answers all came before the last of the bucket before has no time
-            assert all(b["tokens_per_s"] > 0 for b in r["buckets"] if b["seconds"] > 0), r["buckets"]
+        # with requests in flight at once, a bucket whose samples all finished before the last of the bucket
+        # before has no time of its own (buckets_by_completion): every other bucket has a rate
+        assert all(b["tokens_per_s"] > 0 for b in r["buckets"] if b["seconds"] > 0), (name, r["buckets"])
+        assert sum(b["seconds"] > 0 for b in r["buckets"]) >= len(r["buckets"]) // 2, (name, r["buckets"])
+        if name == "limit":
             continue
         assert r["gb_per_million_tokens"] > 0, name
-        assert all(b["tokens_per_s"] > 0 for b in r["buckets"]), (name, r["buckets"])
     # each fresh server was warmed up before its timed pass (untimed; Triton compiles per shape on a GPU)
     warm = [run.measured["ours"]["warmup"]] + [p["warmup"] for p in m["sglang-json"].get("passes", {}).values()
                                               if "warmup" in p]
