@@ -44,7 +44,8 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("peers")
     out, work = root / "peers.json", root / "work"
     # --budget-s 600: the limit's server and the second repetitions take the default's room
-    p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600")
+    p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600",
+              "--methods", "limit,ours,ours-sharded,hf,specforge,sglang-json", "--extract-shards", "2")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -56,9 +57,9 @@ def run(tmp_path_factory):
 @in_env
 def test_every_method_reported_with_its_figures(run):
     m = run.res["methods"]
-    assert set(m) == {"limit", "ours", "hf", "specforge", "sglang-json"}
+    assert set(m) == {"limit", "ours", "ours-sharded", "hf", "specforge", "sglang-json"}
     assert run.res["partial"] is False and "CPU smoke" in run.res["note"]
-    assert {"limit", "ours", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
+    assert {"limit", "ours", "ours-sharded", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
     conv = run.res["conversations"]
     for name, r in run.measured.items():
         assert r["complete"] and r["samples_done"] == conv["count"], name
@@ -115,6 +116,24 @@ def test_limit_is_ours_server_with_the_dump_off(run):
     assert len({rep["dataset"] for rep in run.measured["ours"]["repetitions"]}) == 2
     left = [p for p in (run.work / "limit").rglob("*") if p.suffix in (".ckpt", ".safetensors", ".pt")]
     assert not left, left
+
+
+@in_env
+def test_ours_sharded_deals_every_conversation_to_one_extract_process(run):
+    """``ours-sharded`` (issue 45): 2 extract processes at once on round-robin shares, each writing its
+    own dataset; every conversation lands in exactly one shard, in each repetition, and the checks
+    (SpecForge's reader, the reference rows) read the shards as one dataset."""
+    m = run.measured["ours-sharded"]
+    n = run.res["conversations"]["count"]
+    assert m["extract_processes"] == 2 and len(m["repetitions"]) == 2, m
+    for rep in m["repetitions"]:
+        assert rep["samples_done"] == n and rep["extract_exit"] == [0, 0] and rep["concurrency_each"] == 2, rep
+        assert rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
+        assert rep["reference"]["verdict"] == "pass" and not rep["reference"]["missing"], rep["reference"]
+        ds = Path(rep["dataset"])
+        per_shard = [{q.name for q in (ds / d).rglob("*.ckpt")} for d in ("shard-0", "shard-1")]
+        assert all(per_shard) and not per_shard[0] & per_shard[1], per_shard  # each conversation in one shard
+        assert sum(map(len, per_shard)) == n
 
 
 @in_env
@@ -280,6 +299,7 @@ def test_reference_check_fails_on_a_methods_dataset_with_shifted_aux(run, tmp_pa
     (["--cpu", "--budget-s", "0"], "--budget-s must be positive"),
     (["--cpu", "--warm-s", "-1"], "--warm-s must be 0 or more"),
     (["--cpu", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--cpu", "--extract-shards", "1"], "--extract-shards must be >= 2"),
     (["--cpu", "--dump-dir", "/dev/shm"], "--dump-dir is for the GPU profile"),
     (["--model", "m", "--dump-dir", "/nonexistent-dump-dir"], "--dump-dir /nonexistent-dump-dir: not an existing directory"),
 ])
