@@ -47,6 +47,8 @@ from pathlib import Path
 
 from ..errors import RefusedError, UsageError
 from ..outputs import write_atomic
+from ..overlay import PACKAGE_DIR
+from ..plugin import ENTRY_NAME as PLUGIN_NAME, TOP as PLUGIN_TOP
 from . import models
 
 HERE = Path(__file__).resolve().parent
@@ -114,8 +116,6 @@ def _say(opts, msg):
 
 # ---- preflight ----------------------------------------------------------------------------
 
-PLUGIN_NAME = "eaglepatch_capture"  # the plugin's entry point and top-level package
-
 
 def plugin_problem(opts: Options) -> UsageError | None:
     """What is wrong with --plugin and the options beside it (argument errors, checked before CUDA)."""
@@ -140,13 +140,13 @@ def plugin_problem(opts: Options) -> UsageError | None:
         return UsageError("--plugin %s is not a readable wheel (%s)" % (w, exc),
                           "pass the wheel python3 tools/export.py --plugin DIR wrote")
     eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    if "%s/plugin.py" % PLUGIN_NAME not in names or not eps:
+    if "%s/plugin.py" % PLUGIN_TOP not in names or not eps:
         return UsageError("--plugin %s is not the eaglepatch-capture wheel (no %s/plugin.py or no entry points)"
-                          % (w, PLUGIN_NAME), "pass the wheel python3 tools/export.py --plugin DIR wrote")
-    spec = importlib.util.find_spec(PLUGIN_NAME)
+                          % (w, PLUGIN_TOP), "pass the wheel python3 tools/export.py --plugin DIR wrote")
+    spec = importlib.util.find_spec(PLUGIN_TOP)
     if spec is not None:
         return UsageError("the plugin is already importable here (%s): the unpatched engines of checks e, f and h "
-                          "would load it too" % (spec.origin or PLUGIN_NAME),
+                          "would load it too" % (spec.origin or PLUGIN_TOP),
                           "run the check where it is not installed (pip uninstall eaglepatch-capture, or drop it from "
                           "PYTHONPATH); --plugin brings it to the engines under test only")
     return None
@@ -208,6 +208,7 @@ def patched_parent(opts: Options) -> Path:
 
         dest = Path(opts.work) / "plugin"
         shutil.rmtree(dest, ignore_errors=True)
+        # unzipped, not eaglepatch.plugin.install: that needs pip, which a GPU host's python may lack
         with zipfile.ZipFile(opts.plugin) as z:
             z.extractall(dest)
         _say(opts, "gpucheck: the plugin %s (unpacked in %s) on the unmodified sglang of %s"
@@ -236,7 +237,7 @@ def worker_env(sglang_parent: Path, site: Path | None, spy: dict | None = None, 
     for k, v in MULTICAST_OFF.items():
         env.setdefault(k, v)
     paths = [str(sglang_parent)]
-    if (Path(sglang_parent) / PLUGIN_NAME).is_dir():  # --plugin: SGLang's loader loads this plugin, no other
+    if (Path(sglang_parent) / PLUGIN_TOP).is_dir():  # --plugin: SGLang's loader loads this plugin, no other
         env["SGLANG_PLUGINS"] = PLUGIN_NAME
     if spy is not None:
         paths.append(str(SPY))
@@ -894,7 +895,8 @@ def _plugin_info(wheel) -> dict | None:
 
 def expected_overlay(opts: Options) -> str:
     """What the spy's records of an engine under test name as its capture package (records.overlays)."""
-    return "%s:plugin" % PLUGIN_NAME if opts.plugin is not None else "sglang.srt.eagle3_capture:series"
+    return ("%s:plugin" % PLUGIN_TOP if opts.plugin is not None
+            else "%s:series" % PACKAGE_DIR.replace("/", "."))
 
 
 def static_problems(opts: Options, sglang_pp: Path) -> list:
