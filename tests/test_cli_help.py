@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -77,6 +78,54 @@ def test_test_py_builds_the_release_environments_when_the_functional_tests_run()
         plan = t.needed(t.test_paths(paths) if paths else [])
         assert {req for req, _, _ in plan} == every, paths
         assert plan[0][0] == cpuenv.REQUIREMENTS and all(ck for _, _, ck in plan)
+
+
+def test_test_py_builds_the_environments_at_once_and_reports_the_first_failure(tmp_path, monkeypatch, capsys):
+    """tools/test.py's build(): every environment of the plan is built at the same time through
+    cpuenv.ensure_env (its lock, its marker), each log line names its environment, a failing build
+    lets the others finish and is the error raised. ``_build`` is replaced by one that logs, waits
+    1 s and marks the environment complete (the real one downloads torch)."""
+    t = _test_py()
+    reqs = []
+    for i in range(3):
+        reqs.append(tmp_path / f"req-{i}.txt")
+        reqs[-1].write_text(f"torch==0.0.{i}\n")
+    monkeypatch.setenv("EAGLEPATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpuenv.NO_BUILD_ENV, raising=False)
+    spans, broken = {}, {reqs[1].name}
+
+    def fake_build(d, requirements):
+        t0 = time.monotonic()
+        cpuenv._log("step 1/4: pip install %s ..." % requirements.name)
+        time.sleep(1.0)
+        if requirements.name in broken:
+            raise RuntimeError("error: %s does not build" % requirements.name)
+        (d / "bin").mkdir(parents=True)
+        (d / "bin" / "python").symlink_to(sys.executable)
+        (d / cpuenv.COMPLETE_MARKER).write_text("test\n")
+        spans[requirements.name] = (t0, time.monotonic(), threading.current_thread().name)
+
+    monkeypatch.setattr(cpuenv, "_build", fake_build)
+    monkeypatch.setattr(t, "needed", lambda paths: [(r, r.stem, False) for r in reqs])
+    with pytest.raises(RuntimeError, match="req-1.txt does not build"):
+        t.build(["tests/test_export.py"])  # (a path: no Mooncake site beside the test env)
+    assert set(spans) == {reqs[0].name, reqs[2].name}  # the others ran to their end
+    (a0, a1, _), (b0, b1, _) = spans[reqs[0].name], spans[reqs[2].name]
+    assert max(a0, b0) < min(a1, b1), spans  # at the same time, not one after the other
+    err = capsys.readouterr().err
+    for r in reqs:
+        assert f"[cpuenv {cpuenv.env_key(r)}] step 1/4: pip install {r.name}" in err, err
+    assert not (cpuenv.env_dir(reqs[1]) / cpuenv.COMPLETE_MARKER).exists()
+
+    # mended: the failed one builds, the built ones are reused, and build() returns the test env's python
+    broken.clear()
+    spans.clear()
+    monkeypatch.setattr(t, "needed", lambda paths: [(cpuenv.REQUIREMENTS, "the tests", False)]
+                        + [(r, r.stem, False) for r in reqs])
+    py = t.build(["tests/test_export.py"])
+    assert py == cpuenv.env_dir(cpuenv.REQUIREMENTS) / "bin" / "python"
+    assert set(spans) == {reqs[1].name, cpuenv.REQUIREMENTS.name}, spans
+    assert "ready (" in capsys.readouterr().err
 
 
 def test_inside_pytest_under_test_py_no_environment_is_built(tmp_path):

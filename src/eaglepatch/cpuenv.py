@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import venv
 from pathlib import Path
@@ -102,8 +103,12 @@ def _no_deps(requirements: Path) -> tuple[list[str], list[str]]:
     return pins, modules
 
 
+_TAG = threading.local()  # the environment a thread is building: its log lines name it (builds run at once)
+
+
 def _log(msg: str) -> None:
-    print("[cpuenv] " + msg, file=sys.stderr, flush=True)
+    tag = getattr(_TAG, "key", None)
+    print(("[cpuenv %s] " % tag if tag else "[cpuenv] ") + msg, file=sys.stderr, flush=True)
 
 
 def _run_logged(cmd: list[str], logf: Path, what: str) -> None:
@@ -189,6 +194,7 @@ def ensure_env(requirements: Path | None = None) -> Path:
     d.parent.mkdir(parents=True, exist_ok=True)
     lock = d.parent / (d.name + ".lock")
     with open(lock, "w") as lf:
+        _TAG.key = env_key(requirements)
         t_wait = time.monotonic()
         try:
             fcntl.flock(lf, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,6 +216,7 @@ def ensure_env(requirements: Path | None = None) -> Path:
                 raise
         finally:
             fcntl.flock(lf, fcntl.LOCK_UN)
+            _TAG.key = None
     return _python_of(d)
 
 
