@@ -23,6 +23,7 @@ file there and the in-env tests are reported as skipped.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shlex
@@ -407,6 +408,79 @@ def test_specforge_matches_hf(assets, server, reference, expected):
     assert f"torch intra-op threads {want}" in p.stderr, p.stderr[-1500:]
     FIGURES["specforge"] = {"max_abs_diff_vs_hf": worst, "wall_s": round(p.wall, 2), "tokens": man["tokens"],
                             "summary": [x for x in p.stderr.splitlines() if x.startswith("summary:")][0]}
+
+
+@in_env
+def test_worker_processes_make_the_dataset_threads_make(assets, server, reference, expected):
+    """--processes 2: the samples are read, checked and written in two worker processes; the dataset
+    equals the HF reference as the threads' does, the workers' seconds and answers are in the
+    manifest, no worker is left behind, and a rerun finds nothing to do."""
+    out = assets.root / "out-processes"
+    p = extract(assets, server, out, "--format", "specforge", "--concurrency", "4", "--processes", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 worker processes, 2+2 threads" in p.stderr, p.stderr[-2000:]
+    check_dataset(out, "specforge", reference, expected)
+    man = json.loads((out / "manifest.json").read_text())
+    run = man["last_run"]
+    assert sum(s["answered"] for s in run["servers"]) == N_CONV, run  # the workers' requests counted here
+    st = run["stage_seconds"]
+    assert st["generate"] > 0 and st["read_validate"] > 0 and st["write"] > 0, st
+    assert not multiprocessing.active_children()
+    rerun = extract(assets, server, out, "--format", "specforge", "--processes", "2", "--concurrency", "2")
+    assert rerun.returncode == 0 and "nothing to do: all 25 conversations" in rerun.stderr, rerun.stderr[-2000:]
+
+
+def _spawned_children(pid: int) -> list:
+    """The multiprocessing workers (spawn_main) whose parent is ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@in_env
+def test_a_killed_worker_process_stops_the_run_and_the_next_run_finishes(assets, server, reference, expected,
+                                                                        tmp_path):
+    """SIGKILL to one worker process of a --processes 2 run: the run stops (exit 2) with one line naming
+    the worker and the signal, every sample it recorded is whole, the other worker is gone, and the
+    same command run again completes the dataset."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(EXTRACT), "--server", server.url, "--model", str(assets.ckpt), "--tokenizer",
+           str(assets.tok), "--data", str(assets.data), "--dump-dir", str(server.dump_dir), "--out", str(out),
+           "--concurrency", "2", "--processes", "2", "--no-progress", AUX_FLAG]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    kids = []
+    while len(kids) < 2:
+        assert proc.poll() is None, "extract ended before its workers could be killed: " + proc.stderr.read()[-2000:]
+        assert time.monotonic() - t0 < 300, "no worker processes appeared"
+        time.sleep(0.02)
+        kids = _spawned_children(proc.pid)
+    os.kill(kids[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err[-2000:]
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, err[-2000:]
+    assert f"extract worker process" in lines[0] and "killed by SIGKILL" in lines[0], lines[0]
+    assert "run the same command again" in lines[0], lines[0]
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and
+                (Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")], "a worker outlived the run"
+    recs = records(out)
+    assert len([r for r in recs if r.get("file")]) < N_CONV
+    for r in recs:
+        if r.get("file"):
+            assert (out / r["file"]).stat().st_size == r["bytes"]
+    again = extract(assets, server, out, "--format", "specforge", "--concurrency", "2", "--processes", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_dataset(out, "specforge", reference, expected)
 
 
 @in_env
@@ -1310,6 +1384,10 @@ def test_one_line_errors(assets, server, reference, tmp_path):
     (broken / "config.json").write_text('[1, 2]')
     one_line(extract(assets, server, tmp_path / "o8", model=broken), "is not a model config")
     one_line(extract(assets, server, tmp_path / "o9", "--request-timeout", "-1"), "--request-timeout out of range")
+    # worker processes: at least one, and no more than the requests in flight
+    one_line(extract(assets, server, tmp_path / "o15", "--processes", "0"), "--processes 0 is out of range")
+    one_line(extract(assets, server, tmp_path / "o16", "--processes", "5", "--concurrency", "4"),
+             "--processes 5 is out of range (--concurrency 4)", "between 1 and --concurrency")
     # speculators needs the last layer N-1 in the dump; --aux-layers must name dumped layers
     from hfserver import HFDumpServer
 
@@ -1324,20 +1402,26 @@ def test_one_line_errors(assets, server, reference, tmp_path):
     line = one_line(extract(assets, server, tmp_path / "o11", "--aux-layers=-1,1,5"),
                     "--aux-layers=-1,1,5 names layer 5", "4-layer model")
     assert "including 5" not in line and "--layers=" not in line, line
-    for i in range(1, 15):
+    for i in range(1, 17):
         assert not (tmp_path / f"o{i}").exists(), f"o{i}: a refused run left files"
 
 
 @in_env
-def test_full_disk_stops_cleanly(assets, server, tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_full_disk_stops_cleanly(assets, server, tmp_path, processes):
     """--out on a 1 MiB tmpfs: the run stops with one line when the disk is full; what is recorded as
-    done is whole, nothing half-written is left, and a rerun elsewhere is unaffected."""
+    done is whole, nothing half-written is left, and a rerun elsewhere is unaffected. With
+    --processes 2 the disk fills in a worker process: the same line, and the workers are gone
+    (the unmount below fails while one holds a file there)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
     try:
-        p = extract(assets, server, mnt / "out", "--concurrency", "2")
+        p = extract(assets, server, mnt / "out", "--concurrency", "2", "--processes", str(processes))
         assert p.returncode == 2, p.stderr[-2000:]
+        if processes > 1:
+            assert "2 worker processes, 1+1 threads" in p.stderr, p.stderr[-2000:]
+            assert not multiprocessing.active_children()
         line = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
         assert len(line) == 1 and "cannot" in line[0] and "free space" in line[0], p.stderr[-2000:]
         recs = records(mnt / "out") if (mnt / "out" / "progress.jsonl").exists() else []

@@ -107,6 +107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
     ap.add_argument("--concurrency", type=int, default=4,
                     help="requests in flight, over all servers (give each replica several)")
+    ap.add_argument("--processes", type=int, default=1, metavar="P",
+                    help="deal the --concurrency requests over P worker processes, each with its own interpreter "
+                         "lock and memory, which read, check and write the samples (this process records them); "
+                         "for hosts where one process's Python is the ceiling (default 1: threads in this process)")
     ap.add_argument("--dump-timeout", type=float, default=60.0,
                     help="seconds a server may take to flush its dumps to disk (POST /eagle3_dump/flush, sent when "
                          "a request's file is not there once it answered); with --mooncake-master, to put a "
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
 
         opts = Options(servers=[u for arg in a.server for u in arg.split(",")], model=a.model,
                        tokenizer=a.tokenizer, data=a.data, dump_dir=a.dump_dir, out=a.out, format=a.format,
-                       max_len=a.max_len, concurrency=a.concurrency,
+                       max_len=a.max_len, concurrency=a.concurrency, processes=a.processes,
                        dump_timeout=a.dump_timeout, request_timeout=a.request_timeout, retries=a.retries,
                        max_attempts=a.max_attempts, keep_dumps=a.keep_dumps, limit=a.limit, mask=a.mask,
                        aux_layers=a.aux_layers, draft_config=a.draft_config,

@@ -33,6 +33,7 @@ class Options:
     tokenizer: Path | None = None
     max_len: int = 2048
     concurrency: int = 4
+    processes: int = 1  # worker processes the --concurrency threads are dealt over (``procs``); 1: this process
     dump_timeout: float = 60.0  # seconds a server may take to flush its dumps (POST /eagle3_dump/flush)
     request_timeout: float = 600.0
     retries: int = 5
@@ -149,6 +150,9 @@ def check_options(o: Options) -> None:
         raise UsageError(f"{', '.join(bad) or '--retries/--limit'} out of range",
                          "pass positive finite --max-len, --concurrency, --max-attempts, --log-every, --dump-timeout, "
                          "--request-timeout, --limit and a non-negative --retries")
+    if not isinstance(o.processes, int) or o.processes < 1 or o.processes > o.concurrency:
+        raise UsageError(f"--processes {o.processes} is out of range (--concurrency {o.concurrency})",
+                         "pass --processes between 1 and --concurrency (each process runs at least one request)")
     if isinstance(o.servers, str):
         o.servers = [o.servers]
     if not o.servers or any(not isinstance(u, str) or not u.strip() for u in o.servers):

@@ -14,7 +14,9 @@
              (speculators) and manifest.json (``finish``).
 
 Stages 2-5 run on ``--concurrency`` worker threads, one conversation each; stage 6 runs on the
-main thread. Requests are spread over the ``--server`` URLs (replicas, or one SGLang router) by
+main thread. With ``--processes P`` the threads are dealt over P worker processes (``procs``: a GIL
+and an address space each), which start once a dump has fixed the dataset's provenance and layout;
+this process still records every sample. Requests are spread over the ``--server`` URLs (replicas, or one SGLang router) by
 ``client.SGLangClient``: round robin over the servers that are up, a failed server put aside for a
 while and the request sent to the next one. Before the threads start, one conversation is sent
 alone to each server in turn: it proves that server writes dumps where we look (behind a router,
@@ -44,6 +46,7 @@ recording any sample leaves no file behind.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -150,6 +153,7 @@ class Extractor:
         self.finished = 0  # samples of this run recorded so far (finished, failed or skipped)
         self.store = None  # --mooncake-master: the ``eaglepatch.mooncake.StoreReader`` (``open_store``)
         self.intra_op = None  # torch's intra-op threads while the workers run (``intra_op_threads``)
+        self.child_counters: dict = {}  # --processes: each worker process's figures so far (``procs``)
 
     def _spent(self, stage: str, since: float) -> float:
         now = time.monotonic()
@@ -161,7 +165,11 @@ class Extractor:
         """Seconds per stage so far, one line: where a slow run's time goes."""
         with self.lock:
             spent = dict(self.stage_s)
-        threads = "" if self.intra_op is None else f"; torch intra-op threads {self.intra_op}"
+        for c in list(self.child_counters.values()):  # --processes: the workers' seconds too
+            for k, v in (c or {}).get("stage_s", {}).items():
+                spent[k] = spent.get(k, 0.0) + v
+        threads = ("" if self.intra_op is None or self.o.processes > 1
+                   else f"; torch intra-op threads {self.intra_op}")
         return (f"time per stage, summed over the {self.o.concurrency} workers (record: the main thread): "
                 + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in spent.items()) + threads)
 
@@ -349,6 +357,9 @@ class Extractor:
                     finish_one(x)
                     if x.attempts:
                         break
+            if o.processes > 1:
+                self._run_in_processes(inp, client, rest, finish_one)
+                return outcomes
             with ThreadPoolExecutor(max_workers=o.concurrency, thread_name_prefix="extract") as pool:
                 inflight: set = set()
                 try:
@@ -370,6 +381,24 @@ class Extractor:
         finally:
             bar.close()
         return outcomes
+
+    def _run_in_processes(self, inp: Inputs, client: SGLangClient, rest, finish_one) -> None:
+        """--processes: one conversation at a time here until a dump has fixed the dataset's provenance
+        and layout (the workers compare every dump with them and never fix them), then the rest in the
+        worker processes (``procs``)."""
+        from . import procs
+
+        while self.dump_ids is None:
+            c = next(rest, None)
+            if c is None:
+                return
+            finish_one(self.process(c, inp, client))
+        first = next(rest, None)
+        if first is None:
+            return
+        counters = procs.run_in_processes(self, inp, client, itertools.chain([first], rest), finish_one)
+        procs.merge(self, client, counters)
+        self.child_counters = {}
 
     # ---- stages 2-5, one conversation ---------------------------------------------------------
     def process(self, conv, inp: Inputs, client: SGLangClient, probe: int | None = None) -> Outcome:

@@ -1,0 +1,274 @@
+"""``--processes P``: stages 2-5 in P worker processes, each with its own interpreter and memory.
+
+One extract process is a ceiling of its own: its worker threads share one GIL (the chat template,
+the HTTP client and JSON are pure Python, and every torch call of the sample path takes the GIL
+back from them) and one address space (page faults and unmaps of every dump under one memory
+lock). With ``--processes P`` the run's ``--concurrency`` threads are dealt over P processes
+(``spawn``: a clean interpreter each), which take conversations from one queue, send their requests,
+read, validate and write the samples, and hand each outcome back; this process alone records them
+(``progress.jsonl``, the settings, the manifest), exactly as with threads.
+
+What the workers check is what the threads check, against a state this process fixed first: the
+processes start only once a dump has fixed the dataset's provenance and layout (the probe of each
+server, then one conversation at a time until one dump did), so every dump a worker reads is
+compared with the same provenance, layout and layer ids, and never fixes them itself. A worker's
+tokenizer must have the dataset's chat template (its sha256), or the run stops.
+
+A problem that stops the run in a worker (``Fatal``, a layout error, a full disk) stops it here with
+the same one line; a worker that dies (killed, out of memory) stops it too, naming its exit, and
+the samples it had not handed back are not recorded: the next run extracts them. On a stop the
+workers take no new conversation, finish the ones in hand (as the threads do) and exit; one still
+running after ``request_timeout`` is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+
+from ..errors import UsageError
+from .record import Fatal
+
+JOIN_MARGIN_S = 30.0  # beyond --request-timeout, how long a stopping worker may take before it is killed
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` threads dealt over ``parts`` processes as evenly as they go (the first get one more)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def worker_state(ex) -> dict:
+    """What a worker's Extractor takes from this one once a dump fixed the dataset: provenance, layout,
+    layer ids, layer-id reading, dump metadata."""
+    return {"provenance": ex.provenance, "layout": ex.layout, "dump_ids": ex.dump_ids, "reading": ex.reading,
+            "dump_meta": getattr(ex, "dump_meta", None)}
+
+
+def _exc_message(exc: BaseException) -> tuple:
+    """An exception as plain data (an EaglepatchError does not survive pickling: it needs its fix)."""
+    from ..errors import EaglepatchError
+
+    if isinstance(exc, EaglepatchError):
+        return ("usage", type(exc).__name__, exc.problem, exc.fix, exc.exit_code)
+    if isinstance(exc, OSError):
+        return ("os", exc.errno, exc.strerror or str(exc), exc.filename)
+    return ("bug", type(exc).__name__, str(exc), traceback.format_exc(limit=8))
+
+
+def _raise(msg: tuple, worker: int):
+    """Raise here what worker ``worker`` reported (``_exc_message``)."""
+    kind = msg[0]
+    if kind == "usage":
+        _, name, problem, fix, code = msg
+        cls = Fatal if name == "Fatal" else UsageError
+        raise cls(problem, fix, exit_code=code)
+    if kind == "os":
+        _, errno, strerror, filename = msg
+        raise OSError(errno, strerror, filename)
+    _, name, text, tb = msg
+    if os.environ.get("EAGLEPATCH_DEBUG"):
+        import sys
+
+        print(f"extract worker process {worker}:\n{tb}", file=sys.stderr, flush=True)
+    raise RuntimeError(f"extract worker process {worker}: {name}: {text}")
+
+
+# ---- the worker process --------------------------------------------------------------------------
+
+def _worker_main(i: int, opts, state: dict, cfg: dict, draft, template_sha: str, mask_method: str, routers: list,
+                 threads: int, cores: int, tasks, results, stop) -> None:
+    """Worker process ``i``: ``threads`` threads take conversations from ``tasks`` until ``None`` or
+    ``stop``; each outcome (and this worker's stage seconds and client counters so far) goes to
+    ``results``; ("exit", ...) last. Ctrl-C is the parent's to handle (ignored here); a parent that is
+    gone ends the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        from .inputs import Inputs
+        from .run import Extractor, intra_op_threads
+        from .tokenize import ChatTokenizer
+
+        ex = Extractor(opts, log=lambda m: results.put(("log", i, m)))
+        ex.draft = draft
+        for k, v in state.items():
+            setattr(ex, k, v)
+        tok = ChatTokenizer(opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code, mask_method=mask_method)
+        import hashlib
+
+        have = hashlib.sha256(tok.template.encode()).hexdigest()
+        if have != template_sha:
+            raise Fatal(f"extract worker process {i} loaded a chat template with sha256 {have[:12]}, the dataset's has "
+                        f"{template_sha[:12]} (the tokenizer directory changed during the run)",
+                        "leave --tokenizer/--model unchanged while extract runs, and rerun")
+        inp = Inputs(cfg, [], [], tok, {}, [], None, draft)
+        from .client import SGLangClient
+
+        client = SGLangClient(opts.servers, timeout=opts.request_timeout, retries=opts.retries, log=ex.log,
+                              flush_timeout=opts.dump_timeout)
+        client._router = list(routers)  # the servers the parent found to be SGLang's router (flushed per replica)
+        if opts.mooncake_master is not None:
+            ex.open_store()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the run
+        results.put(("error", i, _exc_message(exc)))
+        results.put(("exit", i, None))
+        return
+
+    def counters() -> dict:
+        with ex.lock:
+            stage = dict(ex.stage_s)
+        return {"stage_s": stage, "bad_dumps": ex.bad_dumps, "answered": list(client.answered),
+                "put_aside": list(client.put_aside), "flushes": list(client.flushes), "retried": client.retried}
+
+    def loop() -> None:
+        while not stop.is_set():
+            if os.getppid() != parent:  # the parent is gone (killed): nobody records what this would do
+                stop.set()
+                return
+            try:
+                conv = tasks.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if conv is None:
+                return
+            try:
+                x = ex.process(conv, inp, client)
+            except BaseException as exc:  # noqa: BLE001
+                results.put(("error", i, _exc_message(exc)))
+                stop.set()
+                return
+            results.put(("done", i, x, counters()))
+
+    try:
+        with intra_op_threads(threads, cores):
+            pool = [threading.Thread(target=loop, name=f"extract-{i}-{k}", daemon=True) for k in range(threads)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+    finally:
+        if ex.store is not None:
+            ex.store.close()
+        results.put(("exit", i, counters()))
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+
+def run_in_processes(ex, inp, client, rest, finish_one) -> dict:
+    """Stages 2-5 of the conversations left in the iterator ``rest`` in ``ex.o.processes`` worker
+    processes, each outcome passed to ``finish_one`` here as it comes back. Returns the workers'
+    counters (summed stage seconds, bad dumps, per-server answered/put aside/flushes, retries)."""
+    import hashlib
+    import multiprocessing
+
+    o = ex.o
+    ctx = multiprocessing.get_context("spawn")
+    tasks, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    cores = len(os.sched_getaffinity(0))
+    split = shares(o.concurrency, o.processes)
+    state = worker_state(ex)
+    sha = hashlib.sha256(inp.tok.template.encode()).hexdigest()
+    procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
+                         args=(i, o, state, inp.cfg, inp.draft, sha, inp.tok.mask_method, client._router, n,
+                               max(1, cores // o.processes), tasks, results, stop), daemon=True)
+             for i, n in enumerate(split)]
+    ex.log(f"{o.processes} worker processes, {'+'.join(map(str, split))} threads")
+    for p in procs:
+        p.start()
+    counters: dict = {}
+    exited: set = set()
+    inflight = 0
+    look_at = 0.0  # when to look next whether every worker is alive
+    ended = False  # every conversation handed out and the end sent
+    try:
+        while len(exited) < len(procs):
+            while not ended and inflight < o.concurrency:
+                c = next(rest, None)
+                if c is None:
+                    for _ in range(o.concurrency):
+                        tasks.put(None)
+                    ended = True
+                    break
+                tasks.put(c)
+                inflight += 1
+            try:
+                msg = results.get(timeout=0.5)
+            except queue.Empty:
+                msg = None
+            if time.monotonic() >= look_at or msg is None:  # a worker that died sends nothing: look at them
+                look_at = time.monotonic() + 0.5
+                for i, p in enumerate(procs):
+                    if i not in exited and not p.is_alive() and p.exitcode != 0:
+                        raise Fatal(f"extract worker process {i} (pid {p.pid}) ended without finishing "
+                                    f"({_exit_text(p.exitcode)}); the samples it had in hand are not recorded",
+                                    "look for the cause (memory: dmesg), then run the same command again: done "
+                                    "samples are kept and the rest are extracted") from None
+            if msg is None:
+                continue
+            kind, i = msg[0], msg[1]
+            if kind == "log":
+                ex.log(msg[2])
+            elif kind == "done":
+                inflight -= 1
+                counters[i] = msg[3]
+                ex.child_counters = counters
+                x = msg[2]
+                if x.status == "failed" and x.rid:  # (its dump, if one comes late, is swept by the next run)
+                    ex.unused.add(x.rid)
+                finish_one(x)
+            elif kind == "error":
+                _raise(msg[2], i)
+            elif kind == "exit":
+                exited.add(i)
+                if msg[2] is not None:
+                    counters[i] = msg[2]
+    finally:
+        stop.set()
+        _stop_workers(procs, o.request_timeout + JOIN_MARGIN_S)
+        ex.child_counters = counters
+        for q in (tasks, results):
+            q.cancel_join_thread()
+            q.close()
+    return counters
+
+
+def _stop_workers(procs, wait_s: float) -> None:
+    """Wait for the workers to finish what they hold (``stop`` is set), at most ``wait_s``; kill the rest."""
+    end = time.monotonic() + wait_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _exit_text(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def merge(ex, client, counters: dict) -> None:
+    """Add the workers' counters into this process's stage seconds and client figures (for the
+    manifest's last_run and the summary)."""
+    for c in counters.values():
+        if not c:
+            continue
+        with ex.lock:
+            for k, v in c["stage_s"].items():
+                ex.stage_s[k] = ex.stage_s.get(k, 0.0) + v
+        ex.bad_dumps += c["bad_dumps"]
+        for name in ("answered", "put_aside", "flushes"):
+            mine = getattr(client, name)
+            for j, v in enumerate(c[name]):
+                mine[j] += v
+        client.retried += c["retried"]
