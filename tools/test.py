@@ -90,9 +90,10 @@ def build(paths: list[str]) -> Path:
     def one(i: int, req: Path, what: str, checkpoints: bool) -> None:
         d = cpuenv.env_dir(req)
         ready = (d / cpuenv.COMPLETE_MARKER).is_file()
-        print(f"[test.py] environment {i}/{len(plan)} ({what}; {req.name}): "
-              + (f"ready ({d})" if ready else f"building {d} (log lines: [cpuenv {cpuenv.env_key(req)}])"),
-              file=sys.stderr, flush=True)
+        sys.stderr.write(f"[test.py] environment {i}/{len(plan)} ({what}; {req.name}): "  # one write: a whole line
+                         + (f"ready ({d})" if ready else f"building {d} (log lines: [cpuenv {cpuenv.env_key(req)}])")
+                         + "\n")
+        sys.stderr.flush()
         py = cpuenv.ensure_env(req)
         if checkpoints:
             from eaglepatch.smoke import ensure_checkpoints, stubs_for

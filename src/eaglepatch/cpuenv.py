@@ -108,7 +108,8 @@ _TAG = threading.local()  # the environment a thread is building: its log lines 
 
 def _log(msg: str) -> None:
     tag = getattr(_TAG, "key", None)
-    print(("[cpuenv %s] " % tag if tag else "[cpuenv] ") + msg, file=sys.stderr, flush=True)
+    sys.stderr.write(("[cpuenv %s] " % tag if tag else "[cpuenv] ") + msg + "\n")  # one write: whole lines when
+    sys.stderr.flush()  # several environments build at once
 
 
 def _run_logged(cmd: list[str], logf: Path, what: str) -> None:

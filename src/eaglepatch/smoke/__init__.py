@@ -66,7 +66,8 @@ class Result:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    sys.stderr.write(msg + "\n")  # one write: whole lines while tools/test.py builds several environments at once
+    sys.stderr.flush()
 
 
 def series_hook_lines(series) -> dict:
