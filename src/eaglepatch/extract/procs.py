@@ -12,7 +12,9 @@ What the workers check is what the threads check, against a state this process f
 processes start only once a dump has fixed the dataset's provenance and layout (the probe of each
 server, then one conversation at a time until one dump did), so every dump a worker reads is
 compared with the same provenance, layout and layer ids, and never fixes them itself. A worker's
-tokenizer must have the dataset's chat template (its sha256), or the run stops.
+tokenizer must have the dataset's chat template (its sha256), or the run stops. Each worker loads
+what it needs once: the tokenizer, and for compact dumps that leave states out, the weights they are
+rebuilt from (``storage.Rebuilder``, read from --model on first use: P copies of the embedding).
 
 A problem that stops the run in a worker (``Fatal``, a layout error, a full disk) stops it here with
 the same one line; a worker that dies (killed, out of memory) stops it too, naming its exit, and
