@@ -18,11 +18,9 @@ final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decod
 - ``ours``: the patched SGLang server with the dump (``tools/serve.py``) and ``tools/extract.py
   --format specforge``, run as a user runs them (one extract run over every conversation, in bucket
   order; per-bucket times from the samples' completion times);
-- ``ours-sharded``: ``ours`` with ``--extract-shards`` extract processes at once, the conversations
-  dealt round robin among them and ``ours``'s concurrency shared out (not among the defaults' peers: a
-  probe of whether one extract process is what holds ``ours`` back);
 - ``ours-processes``: ``ours`` with extract's own ``--processes`` (``--extract-processes`` worker
-  processes inside one extract run, one dataset, ``ours``'s concurrency); not among the defaults either;
+  processes inside one extract run, one dataset, ``ours``'s concurrency; not among the defaults: whether
+  one extract process is what holds ``ours`` back);
 - ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
   lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
   at the best of a few batch sizes tried first on a subset (the sweep is reported);
@@ -78,9 +76,9 @@ for _p in (SRC, REPO / "tests" / "extract_fixtures"):
 
 from eaglepatch.errors import UsageError  # noqa: E402
 
-METHODS = ("limit", "ours", "ours-sharded", "ours-processes", "hf", "specforge", "sglang-json")
+METHODS = ("limit", "ours", "ours-processes", "hf", "specforge", "sglang-json")
 DEFAULT_METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
-REPEATED = ("limit", "ours", "ours-sharded", "ours-processes")  # the methods --repeats makes several timed passes of (one server start each)
+REPEATED = ("limit", "ours", "ours-processes")  # the methods --repeats makes several timed passes of (one server start each)
 AUX_HF = (1, 2, 3)  # HF hidden-state indices of the aux states: outputs of decoder layers 0, 1, 2
 T0 = time.monotonic()
 
@@ -1090,22 +1088,16 @@ class Run:
                     client="tools/extract.py's SGLangClient: /generate with the ids, max_new_tokens 1, %d in flight"
                            % self.prof["concurrency"])
 
-    def method_ours_sharded(self, s: Sampler) -> dict:
-        """``ours`` with the conversations dealt round robin to ``--extract-shards`` extract processes
-        (each its own interpreter, GIL and address space; ``--concurrency`` shared out among them), each
-        writing its own dataset beside the others: whether one extract process is what holds ours back."""
-        return self.method_ours(s, shards=self.a.extract_shards)
-
     def method_ours_processes(self, s: Sampler) -> dict:
         """``ours`` with one extract run whose samples are made in ``--extract-processes`` worker processes
         (extract's ``--processes``): one dataset, ``--concurrency`` as ``ours``'s."""
         return self.method_ours(s, processes=self.a.extract_processes)
 
-    def method_ours(self, s: Sampler, shards: int = 1, processes: int = 1) -> dict:
+    def method_ours(self, s: Sampler, processes: int = 1) -> dict:
         import cpuserver
         import requests
 
-        name = "ours-sharded" if shards > 1 else "ours-processes" if processes > 1 else "ours"
+        name = "ours-processes" if processes > 1 else "ours"
         d = self.work / name
         d.mkdir(exist_ok=True)
         port = cpuserver.free_port()
@@ -1138,7 +1130,7 @@ class Run:
             for k in range(self.a.repeats):
                 if k:
                     clear_dumps()
-                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, shards, processes)
+                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, processes)
                 if "failed" in rep:
                     return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
                 reps.append(rep)
@@ -1149,78 +1141,51 @@ class Run:
                 "method_s_per_repetition": round(method_s, 1), "bucket_times": "from the sample files' modification times",
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
                           % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps),
-                "extract_processes": shards, "extract_worker_processes": processes,
+                "extract_worker_processes": processes,
                 "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
-    def shard_data(self, d: Path, shards: int) -> list:
-        """The data file dealt round robin into ``shards`` files (each keeps the bucket order)."""
-        lines = (self.work / "data" / "ordered.jsonl").read_text().splitlines(keepends=True)
-        files = []
-        for i in range(shards):
-            f = d / "data" / ("shard-%d.jsonl" % i)
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text("".join(lines[i::shards]))
-            files.append(f)
-        return files
-
     def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler,
-                  shards: int = 1, processes: int = 1) -> dict:
+                  processes: int = 1) -> dict:
         """One timed ``tools/extract.py`` run (repetition ``k``) over every conversation into a new
         dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
         reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each).
-        ``shards`` > 1: that many extract processes at once, each on its share of the conversations
-        (``shard_data``) into its own dataset DATASET/shard-I (the checks read them all as one).
-        ``processes`` > 1: one extract run with ``--processes`` (its samples made in that many worker
-        processes)."""
+        ``processes`` > 1: with ``--processes`` (its samples made in that many worker processes)."""
         out = d / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
         xlog = d / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
-        datas = [self.work / "data" / "ordered.jsonl"] if shards == 1 else self.shard_data(d, shards)
-        outs = [out] if shards == 1 else [out / ("shard-%d" % i) for i in range(shards)]
-        xlogs = [xlog] if shards == 1 else [xlog.with_name("%s-shard%d.log" % (xlog.stem, i)) for i in range(shards)]
-        conc = max(1, self.prof["concurrency"] // shards)
         w0, wall0 = time.monotonic(), time.time()
-        xs = []
-        for data, o, lg in zip(datas, outs, xlogs):
-            cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
-                   "--tokenizer", self.tokenizer, "--data", data, "--dump-dir", dumps,
-                   "--out", o, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
-                   "--concurrency", conc, "--no-progress", "--log-every", "5"]
-            if processes > 1:
-                cmd += ["--processes", processes]
-            xs.append(start(cmd, lg, env=env, sampler=s))
-        first = None  # when the first extract.py, its imports and tokenizing done, sends its first request
+        cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
+               "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
+               "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
+               "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
+        if processes > 1:
+            cmd += ["--processes", processes]
+        x = start(cmd, xlog, env=env, sampler=s)
+        first = None  # when extract.py, its imports and tokenizing done, sends its first request
         deadline = w0 + method_s
         try:
-            while any(x.poll() is None for x in xs) and time.monotonic() < deadline:
-                if first is None and any("extracting " in lg.read_text(errors="replace") for lg in xlogs if lg.is_file()):
+            while x.poll() is None and time.monotonic() < deadline:
+                if first is None and xlog.is_file() and "extracting " in xlog.read_text(errors="replace"):
                     first = time.time()
                 time.sleep(0.1)
         finally:
-            cut = any(x.poll() is None for x in xs)  # time is up: stopped as a user stops it (SIGTERM: records, exits 2)
-            for x in xs:
-                if x.poll() is None:
-                    stop(x, grace=10)
+            cut = x.poll() is None  # time is up: stopped as a user stops it (SIGTERM: records, exits 2)
+            if cut:
+                stop(x, grace=10)
         dump_counts = flush_counts(url)
         client_startup = (first - wall0) if first else 0.0
         # per bucket, from the samples' completion times (the data file is in bucket order)
         times = {c["id"]: p.stat().st_mtime for b in self.buckets for c in b["convs"]
-                 for p in [o / sample_rel(c["id"]) for o in outs] if p.is_file()}
+                 for p in [out / sample_rel(c["id"])] if p.is_file()}
         recs = buckets_by_completion(self.buckets, times, first or wall0)
-        for x, lg in zip(xs, xlogs):
-            if x.returncode != 0 and not cut:
-                return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(lg, 2))}
-        walls = []
-        for o in outs:  # extract's own figure: first request to the manifest
-            try:
-                walls.append(json.loads((o / "manifest.json").read_text())["last_run"]["wall_s"])
-            except (OSError, ValueError, KeyError, TypeError):
-                walls.append(None)
+        if x.returncode != 0 and not cut:
+            return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(xlog, 2))}
+        try:  # extract's own figure: first request to the manifest
+            wall = json.loads((out / "manifest.json").read_text())["last_run"]["wall_s"]
+        except (OSError, ValueError, KeyError, TypeError):
+            wall = None
         rep = {"buckets": recs, "client_startup_s": round(client_startup, 2), "dump_counts": dump_counts,
-               "extract_progress": progress_lines(xlogs[0]), "work_s": round(time.monotonic() - w0 - client_startup, 3),
-               "extract_exit": xs[0].returncode if shards == 1 else [x.returncode for x in xs],
-               "extract_own_wall_s": walls[0] if shards == 1 else walls}
-        if shards > 1:
-            rep.update(extract_processes=shards, concurrency_each=conc)
+               "extract_progress": progress_lines(xlog), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+               "extract_exit": x.returncode, "extract_own_wall_s": wall}
         if processes > 1:
             rep.update(extract_worker_processes=processes)
         rep.update(self.check_rep(out, len(times)))
@@ -1486,7 +1451,7 @@ class Run:
                     rc = 1
             else:
                 say("%s: %s: %s" % (name, r["status"], res.get("refused") or res.get("failed")))
-                if name in ("ours", "ours-sharded", "ours-processes"):
+                if name in ("ours", "ours-processes"):
                     rc = 1  # the project's own method must run
             if not self.a.keep_work:  # datasets of hidden 7168 are tens of GB: one at a time on the disk
                 for sub in ("dataset", "scratch", *(x.name for x in (self.work / name).glob("dataset-rep*"))):
@@ -1530,7 +1495,7 @@ class Run:
         m = self.results["methods"]
         self.results["ratio_to_limit"] = self.ratio_to_limit()
         ok = {k: v for k, v in m.items() if v.get("status") == "measured" and v.get("tokens_per_s")}
-        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "ours-sharded", "ours-processes", "limit")}
+        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "ours-processes", "limit")}
         s = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in ok.items()}}
         if "ours" in ok and peers:
             best = max(peers, key=peers.get)
@@ -1671,13 +1636,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="GPU: the target's directory (built there, DeepSeek-V3 widths, when it has no "
                                     "config.json)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-sharded and ours-processes)")
+                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-processes)")
     ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
     ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 400, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
-    ap.add_argument("--extract-shards", type=int, default=4,
-                    help="extract processes of ours-sharded, each on its round-robin share (default 4)")
     ap.add_argument("--extract-processes", type=int, default=4,
                     help="worker processes of ours-processes (extract.py --processes; default 4)")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes of limit and ours, each on its one server "
@@ -1741,9 +1704,6 @@ def main(argv=None) -> int:
                 raise UsageError("--%s must be positive" % flag.replace("_", "-"), "pass seconds > 0")
         if a.warm_s is not None and not 0 <= a.warm_s < float("inf"):
             raise UsageError("--warm-s must be 0 or more seconds", "pass e.g. --warm-s 30, or 0 for no warm-up")
-        if a.extract_shards < 2:
-            raise UsageError("--extract-shards must be >= 2 (ours is one extract process)",
-                             "pass the number of extract processes of ours-sharded, e.g. --extract-shards 4")
         if a.extract_processes < 2:
             raise UsageError("--extract-processes must be >= 2 (ours is extract with its threads alone)",
                              "pass the number of extract.py --processes of ours-processes, e.g. --extract-processes 4")
@@ -1757,7 +1717,7 @@ def main(argv=None) -> int:
             if importlib.util.find_spec("torch") is None:
                 raise UsageError("torch is not importable", "run with PYTHONPATH=/tmp/site:src (docs/gpu.md)")
             pf = Path(a.patched_files or REPO / ".gpu-patched")
-            if {"ours", "ours-sharded", "ours-processes"} & set(methods) and not (pf / "patched-files.json").is_file():
+            if {"ours", "ours-processes"} & set(methods) and not (pf / "patched-files.json").is_file():
                 raise UsageError("%s holds no patched files of the series (patched-files.json)" % pf,
                                  "make them here with python3 tools/gpucheck.py --make-patched-files --series "
                                  "patches/sglang-0.5.17 and carry .gpu-patched, or pass --patched-files DIR")

@@ -45,8 +45,7 @@ def run(tmp_path_factory):
     out, work = root / "peers.json", root / "work"
     # --budget-s 600: the limit's server and the second repetitions take the default's room
     p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600",
-              "--methods", "limit,ours,ours-sharded,ours-processes,hf,specforge,sglang-json", "--extract-shards", "2",
-              "--extract-processes", "2")
+              "--methods", "limit,ours,ours-processes,hf,specforge,sglang-json", "--extract-processes", "2")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -58,9 +57,9 @@ def run(tmp_path_factory):
 @in_env
 def test_every_method_reported_with_its_figures(run):
     m = run.res["methods"]
-    assert set(m) == {"limit", "ours", "ours-sharded", "ours-processes", "hf", "specforge", "sglang-json"}
+    assert set(m) == {"limit", "ours", "ours-processes", "hf", "specforge", "sglang-json"}
     assert run.res["partial"] is False and "CPU smoke" in run.res["note"]
-    assert {"limit", "ours", "ours-sharded", "ours-processes", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
+    assert {"limit", "ours", "ours-processes", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
     conv = run.res["conversations"]
     for name, r in run.measured.items():
         assert r["complete"] and r["samples_done"] == conv["count"], name
@@ -120,31 +119,13 @@ def test_limit_is_ours_server_with_the_dump_off(run):
 
 
 @in_env
-def test_ours_sharded_deals_every_conversation_to_one_extract_process(run):
-    """``ours-sharded`` (issue 45): 2 extract processes at once on round-robin shares, each writing its
-    own dataset; every conversation lands in exactly one shard, in each repetition, and the checks
-    (SpecForge's reader, the reference rows) read the shards as one dataset."""
-    m = run.measured["ours-sharded"]
-    n = run.res["conversations"]["count"]
-    assert m["extract_processes"] == 2 and len(m["repetitions"]) == 2, m
-    for rep in m["repetitions"]:
-        assert rep["samples_done"] == n and rep["extract_exit"] == [0, 0] and rep["concurrency_each"] == 2, rep
-        assert rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
-        assert rep["reference"]["verdict"] == "pass" and not rep["reference"]["missing"], rep["reference"]
-        ds = Path(rep["dataset"])
-        per_shard = [{q.name for q in (ds / d).rglob("*.ckpt")} for d in ("shard-0", "shard-1")]
-        assert all(per_shard) and not per_shard[0] & per_shard[1], per_shard  # each conversation in one shard
-        assert sum(map(len, per_shard)) == n
-
-
-@in_env
 def test_ours_processes_makes_one_dataset_in_worker_processes(run):
     """``ours-processes`` (issue 45): one tools/extract.py run with --processes 2 per repetition, its
     log naming the two workers and their threads; one dataset that SpecForge's reader loads whole and
     whose rows pass the reference check."""
     m = run.measured["ours-processes"]
     n = run.res["conversations"]["count"]
-    assert m["extract_worker_processes"] == 2 and m["extract_processes"] == 1 and len(m["repetitions"]) == 2, m
+    assert m["extract_worker_processes"] == 2 and len(m["repetitions"]) == 2, m
     for k, rep in enumerate(m["repetitions"]):
         assert rep["samples_done"] == n and rep["extract_exit"] == 0 and rep["extract_worker_processes"] == 2, rep
         assert rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
@@ -316,7 +297,6 @@ def test_reference_check_fails_on_a_methods_dataset_with_shifted_aux(run, tmp_pa
     (["--cpu", "--budget-s", "0"], "--budget-s must be positive"),
     (["--cpu", "--warm-s", "-1"], "--warm-s must be 0 or more"),
     (["--cpu", "--repeats", "0"], "--repeats must be >= 1"),
-    (["--cpu", "--extract-shards", "1"], "--extract-shards must be >= 2"),
     (["--cpu", "--extract-processes", "1"], "--extract-processes must be >= 2"),
     (["--cpu", "--dump-dir", "/dev/shm"], "--dump-dir is for the GPU profile"),
     (["--model", "m", "--dump-dir", "/nonexistent-dump-dir"], "--dump-dir /nonexistent-dump-dir: not an existing directory"),

@@ -81,20 +81,20 @@ def _raise(msg: tuple, worker: int):
 
 # ---- the worker process --------------------------------------------------------------------------
 
-def _worker_main(i: int, opts, state: dict, cfg: dict, draft, template_sha: str, mask_method: str, routers: list,
-                 threads: int, cores: int, tasks, results, stop) -> None:
+def _worker_main(i: int, extractor, intra_op, opts, state: dict, cfg: dict, draft, template_sha: str,
+                 mask_method: str, routers: list, threads: int, cores: int, tasks, results, stop) -> None:
     """Worker process ``i``: ``threads`` threads take conversations from ``tasks`` until ``None`` or
     ``stop``; each outcome (and this worker's stage seconds and client counters so far) goes to
     ``results``; ("exit", ...) last. Ctrl-C is the parent's to handle (ignored here); a parent that is
-    gone ends the worker."""
+    gone ends the worker. ``extractor``, ``intra_op``: run's ``Extractor`` class and ``intra_op_threads``
+    (passed, not imported: run imports this module)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     try:
         from .inputs import Inputs
-        from .run import Extractor, intra_op_threads
         from .tokenize import ChatTokenizer
 
-        ex = Extractor(opts, log=lambda m: results.put(("log", i, m)))
+        ex = extractor(opts, log=lambda m: results.put(("log", i, m)))
         ex.draft = draft
         for k, v in state.items():
             setattr(ex, k, v)
@@ -145,7 +145,7 @@ def _worker_main(i: int, opts, state: dict, cfg: dict, draft, template_sha: str,
             results.put(("done", i, x, counters()))
 
     try:
-        with intra_op_threads(threads, cores):
+        with intra_op(threads, cores):
             pool = [threading.Thread(target=loop, name=f"extract-{i}-{k}", daemon=True) for k in range(threads)]
             for t in pool:
                 t.start()
@@ -159,10 +159,11 @@ def _worker_main(i: int, opts, state: dict, cfg: dict, draft, template_sha: str,
 
 # ---- the parent ----------------------------------------------------------------------------------
 
-def run_in_processes(ex, inp, client, rest, finish_one) -> dict:
+def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
     """Stages 2-5 of the conversations left in the iterator ``rest`` in ``ex.o.processes`` worker
     processes, each outcome passed to ``finish_one`` here as it comes back. Returns the workers'
-    counters (summed stage seconds, bad dumps, per-server answered/put aside/flushes, retries)."""
+    counters (summed stage seconds, bad dumps, per-server answered/put aside/flushes, retries).
+    ``intra_op``: run's ``intra_op_threads``, which each worker sets its torch threads with."""
     import hashlib
     import multiprocessing
 
@@ -174,7 +175,7 @@ def run_in_processes(ex, inp, client, rest, finish_one) -> dict:
     state = worker_state(ex)
     sha = hashlib.sha256(inp.tok.template.encode()).hexdigest()
     procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
-                         args=(i, o, state, inp.cfg, inp.draft, sha, inp.tok.mask_method, client._router, n,
+                         args=(i, type(ex), intra_op, o, state, inp.cfg, inp.draft, sha, inp.tok.mask_method, client._router, n,
                                max(1, cores // o.processes), tasks, results, stop), daemon=True)
              for i, n in enumerate(split)]
     ex.log(f"{o.processes} worker processes, {'+'.join(map(str, split))} threads")

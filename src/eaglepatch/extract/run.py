@@ -396,7 +396,8 @@ class Extractor:
         first = next(rest, None)
         if first is None:
             return
-        counters = procs.run_in_processes(self, inp, client, itertools.chain([first], rest), finish_one)
+        counters = procs.run_in_processes(self, inp, client, itertools.chain([first], rest), finish_one,
+                                          intra_op_threads)
         procs.merge(self, client, counters)
         self.child_counters = {}
 
