@@ -200,6 +200,11 @@ def check_aux_range(o: Options, num_layers: int) -> None:
                          f"indices)", "pass --aux-layers= with layers of that model")
 
 
+def template_sha256(tok: ChatTokenizer) -> str:
+    """The chat template's sha256, as the dataset's settings record it (and ``procs`` checks it)."""
+    return hashlib.sha256(tok.template.encode()).hexdigest()
+
+
 def read_inputs(o: Options, check_server=None) -> Inputs:
     """Stage 1. ``check_server`` (no argument) runs once the conversations to extract are known, when
     there are any, before the tokenizer loads: an unreachable server is named without waiting for
@@ -225,7 +230,7 @@ def read_inputs(o: Options, check_server=None) -> Inputs:
                          f"{cfg['vocab_size']} (tokenizer/model mismatch)",
                          "pass the served model's own tokenizer with --tokenizer")
     want = {"format": o.format, "max_len": o.max_len, "mask_method": tok.mask_method,
-            "chat_template_sha256": hashlib.sha256(tok.template.encode()).hexdigest(),
+            "chat_template_sha256": template_sha256(tok),
             "model": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}}
     settings = rec_mod.Settings(Path(o.out), want)
     lay = settings.data.get("layout")

@@ -44,10 +44,9 @@ def shares(total: int, parts: int) -> list[int]:
 
 
 def worker_state(ex) -> dict:
-    """What a worker's Extractor takes from this one once a dump fixed the dataset: provenance, layout,
-    layer ids, layer-id reading, dump metadata."""
-    return {"provenance": ex.provenance, "layout": ex.layout, "dump_ids": ex.dump_ids, "reading": ex.reading,
-            "dump_meta": getattr(ex, "dump_meta", None)}
+    """What a worker's Extractor checks every dump against, taken from this one once a dump fixed the
+    dataset: provenance, layout, layer ids, layer-id reading (recording stays here)."""
+    return {"provenance": ex.provenance, "layout": ex.layout, "dump_ids": ex.dump_ids, "reading": ex.reading}
 
 
 def _exc_message(exc: BaseException) -> tuple:
@@ -91,7 +90,7 @@ def _worker_main(i: int, extractor, intra_op, opts, state: dict, cfg: dict, draf
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     try:
-        from .inputs import Inputs
+        from .inputs import Inputs, template_sha256
         from .tokenize import ChatTokenizer
 
         ex = extractor(opts, log=lambda m: results.put(("log", i, m)))
@@ -99,9 +98,7 @@ def _worker_main(i: int, extractor, intra_op, opts, state: dict, cfg: dict, draf
         for k, v in state.items():
             setattr(ex, k, v)
         tok = ChatTokenizer(opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code, mask_method=mask_method)
-        import hashlib
-
-        have = hashlib.sha256(tok.template.encode()).hexdigest()
+        have = template_sha256(tok)
         if have != template_sha:
             raise Fatal(f"extract worker process {i} loaded a chat template with sha256 {have[:12]}, the dataset's has "
                         f"{template_sha[:12]} (the tokenizer directory changed during the run)",
@@ -164,7 +161,6 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
     processes, each outcome passed to ``finish_one`` here as it comes back. Returns the workers'
     counters (summed stage seconds, bad dumps, per-server answered/put aside/flushes, retries).
     ``intra_op``: run's ``intra_op_threads``, which each worker sets its torch threads with."""
-    import hashlib
     import multiprocessing
 
     o = ex.o
@@ -173,7 +169,7 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
     cores = len(os.sched_getaffinity(0))
     split = shares(o.concurrency, o.processes)
     state = worker_state(ex)
-    sha = hashlib.sha256(inp.tok.template.encode()).hexdigest()
+    sha = inp.settings.data["chat_template_sha256"]  # the dataset's, as recorded (read_inputs checked it)
     procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
                          args=(i, type(ex), intra_op, o, state, inp.cfg, inp.draft, sha, inp.tok.mask_method, client._router, n,
                                max(1, cores // o.processes), tasks, results, stop), daemon=True)
@@ -181,7 +177,8 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
     ex.log(f"{o.processes} worker processes, {'+'.join(map(str, split))} threads")
     for p in procs:
         p.start()
-    counters: dict = {}
+    counters: dict = {}  # worker -> its latest figures (the stage line reads them as they come)
+    ex.child_counters = counters
     exited: set = set()
     inflight = 0
     look_at = 0.0  # when to look next whether every worker is alive
@@ -217,7 +214,6 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
             elif kind == "done":
                 inflight -= 1
                 counters[i] = msg[3]
-                ex.child_counters = counters
                 x = msg[2]
                 if x.status == "failed" and x.rid:  # (its dump, if one comes late, is swept by the next run)
                     ex.unused.add(x.rid)
@@ -231,7 +227,6 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
     finally:
         stop.set()
         _stop_workers(procs, o.request_timeout + JOIN_MARGIN_S)
-        ex.child_counters = counters
         for q in (tasks, results):
             q.cancel_join_thread()
             q.close()
