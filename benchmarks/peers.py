@@ -21,6 +21,10 @@ final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decod
 - ``ours-processes``: ``ours`` with extract's own ``--processes`` (``--extract-processes`` worker
   processes inside one extract run, one dataset, ``ours``'s concurrency; not among the defaults: whether
   one extract process is what holds ``ours`` back);
+- ``ours-fp8-disk``: ``ours-processes`` storing fp8 (the server's ``--dump-dtype fp8 --rebuildable omit``,
+  extract's ``--format compact``: half the bytes), dumps and dataset on ``--disk-dir`` (a real disk),
+  read back through ``eaglepatch.compact.CompactDataset`` (SpecForge's view) for the checks; not among
+  the defaults;
 - ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
   lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
   at the best of a few batch sizes tried first on a subset (the sweep is reported);
@@ -76,9 +80,25 @@ for _p in (SRC, REPO / "tests" / "extract_fixtures"):
 
 from eaglepatch.errors import UsageError  # noqa: E402
 
-METHODS = ("limit", "ours", "ours-processes", "hf", "specforge", "sglang-json")
+METHODS = ("limit", "ours", "ours-processes", "ours-fp8-disk", "hf", "specforge", "sglang-json")
+OURS = ("ours", "ours-processes", "ours-fp8-disk")  # this project's methods: each must run
+# fp8 e4m3 with one scale per token and state rounds a value by at most 1/16; a row measured 0.025-0.032
+# from float32 (docs/benchmarks.md section 8): the fp8 method's tolerance is the profile's plus this
+FP8_ROW_TOL = 0.05
 DEFAULT_METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
-REPEATED = ("limit", "ours", "ours-processes")  # the methods --repeats makes several timed passes of (one server start each)
+WARM_WAVES = 4  # a warm-up round: this many times the timed pass's requests in flight
+WARM_STABLE = 2  # the warm-up ends once this many rounds in a row each ran within 10% of the one before
+
+
+def steady(rates, stable: int = WARM_STABLE, within: float = 0.1) -> bool:
+    """Whether the last ``stable`` rates each came within ``within`` of the one before them."""
+    r = list(rates)
+    if len(r) < stable + 1:
+        return False
+    return all(abs(b - a) <= within * a for a, b in zip(r[-stable - 1:-1], r[-stable:]))
+
+
+REPEATED = ("limit",) + OURS  # the methods --repeats makes several timed passes of (one server start each)
 AUX_HF = (1, 2, 3)  # HF hidden-state indices of the aux states: outputs of decoder layers 0, 1, 2
 T0 = time.monotonic()
 
@@ -294,10 +314,24 @@ def progress_lines(log: Path) -> list:
 
 # ---- the plan shared with the workers ------------------------------------------------------------
 
-def sample_rel(conv_id: str) -> str:
+def sample_rel(conv_id: str, fmt: str = "specforge") -> str:
     from eaglepatch.extract.writers import sample_rel as rel
 
-    return rel("specforge", conv_id)
+    return rel(fmt, conv_id)
+
+
+def file_system(path: Path) -> str:
+    """The file system type /proc/mounts gives for the mount holding ``path`` ("tmpfs" is memory)."""
+    best, kind = "", "unknown"
+    try:
+        real = str(Path(path).resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            w = line.split()
+            if len(w) > 2 and (real == w[1] or real.startswith(w[1].rstrip("/") + "/")) and len(w[1]) > len(best):
+                best, kind = w[1], w[2]
+    except OSError:
+        pass
+    return kind
 
 
 def save_sample(out: Path, conv_id: str, ids, mask, final, aux) -> int:
@@ -949,9 +983,11 @@ class Run:
 
     def warm_server(self, url: str, who: str, hidden: bool = False) -> dict:
         """Untimed warm-up of a fresh server, as the HF method warms each batch shape before its sweep:
-        rounds of ``concurrency`` plain ``/generate`` requests (random ids, lengths drawn from every
-        bucket; ``json_concurrency`` of them when ``hidden``, as in its timed pass), until a round runs
-        within 10% of the one before or ``warm_s`` is spent. A first start compiles Triton kernels for
+        rounds of ``WARM_WAVES`` waves of ``concurrency`` plain ``/generate`` requests each (random ids,
+        lengths drawn from every bucket; ``json_concurrency`` in flight when ``hidden``, as in its timed
+        pass), until ``WARM_STABLE`` rounds in a row each run within 10% of the one before, or ``warm_s``
+        is spent (an H100 limit server stopped after 9 rounds of one wave at 54k tokens/s, then timed
+        36k, 62k, 90k in its three passes: one-wave rounds are too short to tell). A first start compiles Triton kernels for
         each new batch shape (seconds each), which a user's hours-long run pays once; the figures after
         it are the server's steady state. ``hidden``: the requests ask for ``return_hidden_states``
         (the sglang-json passes)."""
@@ -978,7 +1014,7 @@ class Run:
         with ThreadPoolExecutor(n) as pool:
             while time.monotonic() - t0 < limit:
                 lengths = [rng.randrange(edges[j % (len(edges) - 1)], edges[j % (len(edges) - 1) + 1])
-                           for j in range(n)]
+                           for j in range(n * WARM_WAVES)]
                 t = time.monotonic()
                 try:
                     list(pool.map(one, lengths))
@@ -986,9 +1022,8 @@ class Run:
                     rec["error"] = "%s: %s" % (type(exc).__name__, str(exc)[:200])
                     break
                 rate = sum(lengths) / max(time.monotonic() - t, 1e-9)
-                rec["rounds"].append({"requests": n, "tokens": sum(lengths), "tokens_per_s": round(rate, 1)})
-                prev = rec["rounds"][-2]["tokens_per_s"] if len(rec["rounds"]) > 1 else None
-                if prev and abs(rate - prev) <= 0.1 * prev:
+                rec["rounds"].append({"requests": len(lengths), "tokens": sum(lengths), "tokens_per_s": round(rate, 1)})
+                if steady(r["tokens_per_s"] for r in rec["rounds"]):
                     break
         rec["warm_s"] = round(time.monotonic() - t0, 2)
         say("%s: warm-up %d round(s) in %.0f s (tokens/s per round: %s)" % (
@@ -1012,11 +1047,12 @@ class Run:
             shutil.rmtree(self.extra_dumps.pop(), ignore_errors=True)
 
     # -- methods --
-    def serve_cmd(self, port: int, dumps: Path) -> list:
+    def serve_cmd(self, port: int, dumps: Path, dump_flags: tuple = ()) -> list:
         """``tools/serve.py``'s command line of ours's server (GPU: the installed sglang with the series'
-        patched files laid over it, dumps in ``dumps``; CPU: the demo, dumps in its own directory).
-        The limit's server is the command this prints with ``--print``."""
-        serve = [self.env_py, REPO / "tools" / "serve.py"]
+        patched files laid over it, dumps in ``dumps``; CPU: the demo, dumps in its own directory), with
+        serve.py's ``dump_flags`` (e.g. ``--dump-dtype fp8``). The limit's server is the command this
+        prints with ``--print``."""
+        serve = [self.env_py, REPO / "tools" / "serve.py", *dump_flags]
         ids = ",".join(map(str, self.dump_ids(self.release)))
         if not self.gpu:
             return serve + ["--cpu-demo", self.work / "demo", "--layers=" + ids, "--port", port]
@@ -1093,19 +1129,40 @@ class Run:
         (extract's ``--processes``): one dataset, ``--concurrency`` as ``ours``'s."""
         return self.method_ours(s, processes=self.a.extract_processes)
 
-    def method_ours(self, s: Sampler, processes: int = 1) -> dict:
+    def method_ours_fp8_disk(self, s: Sampler) -> dict:
+        """``ours-processes`` storing fp8: the server dumps fp8 states with the rebuildable ones left out,
+        extract keeps them as stored (``--format compact``), dumps and dataset on ``--disk-dir``."""
+        return self.method_ours(s, processes=self.a.extract_processes, fp8_disk=True)
+
+    def disk_dir(self, name: str) -> Path:
+        """ours-fp8-disk's directory for its dumps and datasets: a new subdirectory of --disk-dir
+        (removed after the method, as --dump-dir's), or WORK/NAME."""
+        if not (self.gpu and self.a.disk_dir):
+            return self.work / name
+        d = Path(tempfile.mkdtemp(prefix="peers-disk-", dir=self.a.disk_dir))
+        self.extra_dumps.append(d)
+        return d
+
+    def method_ours(self, s: Sampler, processes: int = 1, fp8_disk: bool = False) -> dict:
         import cpuserver
         import requests
 
-        name = "ours-processes" if processes > 1 else "ours"
+        name = "ours-fp8-disk" if fp8_disk else "ours-processes" if processes > 1 else "ours"
         d = self.work / name
         d.mkdir(exist_ok=True)
         port = cpuserver.free_port()
         url = "http://127.0.0.1:%d" % port
         log = d / "server.log"
         ids = self.dump_ids(self.release)
-        dumps = self.dumps_dir() if self.gpu else self.work / "demo" / "dumps"
-        serve = self.serve_cmd(port, dumps)
+        out_dir = self.disk_dir(name) if fp8_disk else d
+        if not self.gpu:
+            dumps = self.work / "demo" / "dumps"
+        elif fp8_disk:
+            dumps = out_dir / "dumps"
+            dumps.mkdir(exist_ok=True)
+        else:
+            dumps = self.dumps_dir()
+        serve = self.serve_cmd(port, dumps, ("--dump-dtype", "fp8", "--rebuildable", "omit") if fp8_disk else ())
         env = self.base_env()
         t0 = time.monotonic()
         p = start(serve, log, env=env, sampler=s)
@@ -1130,7 +1187,7 @@ class Run:
             for k in range(self.a.repeats):
                 if k:
                     clear_dumps()
-                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, processes)
+                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, processes, out_dir if fp8_disk else None)
                 if "failed" in rep:
                     return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
                 reps.append(rep)
@@ -1142,20 +1199,25 @@ class Run:
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
                           % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps),
                 "extract_worker_processes": processes,
+                **({"storage": "fp8 states, rebuildable ones left out (serve.py --dump-dtype fp8 --rebuildable omit; "
+                               "extract --format compact)", "disk_dir": str(out_dir),
+                    "disk_file_system": file_system(out_dir)} if fp8_disk else {}),
                 "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
     def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler,
-                  processes: int = 1) -> dict:
+                  processes: int = 1, compact_in: Path | None = None) -> dict:
         """One timed ``tools/extract.py`` run (repetition ``k``) over every conversation into a new
         dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
         reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each).
-        ``processes`` > 1: with ``--processes`` (its samples made in that many worker processes)."""
-        out = d / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
+        ``processes`` > 1: with ``--processes`` (its samples made in that many worker processes).
+        ``compact_in``: ``--format compact`` (fp8 as the dump stored it), the dataset in that directory."""
+        fmt = "specforge" if compact_in is None else "compact"
+        out = (d if compact_in is None else compact_in) / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
         xlog = d / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
         w0, wall0 = time.monotonic(), time.time()
         cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
                "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
-               "--out", out, "--format", "specforge", "--max-len", self.prof["extract_max_len"],
+               "--out", out, "--format", fmt, "--max-len", self.prof["extract_max_len"],
                "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
         if processes > 1:
             cmd += ["--processes", processes]
@@ -1175,7 +1237,7 @@ class Run:
         client_startup = (first - wall0) if first else 0.0
         # per bucket, from the samples' completion times (the data file is in bucket order)
         times = {c["id"]: p.stat().st_mtime for b in self.buckets for c in b["convs"]
-                 for p in [out / sample_rel(c["id"])] if p.is_file()}
+                 for p in [out / sample_rel(c["id"], fmt)] if p.is_file()}
         recs = buckets_by_completion(self.buckets, times, first or wall0)
         if x.returncode != 0 and not cut:
             return {"failed": "tools/extract.py exited %s: %s" % (x.returncode, log_tail(xlog, 2))}
@@ -1188,7 +1250,7 @@ class Run:
                "extract_exit": x.returncode, "extract_own_wall_s": wall}
         if processes > 1:
             rep.update(extract_worker_processes=processes)
-        rep.update(self.check_rep(out, len(times)))
+        rep.update(self.check_rep(out, len(times), fmt))
         if not self.a.keep_work:
             shutil.rmtree(out, ignore_errors=True)
         return rep
@@ -1302,8 +1364,15 @@ class Run:
         return out
 
     # -- checks --
-    def check_rep(self, ds: Path, done: int) -> dict:
-        """A pass's dataset: its size, SpecForge's reader on it and its rows against the reference."""
+    def check_rep(self, ds: Path, done: int, fmt: str = "specforge") -> dict:
+        """A pass's dataset: its size, its reader on it (SpecForge's; a compact one's
+        ``CompactDataset`` in SpecForge's view) and its rows against the reference."""
+        if fmt == "compact":
+            size = sum(p.stat().st_size for p in ds.rglob("*.safetensors")) if ds.is_dir() else 0
+            return {"dataset": str(ds), "dataset_bytes": size, "format": fmt,
+                    "reader": compact_reader_check(ds, self.model, done, self.prof["extract_max_len"]),
+                    "reference": check_dataset(ds, self.work / "reference.pt", self.prof["tol"] + FP8_ROW_TOL,
+                                               model=self.model)}
         size = sum(p.stat().st_size for p in ds.rglob("*.ckpt")) if ds.is_dir() else 0
         return {"dataset": str(ds), "dataset_bytes": size, "reader": reader_check(ds, done, self.prof["extract_max_len"]),
                 "reference": check_dataset(ds, self.work / "reference.pt", self.prof["tol"])}
@@ -1451,7 +1520,7 @@ class Run:
                     rc = 1
             else:
                 say("%s: %s: %s" % (name, r["status"], res.get("refused") or res.get("failed")))
-                if name in ("ours", "ours-processes"):
+                if name in OURS:
                     rc = 1  # the project's own method must run
             if not self.a.keep_work:  # datasets of hidden 7168 are tens of GB: one at a time on the disk
                 for sub in ("dataset", "scratch", *(x.name for x in (self.work / name).glob("dataset-rep*"))):
@@ -1495,7 +1564,7 @@ class Run:
         m = self.results["methods"]
         self.results["ratio_to_limit"] = self.ratio_to_limit()
         ok = {k: v for k, v in m.items() if v.get("status") == "measured" and v.get("tokens_per_s")}
-        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in ("ours", "ours-processes", "limit")}
+        peers = {k: v["tokens_per_s"] for k, v in ok.items() if k not in OURS + ("limit",)}
         s = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in ok.items()}}
         if "ours" in ok and peers:
             best = max(peers, key=peers.get)
@@ -1532,20 +1601,54 @@ def reader_check(ds: Path, expected: int, max_len: int) -> dict:
         return {"loaded": False, "why": "%s: %s" % (type(exc).__name__, str(exc)[:200])}
 
 
-def check_dataset(ds: Path, ref_file: Path, tol: float) -> dict:
+def compact_reader_check(ds: Path, model: Path, expected: int, max_len: int) -> dict:
+    """A compact dataset's reader, ``eaglepatch.compact.CompactDataset`` in SpecForge's view (what it
+    yields is SpecForge's reader's items, tensor for tensor: tests/test_compact.py): how many samples
+    it finds, and its first item's shapes."""
+    try:
+        from eaglepatch.compact import CompactDataset
+
+        d = CompactDataset(ds, model, yields="specforge", max_len=max_len)
+        n = len(d)
+        first = d[0] if n else {}
+        return {"loaded": True, "reader": "eaglepatch.compact.CompactDataset(yields='specforge')", "samples": n,
+                "matches": n == expected, "first": {k: list(v.shape) for k, v in first.items() if hasattr(v, "shape")}}
+    except Exception as exc:
+        return {"loaded": False, "why": "%s: %s" % (type(exc).__name__, str(exc)[:200])}
+
+
+def _compact_as_specforge(path: Path, rebuilder) -> dict:
+    """A compact sample as the .ckpt dict ``--format specforge`` writes for it (extract's own
+    ``specforge_sample`` on the decoded dump: fp8 states dequantised, rebuilt states rebuilt)."""
+    from eaglepatch.extract.writers import Layout, load_compact, specforge_sample
+
+    dump, mask = load_compact(path, rebuilder)
+    aux = sorted(json.loads(dump.meta["aux_layer_ids"]))
+    return specforge_sample(Layout("specforge", tuple(aux), None, int(dump.meta["num_hidden_layers"])), dump, mask)
+
+
+def check_dataset(ds: Path, ref_file: Path, tol: float, model: Path | None = None) -> dict:
     """A dataset's sample rows against the float32 reference: input ids and loss mask equal, and per
-    state (aux layers, final) the max abs error and the max relative row error; verdict by the latter."""
+    state (aux layers, final) the max abs error and the max relative row error; verdict by the latter.
+    ``model``: the dataset is ``--format compact`` (its samples read with that model directory's
+    rebuilder, as SpecForge's view of ``CompactDataset``), else SpecForge .ckpt files."""
     import torch
 
     ref = torch.load(str(ref_file), weights_only=True)
     per, worst, worst_abs, missing = {}, 0.0, 0.0, []
     bad = []
+    rebuilder = None
+    if model is not None:
+        from eaglepatch.storage import Rebuilder
+
+        rebuilder = Rebuilder(model)
     for cid, r in ref.items():
-        hits = sorted(Path(ds).glob("**/" + sample_rel(cid)))
+        hits = sorted(Path(ds).glob("**/" + sample_rel(cid, "specforge" if model is None else "compact")))
         if not hits:
             missing.append(cid)
             continue
-        d = torch.load(str(hits[0]), weights_only=True)
+        d = (torch.load(str(hits[0]), weights_only=True) if model is None
+             else _compact_as_specforge(hits[0], rebuilder))
         if not torch.equal(d["input_ids"], r["input_ids"]) or not torch.equal(d["loss_mask"].to(torch.int64),
                                                                               r["loss_mask"].to(torch.int64)):
             bad.append("%s: input_ids or loss_mask differ" % cid)
@@ -1636,13 +1739,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="GPU: the target's directory (built there, DeepSeek-V3 widths, when it has no "
                                     "config.json)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-processes)")
+                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-processes and "
+                         "ours-fp8-disk)")
     ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
     ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 400, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
     ap.add_argument("--extract-processes", type=int, default=4,
-                    help="worker processes of ours-processes (extract.py --processes; default 4)")
+                    help="worker processes of ours-processes and ours-fp8-disk (extract.py --processes; "
+                         "default 4)")
+    ap.add_argument("--disk-dir", help="GPU: ours-fp8-disk's dump files and datasets go to a new subdirectory "
+                    "of DIR, removed after the method (default: WORK); the JSON names its file system")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes of limit and ours, each on its one server "
                                                            "(default 1): min and median over them, and the ratio "
                                                            "to the limit per pass")
@@ -1690,6 +1797,12 @@ def main(argv=None) -> int:
         if a.dump_dir and not Path(a.dump_dir).is_dir():
             raise UsageError("--dump-dir %s: not an existing directory" % a.dump_dir,
                              "create it first or pass another, e.g. /dev/shm")
+        if a.disk_dir and a.cpu:
+            raise UsageError("--disk-dir is for the GPU profile (the CPU demo keeps its dumps in its own directory)",
+                             "drop --disk-dir, or run with --model DIR")
+        if a.disk_dir and not Path(a.disk_dir).is_dir():
+            raise UsageError("--disk-dir %s: not an existing directory" % a.disk_dir,
+                             "create it first or pass another on the machine's disk, e.g. /var/tmp")
         out = Path(a.out)
         if not out.parent.is_dir() or out.is_dir():
             raise UsageError("--out %s: its directory does not exist (or it is a directory)" % out,
@@ -1717,7 +1830,7 @@ def main(argv=None) -> int:
             if importlib.util.find_spec("torch") is None:
                 raise UsageError("torch is not importable", "run with PYTHONPATH=/tmp/site:src (docs/gpu.md)")
             pf = Path(a.patched_files or REPO / ".gpu-patched")
-            if {"ours", "ours-processes"} & set(methods) and not (pf / "patched-files.json").is_file():
+            if set(OURS) & set(methods) and not (pf / "patched-files.json").is_file():
                 raise UsageError("%s holds no patched files of the series (patched-files.json)" % pf,
                                  "make them here with python3 tools/gpucheck.py --make-patched-files --series "
                                  "patches/sglang-0.5.17 and carry .gpu-patched, or pass --patched-files DIR")

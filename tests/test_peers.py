@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     out, work = root / "peers.json", root / "work"
     # --budget-s 600: the limit's server and the second repetitions take the default's room
     p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600",
-              "--methods", "limit,ours,ours-processes,hf,specforge,sglang-json", "--extract-processes", "2")
+              "--methods", "limit,ours,ours-fp8-disk,hf,specforge,sglang-json", "--extract-processes", "2")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -57,9 +57,9 @@ def run(tmp_path_factory):
 @in_env
 def test_every_method_reported_with_its_figures(run):
     m = run.res["methods"]
-    assert set(m) == {"limit", "ours", "ours-processes", "hf", "specforge", "sglang-json"}
+    assert set(m) == {"limit", "ours", "ours-fp8-disk", "hf", "specforge", "sglang-json"}
     assert run.res["partial"] is False and "CPU smoke" in run.res["note"]
-    assert {"limit", "ours", "ours-processes", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
+    assert {"limit", "ours", "ours-fp8-disk", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
     conv = run.res["conversations"]
     for name, r in run.measured.items():
         assert r["complete"] and r["samples_done"] == conv["count"], name
@@ -119,19 +119,29 @@ def test_limit_is_ours_server_with_the_dump_off(run):
 
 
 @in_env
-def test_ours_processes_makes_one_dataset_in_worker_processes(run):
-    """``ours-processes`` (issue 45): one tools/extract.py run with --processes 2 per repetition, its
-    log naming the two workers and their threads; one dataset that SpecForge's reader loads whole and
-    whose rows pass the reference check."""
-    m = run.measured["ours-processes"]
+def test_ours_fp8_disk_makes_one_fp8_dataset_in_worker_processes(run):
+    """``ours-fp8-disk`` (issue 45), the ``ours-processes`` path storing fp8: one tools/extract.py run with
+    --processes 2 and --format compact per repetition from a server dumping fp8 (serve.py --dump-dtype fp8
+    --rebuildable omit), its log naming the two workers and their threads; one dataset of half ours's
+    bytes that ``CompactDataset`` loads whole in SpecForge's view and whose rows pass the reference
+    check at the profile's tolerance plus fp8's."""
+    m = run.measured["ours-fp8-disk"]
     n = run.res["conversations"]["count"]
     assert m["extract_worker_processes"] == 2 and len(m["repetitions"]) == 2, m
+    assert "--dump-dtype fp8" in m["storage"] and m["disk_file_system"] not in ("unknown", ""), m
     for k, rep in enumerate(m["repetitions"]):
         assert rep["samples_done"] == n and rep["extract_exit"] == 0 and rep["extract_worker_processes"] == 2, rep
-        assert rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
-        assert rep["reference"]["verdict"] == "pass" and not rep["reference"]["missing"], rep["reference"]
-        log = run.work / "ours-processes" / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
+        assert rep["format"] == "compact" and rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
+        assert rep["reader"]["first"]["hidden_state"][-1] == 3 * rep["reader"]["first"]["target"][-1], rep["reader"]
+        ref = rep["reference"]
+        assert ref["verdict"] == "pass" and not ref["missing"] and ref["tolerance_row_rel"] == TOL + 0.05, ref
+        assert TOL < ref["max_row_rel"] < 0.05, ref  # fp8's rounding shows; the layers are right
+        log = run.work / "ours-fp8-disk" / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
         assert "2 worker processes, 2+2 threads" in log.read_text(), log.read_text()[-2000:]
+    # fp8 states with a float32 scale per token and state: a little over half of ours's float32 bytes on CPU
+    # would be a quarter; the CPU demo dumps float32, so fp8 is about a quarter of ours's
+    ratio = m["gb_per_million_tokens"] / run.measured["ours"]["gb_per_million_tokens"]
+    assert 0.2 < ratio < 0.4, ratio
 
 
 @in_env
@@ -345,3 +355,20 @@ def test_json_rows_refuse_an_answer_short_of_the_prompt():
         mod._rows({"hidden_states": [rows[1:], [9.0, 9.0]]}, 5)
     with pytest.raises(ValueError, match="no hidden_states"):
         mod._rows({}, 5)
+
+
+@in_env
+def test_warm_up_ends_only_on_rates_that_settled():
+    """The warm-up's stop rule: the last ``WARM_STABLE`` rounds each within 10% of the round before. The
+    H100 limit server of 2026-12-06 stopped its one-wave rounds at 51k then 54k tokens/s and timed 36k,
+    62k and 90k after: a rule that ends on one lucky pair of rounds would have ended there too."""
+    spec = importlib.util.spec_from_file_location("peers_mod", PEERS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.WARM_STABLE == 2
+    h100 = [36824, 27180, 15346, 50188, 12983, 52895, 15846, 51236, 54263]  # docs/results/peers-h100-limit-run3.log
+    assert not any(mod.steady(h100[:k]) for k in range(len(h100) + 1))
+    assert mod.steady(h100 + [57000])  # 51k, 54k, 57k: each within 10% of the one before
+    assert not mod.steady([100, 105])  # one pair is not enough
+    assert mod.steady([100, 105, 110]) and not mod.steady([100, 105, 120])
+    assert not mod.steady([100, 89, 90]) and mod.steady([100, 91, 90])

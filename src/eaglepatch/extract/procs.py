@@ -9,10 +9,14 @@ read, validate and write the samples, and hand each outcome back; this process a
 (``progress.jsonl``, the settings, the manifest), exactly as with threads.
 
 What the workers check is what the threads check, against a state this process fixed first: the
-processes start only once a dump has fixed the dataset's provenance and layout (the probe of each
-server, then one conversation at a time until one dump did), so every dump a worker reads is
-compared with the same provenance, layout and layer ids, and never fixes them itself. A worker's
-tokenizer must have the dataset's chat template (its sha256), or the run stops. Each worker loads
+processes start with the run and load what they need (interpreter, torch, tokenizer: seconds each,
+which would otherwise come after this process's own start-up) while this process reads the inputs,
+probes each server and extracts one conversation at a time until a dump has fixed the dataset's
+provenance and layout; only then does each worker get that state (``Workers.run``'s setup: the state,
+the model config, the draft, the chat template's sha256 and the mask method) and take
+conversations, so every dump a worker reads is compared with the same provenance, layout and layer
+ids, and never fixes them itself. A worker's tokenizer must have the dataset's chat template (its
+sha256) and mask method, or the run stops. Each worker loads
 what it needs once: the tokenizer, and for compact dumps that leave states out, the weights they are
 rebuilt from (``storage.Rebuilder``, read from --model on first use: P copies of the embedding).
 
@@ -80,39 +84,47 @@ def _raise(msg: tuple, worker: int):
 
 # ---- the worker process --------------------------------------------------------------------------
 
-def _worker_main(i: int, extractor, intra_op, opts, state: dict, cfg: dict, draft, template_sha: str,
-                 mask_method: str, routers: list, threads: int, cores: int, tasks, results, stop) -> None:
-    """Worker process ``i``: ``threads`` threads take conversations from ``tasks`` until ``None`` or
-    ``stop``; each outcome (and this worker's stage seconds and client counters so far) goes to
-    ``results``; ("exit", ...) last. Ctrl-C is the parent's to handle (ignored here); a parent that is
-    gone ends the worker. ``extractor``, ``intra_op``: run's ``Extractor`` class and ``intra_op_threads``
-    (passed, not imported: run imports this module)."""
+def _worker_main(i: int, extractor, intra_op, opts, threads: int, cores: int, setup, tasks, results, stop) -> None:
+    """Worker process ``i``: loads what it needs from the options, waits for the run's
+    setup (one item of ``setup``: ``Workers.run``'s dict, or None: end), then ``threads`` threads take conversations
+    from ``tasks`` until ``None`` or ``stop``; each outcome (and this worker's stage seconds and client
+    counters so far) goes to ``results``; ("exit", ...) last. Ctrl-C is the parent's to handle (ignored
+    here); a parent that is gone ends the worker. ``extractor``, ``intra_op``: run's ``Extractor``
+    class and ``intra_op_threads`` (passed, not imported: run imports this module)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    ex = None
     try:
         from .inputs import Inputs, template_sha256
         from .tokenize import ChatTokenizer
 
-        ex = extractor(opts, log=lambda m: results.put(("log", i, m)))
-        ex.draft = draft
-        for k, v in state.items():
-            setattr(ex, k, v)
-        tok = ChatTokenizer(opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code, mask_method=mask_method)
-        have = template_sha256(tok)
-        if have != template_sha:
-            raise Fatal(f"extract worker process {i} loaded a chat template with sha256 {have[:12]}, the dataset's has "
-                        f"{template_sha[:12]} (the tokenizer directory changed during the run)",
-                        "leave --tokenizer/--model unchanged while extract runs, and rerun")
-        inp = Inputs(cfg, [], [], tok, {}, [], None, draft)
         from .client import SGLangClient
 
+        ex = extractor(opts, log=lambda m: results.put(("log", i, m)))
+        tok = ChatTokenizer(opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code, mask_method=opts.mask)
         client = SGLangClient(opts.servers, timeout=opts.request_timeout, retries=opts.retries, log=ex.log,
                               flush_timeout=opts.dump_timeout)
-        client._router = list(routers)  # the servers the parent found to be SGLang's router (flushed per replica)
         if opts.mooncake_master is not None:
             ex.open_store()
+        run = _wait_for_state(setup, stop, parent)
+        if run is None:  # the run ended (or stopped) before a dump fixed the dataset: nothing to do
+            _close_store(ex)
+            results.put(("exit", i, None))
+            return
+        have = template_sha256(tok)
+        if have != run["template_sha"] or tok.mask_method != run["mask_method"]:
+            raise Fatal(f"extract worker process {i} loaded a chat template with sha256 {have[:12]} and mask method "
+                        f"{tok.mask_method}, the dataset's are {run['template_sha'][:12]} and {run['mask_method']} "
+                        f"(the tokenizer directory changed during the run)",
+                        "leave --tokenizer/--model unchanged while extract runs, and rerun")
+        ex.draft = run["draft"]
+        inp = Inputs(run["cfg"], [], [], tok, {}, [], None, run["draft"])
+        client._router = list(run["routers"])  # the servers the parent found to be SGLang's router (flushed per replica)
+        for k, v in run["state"].items():
+            setattr(ex, k, v)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         results.put(("error", i, _exc_message(exc)))
+        _close_store(ex)
         results.put(("exit", i, None))
         return
 
@@ -149,41 +161,79 @@ def _worker_main(i: int, extractor, intra_op, opts, state: dict, cfg: dict, draf
             for t in pool:
                 t.join()
     finally:
-        if ex.store is not None:
-            ex.store.close()
+        _close_store(ex)
         results.put(("exit", i, counters()))
+
+
+def _wait_for_state(setup, stop, parent: int):
+    """The state this worker checks dumps against (``setup``'s next item), or None when the run ends
+    first: None sent, ``stop`` set, or the parent gone."""
+    while not stop.is_set() and os.getppid() == parent:
+        try:
+            return setup.get(timeout=0.5)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _close_store(ex) -> None:
+    if ex is not None and ex.store is not None:
+        ex.store.close()
 
 
 # ---- the parent ----------------------------------------------------------------------------------
 
-def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
-    """Stages 2-5 of the conversations left in the iterator ``rest`` in ``ex.o.processes`` worker
-    processes, each outcome passed to ``finish_one`` here as it comes back. Returns the workers'
-    counters (summed stage seconds, bad dumps, per-server answered/put aside/flushes, retries).
+class Workers:
+    """The run's ``ex.o.processes`` worker processes, started with the run (``__init__``: each loads its
+    interpreter, torch and tokenizer while this process reads the inputs and fixes the dataset's
+    state), then handed that state and the remaining conversations (``run``); ``close`` ends them.
     ``intra_op``: run's ``intra_op_threads``, which each worker sets its torch threads with."""
-    import multiprocessing
 
-    o = ex.o
-    ctx = multiprocessing.get_context("spawn")
-    tasks, results, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    cores = len(os.sched_getaffinity(0))
-    split = shares(o.concurrency, o.processes)
-    state = worker_state(ex)
-    sha = inp.settings.data["chat_template_sha256"]  # the dataset's, as recorded (read_inputs checked it)
-    procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
-                         args=(i, type(ex), intra_op, o, state, inp.cfg, inp.draft, sha, inp.tok.mask_method, client._router, n,
-                               max(1, cores // o.processes), tasks, results, stop), daemon=True)
-             for i, n in enumerate(split)]
-    ex.log(f"{o.processes} worker processes, {'+'.join(map(str, split))} threads")
-    for p in procs:
-        p.start()
-    counters: dict = {}  # worker -> its latest figures (the stage line reads them as they come)
-    ex.child_counters = counters
-    exited: set = set()
-    inflight = 0
-    look_at = 0.0  # when to look next whether every worker is alive
-    ended = False  # every conversation handed out and the end sent
-    try:
+    def __init__(self, ex, intra_op):
+        import multiprocessing
+
+        o = self.o = ex.o
+        self.ex = ex
+        ctx = multiprocessing.get_context("spawn")
+        self.setup, self.tasks, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+        cores = len(os.sched_getaffinity(0))
+        self.split = shares(o.concurrency, o.processes)
+        self.sent = False  # the setup went out: from then on a worker may hold conversations
+        self.procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
+                                  args=(i, type(ex), intra_op, o, n, max(1, cores // o.processes), self.setup,
+                                        self.tasks, self.results, self.stop), daemon=True)
+                      for i, n in enumerate(self.split)]
+        for p in self.procs:
+            p.start()
+
+    def _look_at_workers(self, exited: set) -> None:
+        """Stop the run (one line) if a worker not yet exited has died."""
+        for i, p in enumerate(self.procs):
+            if i not in exited and not p.is_alive() and p.exitcode != 0:
+                raise Fatal(f"extract worker process {i} (pid {p.pid}) ended without finishing "
+                            f"({_exit_text(p.exitcode)}); the samples it had in hand are not recorded",
+                            "look for the cause (memory: dmesg), then run the same command again: done "
+                            "samples are kept and the rest are extracted") from None
+
+    def run(self, inp, client, rest, finish_one) -> dict:
+        """Stages 2-5 of the conversations left in the iterator ``rest``, checked against the state
+        ``ex`` holds now (``worker_state``), each outcome passed to ``finish_one`` here as it comes
+        back. Returns the workers' counters (summed stage seconds, bad dumps, per-server
+        answered/put aside/flushes, retries)."""
+        o, ex, procs, tasks, results = self.o, self.ex, self.procs, self.tasks, self.results
+        ex.log(f"{o.processes} worker processes, {'+'.join(map(str, self.split))} threads")
+        setup = {"state": worker_state(ex), "cfg": inp.cfg, "draft": inp.draft, "mask_method": inp.tok.mask_method,
+                 # the dataset's, as recorded (read_inputs checked it)
+                 "template_sha": inp.settings.data["chat_template_sha256"], "routers": list(client._router)}
+        for _ in procs:
+            self.setup.put(setup)
+        self.sent = True
+        counters: dict = {}  # worker -> its latest figures (the stage line reads them as they come)
+        ex.child_counters = counters
+        exited: set = set()
+        inflight = 0
+        look_at = 0.0  # when to look next whether every worker is alive
+        ended = False  # every conversation handed out and the end sent
         while len(exited) < len(procs):
             while not ended and inflight < o.concurrency:
                 c = next(rest, None)
@@ -200,12 +250,7 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
                 msg = None
             if time.monotonic() >= look_at or msg is None:  # a worker that died sends nothing: look at them
                 look_at = time.monotonic() + 0.5
-                for i, p in enumerate(procs):
-                    if i not in exited and not p.is_alive() and p.exitcode != 0:
-                        raise Fatal(f"extract worker process {i} (pid {p.pid}) ended without finishing "
-                                    f"({_exit_text(p.exitcode)}); the samples it had in hand are not recorded",
-                                    "look for the cause (memory: dmesg), then run the same command again: done "
-                                    "samples are kept and the rest are extracted") from None
+                self._look_at_workers(exited)
             if msg is None:
                 continue
             kind, i = msg[0], msg[1]
@@ -224,13 +269,21 @@ def run_in_processes(ex, inp, client, rest, finish_one, intra_op) -> dict:
                 exited.add(i)
                 if msg[2] is not None:
                     counters[i] = msg[2]
-    finally:
-        stop.set()
-        _stop_workers(procs, o.request_timeout + JOIN_MARGIN_S)
-        for q in (tasks, results):
+        return counters
+
+    def close(self) -> None:
+        """End the workers. Before the setup went out they hold nothing and are killed at once (a run that
+        ends early, on an error or with nothing to do, does not wait for their start-up); after it, a
+        worker takes no new conversation and finishes what it holds, at most ``request_timeout`` +
+        ``JOIN_MARGIN_S``, and the rest are killed."""
+        self.stop.set()
+        if self.sent:
+            _stop_workers(self.procs, self.o.request_timeout + JOIN_MARGIN_S)
+        else:
+            _stop_workers(self.procs, 0.0)
+        for q in (self.setup, self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
-    return counters
 
 
 def _stop_workers(procs, wait_s: float) -> None:

@@ -152,6 +152,7 @@ class Extractor:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self.finished = 0  # samples of this run recorded so far (finished, failed or skipped)
         self.store = None  # --mooncake-master: the ``eaglepatch.mooncake.StoreReader`` (``open_store``)
+        self.workers = None  # --processes: the worker processes (``procs.Workers``), started with the run
         self.intra_op = None  # torch's intra-op threads while the workers run (``intra_op_threads``)
         self.child_counters: dict = {}  # --processes: each worker process's figures so far (``procs``)
 
@@ -199,11 +200,23 @@ class Extractor:
                              "EAGLE3_DUMP_MOONCAKE_METADATA (its mooncake_master must run)") from None
 
     def run(self) -> int:
-        import fcntl
-
         o = self.o
         check_options(o)
         check_backend(o.format, o.hidden_states_backend)
+        if o.processes > 1:  # they load (seconds each) while this process reads the inputs; closed below
+            from . import procs
+
+            self.workers = procs.Workers(self, intra_op_threads)
+        try:
+            return self._run_checked(o)
+        finally:
+            if self.workers is not None:
+                self.workers.close()
+                self.workers = None
+
+    def _run_checked(self, o) -> int:
+        import fcntl
+
         client = SGLangClient(o.servers, timeout=o.request_timeout, retries=o.retries, log=self.log,
                               flush_timeout=o.dump_timeout)
         # the server is asked before the tokenizer loads (transformers takes seconds to import); a finished
@@ -396,8 +409,7 @@ class Extractor:
         first = next(rest, None)
         if first is None:
             return
-        counters = procs.run_in_processes(self, inp, client, itertools.chain([first], rest), finish_one,
-                                          intra_op_threads)
+        counters = self.workers.run(inp, client, itertools.chain([first], rest), finish_one)
         procs.merge(self, client, counters)
         self.child_counters = {}
 
