@@ -446,6 +446,57 @@ def _spawned_children(pid: int) -> list:
     return out
 
 
+def _marked(mark: str) -> list:
+    """Live processes (not zombies) whose environment holds ``EAGLEPATCH_TEST_MARK=mark``."""
+    want, out = f"EAGLEPATCH_TEST_MARK={mark}".encode(), []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and want in (d / "environ").read_bytes().split(b"\0") and \
+                    (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+@in_env
+def test_workers_started_with_the_run_end_with_an_early_error(assets, server, tmp_path):
+    """--processes starts its workers before the inputs are read (they load meanwhile). Here the server
+    takes the connection and never answers, so the run waits its --request-timeout (5 s) and is then
+    refused: the workers are seen during that wait (found by a mark in their inherited environment;
+    a run that started them only once a dump fixed the dataset has none then), and afterwards the run
+    exits 2 with its one line, writes nothing and leaves no worker behind, orphaned or not."""
+    import socket
+    import uuid
+
+    mark = uuid.uuid4().hex
+    out = tmp_path / "out"
+    with socket.socket() as mute:  # accepts connections (the kernel's backlog) and never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        cmd = [sys.executable, str(EXTRACT), "--server", "http://127.0.0.1:%d" % mute.getsockname()[1], "--model",
+               str(assets.ckpt), "--tokenizer", str(assets.tok), "--data", str(assets.data), "--dump-dir",
+               str(server.dump_dir), "--out", str(out), "--concurrency", "2", "--processes", "2",
+               "--request-timeout", "5", "--no-progress", AUX_FLAG]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, EAGLEPATCH_TEST_MARK=mark))
+        seen: set = set()
+        while proc.poll() is None:  # the run's processes but itself, while it waits for the server
+            seen.update(p for p in _marked(mark) if p != proc.pid)
+            time.sleep(0.05)
+        err = proc.stderr.read()
+    assert proc.returncode == 2, err[-2000:]
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "cannot reach the SGLang server" in lines[0], err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert len(seen) >= 2, "the worker processes were not started before the inputs were read: %s" % seen
+    t0 = time.monotonic()
+    while _marked(mark) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not _marked(mark), "a worker process outlived the refused run"
+    assert not out.exists()
+
+
 @in_env
 def test_a_killed_worker_process_stops_the_run_and_the_next_run_finishes(assets, server, reference, expected,
                                                                         tmp_path):
@@ -459,10 +510,13 @@ def test_a_killed_worker_process_stops_the_run_and_the_next_run_finishes(assets,
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     kids = []
-    while len(kids) < 2:
+    # the workers start with the run; killed once one of them has made a sample (the probe's is the main
+    # process's), so the worker dies at work, holding conversations
+    ledger = out / "progress.jsonl"
+    while len(kids) < 2 or not ledger.is_file() or ledger.read_bytes().count(b"\n") < 2:
         assert proc.poll() is None, "extract ended before its workers could be killed: " + proc.stderr.read()[-2000:]
         assert time.monotonic() - t0 < 300, "no worker processes appeared"
-        time.sleep(0.02)
+        time.sleep(0.005)
         kids = _spawned_children(proc.pid)
     os.kill(kids[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)

@@ -199,6 +199,7 @@ class Workers:
         cores = len(os.sched_getaffinity(0))
         self.split = shares(o.concurrency, o.processes)
         self.sent = False  # the setup went out: from then on a worker may hold conversations
+        self.closed = False
         self.procs = [ctx.Process(target=_worker_main, name=f"extract-worker-{i}",
                                   args=(i, type(ex), intra_op, o, n, max(1, cores // o.processes), self.setup,
                                         self.tasks, self.results, self.stop), daemon=True)
@@ -275,7 +276,10 @@ class Workers:
         """End the workers. Before the setup went out they hold nothing and are killed at once (a run that
         ends early, on an error or with nothing to do, does not wait for their start-up); after it, a
         worker takes no new conversation and finishes what it holds, at most ``request_timeout`` +
-        ``JOIN_MARGIN_S``, and the rest are killed."""
+        ``JOIN_MARGIN_S``, and the rest are killed. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self.stop.set()
         if self.sent:
             _stop_workers(self.procs, self.o.request_timeout + JOIN_MARGIN_S)

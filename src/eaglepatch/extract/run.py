@@ -409,7 +409,10 @@ class Extractor:
         first = next(rest, None)
         if first is None:
             return
-        counters = self.workers.run(inp, client, itertools.chain([first], rest), finish_one)
+        try:
+            counters = self.workers.run(inp, client, itertools.chain([first], rest), finish_one)
+        finally:  # on a stop too: no worker holds a conversation or a dump once this run records or sweeps
+            self.workers.close()
         procs.merge(self, client, counters)
         self.child_counters = {}
 
