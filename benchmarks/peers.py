@@ -1635,13 +1635,13 @@ def compact_reader_check(ds: Path, model: Path, expected: int, max_len: int) -> 
 
 
 def _compact_as_specforge(path: Path, rebuilder) -> dict:
-    """A compact sample as the .ckpt dict ``--format specforge`` writes for it (extract's own
-    ``specforge_sample`` on the decoded dump: fp8 states dequantised, rebuilt states rebuilt)."""
-    from eaglepatch.extract.writers import Layout, load_compact, specforge_sample
+    """A compact sample in a .ckpt's keys, read by extract's own ``writers.read_sample`` (the dump
+    decoded: fp8 states dequantised, rebuilt states rebuilt; aux layers in the sample's order)."""
+    from eaglepatch.extract.writers import read_sample
 
-    dump, mask = load_compact(path, rebuilder)
-    aux = sorted(json.loads(dump.meta["aux_layer_ids"]))
-    return specforge_sample(Layout("specforge", tuple(aux), None, int(dump.meta["num_hidden_layers"])), dump, mask)
+    s = read_sample("compact", path, rebuilder)
+    return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "aux_hidden_state": s["aux"][None],
+            "hidden_state": s["final"][None]}
 
 
 def check_dataset(ds: Path, ref_file: Path, tol: float, model: Path | None = None) -> dict:

@@ -106,21 +106,21 @@ def _worker_main(i: int, extractor, intra_op, opts, threads: int, cores: int, se
                               flush_timeout=opts.dump_timeout)
         if opts.mooncake_master is not None:
             ex.open_store()
-        run = _wait_for_state(setup, stop, parent)
-        if run is None:  # the run ended (or stopped) before a dump fixed the dataset: nothing to do
+        given = _wait_for_setup(setup, stop, parent)
+        if given is None:  # the run ended (or stopped) before a dump fixed the dataset: nothing to do
             _close_store(ex)
             results.put(("exit", i, None))
             return
         have = template_sha256(tok)
-        if have != run["template_sha"] or tok.mask_method != run["mask_method"]:
+        if have != given["template_sha"] or tok.mask_method != given["mask_method"]:
             raise Fatal(f"extract worker process {i} loaded a chat template with sha256 {have[:12]} and mask method "
-                        f"{tok.mask_method}, the dataset's are {run['template_sha'][:12]} and {run['mask_method']} "
+                        f"{tok.mask_method}, the dataset's are {given['template_sha'][:12]} and {given['mask_method']} "
                         f"(the tokenizer directory changed during the run)",
                         "leave --tokenizer/--model unchanged while extract runs, and rerun")
-        ex.draft = run["draft"]
-        inp = Inputs(run["cfg"], [], [], tok, {}, [], None, run["draft"])
-        client._router = list(run["routers"])  # the servers the parent found to be SGLang's router (flushed per replica)
-        for k, v in run["state"].items():
+        ex.draft = given["draft"]
+        inp = Inputs(given["cfg"], [], [], tok, {}, [], None, given["draft"])
+        client._router = list(given["routers"])  # the servers the parent found to be SGLang's router (flushed per replica)
+        for k, v in given["state"].items():
             setattr(ex, k, v)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         results.put(("error", i, _exc_message(exc)))
@@ -165,9 +165,9 @@ def _worker_main(i: int, extractor, intra_op, opts, threads: int, cores: int, se
         results.put(("exit", i, counters()))
 
 
-def _wait_for_state(setup, stop, parent: int):
-    """The state this worker checks dumps against (``setup``'s next item), or None when the run ends
-    first: None sent, ``stop`` set, or the parent gone."""
+def _wait_for_setup(setup, stop, parent: int):
+    """The run's setup for this worker (``setup``'s next item: ``Workers.run``'s dict), or None when the
+    run ends first: None sent, ``stop`` set, or the parent gone."""
     while not stop.is_set() and os.getppid() == parent:
         try:
             return setup.get(timeout=0.5)
@@ -214,7 +214,7 @@ class Workers:
                 raise Fatal(f"extract worker process {i} (pid {p.pid}) ended without finishing "
                             f"({_exit_text(p.exitcode)}); the samples it had in hand are not recorded",
                             "look for the cause (memory: dmesg), then run the same command again: done "
-                            "samples are kept and the rest are extracted") from None
+                            "samples are kept and the rest are extracted")
 
     def run(self, inp, client, rest, finish_one) -> dict:
         """Stages 2-5 of the conversations left in the iterator ``rest``, checked against the state
@@ -281,10 +281,7 @@ class Workers:
             return
         self.closed = True
         self.stop.set()
-        if self.sent:
-            _stop_workers(self.procs, self.o.request_timeout + JOIN_MARGIN_S)
-        else:
-            _stop_workers(self.procs, 0.0)
+        _stop_workers(self.procs, self.o.request_timeout + JOIN_MARGIN_S if self.sent else 0.0)
         for q in (self.setup, self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
