@@ -72,6 +72,71 @@ def pytest_configure(config):
     tempfile.tempdir = str(tmp)
 
 
+# The whole suite runs in pytest-xdist workers (tools/test.py: -n N --dist loadgroup). Each module is
+# one unit of work, so a module's fixtures are made once; modules that share a session's costly work
+# are one unit, in collection order: those that use one of SHARED_FIXTURES (found from the tests'
+# own fixture names), and those of SHARED_ON_DISK (test_check_draft starts from the inputs
+# test_acceptance publishes in the cache: apart, it would make them again, or race to).
+SHARED_FIXTURES = ("series_smoke", "plugin_cli_smoke")
+SHARED_ON_DISK = (("test_acceptance", "test_check_draft"),)
+# the units measured longest on the 2-core CI machine (stop 55's durations), given out first so that
+# no long one starts last; the others follow in collection order
+LONGEST_FIRST = ("test_acceptance", "test_functional", "test_acceptance_dflash", "test_dump_stops",
+                 "test_extract", "test_peers", "test_draft_capture", "test_mooncake_online_bench")
+
+
+def work_units(items) -> dict:
+    """module name -> the name of its unit of work: the first module (in LONGEST_FIRST's order, then
+    alphabetical) of the modules it shares costly work with."""
+    parent = {}
+
+    def find(m):
+        parent.setdefault(m, m)
+        while parent[m] != m:
+            m = parent[m]
+        return m
+
+    def join(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            rank = lambda m: (LONGEST_FIRST.index(m) if m in LONGEST_FIRST else len(LONGEST_FIRST), m)  # noqa: E731
+            lo, hi = sorted((ra, rb), key=rank)
+            parent[hi] = lo
+
+    users = {}
+    for it in items:
+        mod = it.module.__name__ if getattr(it, "module", None) else it.nodeid.split("::")[0]
+        find(mod)
+        for f in SHARED_FIXTURES:
+            if f in getattr(it, "fixturenames", ()):
+                users.setdefault(f, mod)
+                join(users[f], mod)
+    for group in SHARED_ON_DISK:
+        present = [m for m in group if m in parent]
+        for m in present[1:]:
+            join(present[0], m)
+    return {m: find(m) for m in parent}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist adds each group to its tests' ids
+def pytest_collection_modifyitems(session, config, items):
+    """Under ``--dist loadgroup``: every test marked with its module's unit of work (``work_units``),
+    and the units in LONGEST_FIRST's order, each unit's own tests in collection order."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    units = work_units(items)
+
+    def unit(it):
+        return units[it.module.__name__ if getattr(it, "module", None) else it.nodeid.split("::")[0]]
+
+    order = {u: i for i, u in enumerate(LONGEST_FIRST)}
+    first_seen = {}
+    for i, it in enumerate(items):
+        first_seen.setdefault(unit(it), i)
+        it.add_marker(pytest.mark.xdist_group(unit(it)))
+    items.sort(key=lambda it: (order.get(unit(it), len(order)), first_seen[unit(it)]))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Semaphores and shared memory that processes which died during the session left in /dev/shm
     (SGLang servers killed by a test) are removed, and said so."""

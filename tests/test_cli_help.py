@@ -137,3 +137,78 @@ def test_inside_pytest_under_test_py_no_environment_is_built(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "tools/test.py" in r.stderr and "is not built" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_test_py_refuses_a_workers_count_that_is_not_one(value, tmp_path):
+    """EAGLEPATCH_TEST_WORKERS must be a count of 1 or more: otherwise one line, exit 2, before any
+    build (the cache stays empty)."""
+    r = run_tool("test", env={"EAGLEPATCH_CACHE": str(tmp_path), "EAGLEPATCH_TEST_WORKERS": value})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: EAGLEPATCH_TEST_WORKERS="), r.stderr
+    assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_test_py_runs_the_whole_suite_in_workers_and_test_paths_in_one_process(monkeypatch):
+    t = _test_py()
+    monkeypatch.setenv("EAGLEPATCH_TEST_WORKERS", "3")
+    assert t.workers() == 3
+    assert t.xdist_args([], 3) == ["-n", "3", "--dist", "loadgroup", "--no-loadscope-reorder"]
+    assert t.xdist_args(["-x", "-k", "peers"], 2)[:2] == ["-n", "2"]
+    for own in (["-n", "4"], ["-n4"], ["--numprocesses=4"], ["-p", "no:xdist"]):
+        assert t.xdist_args(own, 2) == [], own
+    assert t.xdist_args([], 1) == []
+    monkeypatch.delenv("EAGLEPATCH_TEST_WORKERS")
+    assert 1 <= t.workers() <= min(4, os.cpu_count() or 1)
+
+
+# a plugin that writes, per collected test in order, its module and xdist group
+UNITS_PLUGIN = '''
+import json, os
+def pytest_collection_finish(session):
+    rows = []
+    for it in session.items:
+        m = it.get_closest_marker("xdist_group")
+        rows.append([it.module.__name__, m.args[0] if m else None])
+    with open(os.environ["UNITS_OUT"], "w") as f:
+        json.dump(rows, f)
+'''
+
+
+def test_the_whole_suite_is_dealt_in_units_that_keep_shared_work_together(tmp_path):
+    """The real collection under ``--dist loadgroup`` (one worker): every test carries its unit;
+    the modules that use the session's smoke runs are one unit, and so are test_acceptance and
+    test_check_draft (in that order: the latter starts from what the former publishes); each unit's
+    tests are contiguous, and the units run longest first (conftest.LONGEST_FIRST). Without
+    loadgroup nothing is marked or moved."""
+    import json
+
+    import conftest
+
+    (tmp_path / "units_plugin.py").write_text(UNITS_PLUGIN)
+    env = dict(os.environ, UNITS_OUT=str(tmp_path / "units.json"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+
+    def collect(*extra):
+        r = subprocess.run([sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-p", "units_plugin",
+                            "-p", "no:cacheprovider", *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads((tmp_path / "units.json").read_text())
+
+    rows = collect("-n", "1", "--dist", "loadgroup", "--no-loadscope-reorder")
+    unit = {}
+    for mod, group in rows:
+        assert group is not None, mod
+        assert unit.setdefault(mod, group) == group, mod
+    assert unit["test_plugin"] == unit["test_plugin_targets"] == unit["test_functional"]
+    assert unit["test_check_draft"] == unit["test_acceptance"]
+    assert len(set(unit.values())) < len(unit) - 2  # the joins made fewer units than modules
+    order = [g for i, (_, g) in enumerate(rows) if i == 0 or rows[i - 1][1] != g]
+    assert len(order) == len(set(order)), "a unit's tests are not contiguous"
+    assert order[:len(conftest.LONGEST_FIRST)] == list(conftest.LONGEST_FIRST), order
+    mods = [m for m, _ in rows]
+    assert max(i for i, m in enumerate(mods) if m == "test_acceptance") < mods.index("test_check_draft")
+
+    plain = collect()
+    assert all(g is None for _, g in plain) and [m for m, _ in plain] == sorted(m for m, _ in plain)

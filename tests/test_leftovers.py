@@ -42,20 +42,33 @@ SEMAPHORE = textwrap.dedent("""
 
 
 def test_sweep_removes_the_semaphores_of_dead_processes_and_keeps_those_in_use(tmp_path):
+    """A dead process's semaphore is removed, one in use is kept. Other sweepers may run at the same
+    time (tests in other pytest-xdist workers, their smoke harnesses): one may remove a dead
+    process's semaphore first, which is their right, so a leak this sweep did not see is made again
+    (at most 5 times); a sweep that removes no dead semaphore fails every time."""
     script = tmp_path / "sem.py"
     script.write_text(SEMAPHORE)
     before = shm.snapshot()
-    leak = subprocess.run([sys.executable, str(script), "LEAK"], capture_output=True, text=True, timeout=60)
-    leaked = leak.stdout.split()[0]
     hold = subprocess.Popen([sys.executable, str(script), "HOLD"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     try:
         held = hold.stdout.readline().strip()
-        assert (shm.SHM / leaked).exists(), "the killed process's semaphore should still be there"
         assert (shm.SHM / held).exists()
-        gone = shm.sweep(before)
-        assert leaked in gone and not (shm.SHM / leaked).exists()
-        assert held not in gone and (shm.SHM / held).exists(), "a semaphore in use was removed"
+        seen = []
+        for _ in range(5):
+            leak = subprocess.run([sys.executable, str(script), "LEAK"], capture_output=True, text=True, timeout=60)
+            leaked = leak.stdout.split()[0]
+            if not (shm.SHM / leaked).exists():  # another sweeper was first
+                seen.append((leaked, "gone before the sweep"))
+                continue
+            gone = shm.sweep(before)
+            assert held not in gone and (shm.SHM / held).exists(), "a semaphore in use was removed"
+            if leaked in gone:
+                assert not (shm.SHM / leaked).exists()
+                break
+            seen.append((leaked, "exists" if (shm.SHM / leaked).exists() else "gone, by another sweeper"))
+        else:
+            pytest.fail(f"no sweep removed a dead process's semaphore: {seen}")
     finally:
         hold.stdin.close()
         hold.wait(timeout=60)
@@ -74,7 +87,9 @@ def test_smoke_worker_leaves_no_semaphore(tmp_path):
     log = (tmp_path / "w.log").read_text()
     name = next(ln for ln in log.splitlines() if ln.startswith("sem."))
     assert not (shm.SHM / name).exists(), f"{name} left in /dev/shm:\n{log}"
-    assert "removed 1 semaphore" in log
+    # the sweep names what it removed (other tests' dead processes may have left more meanwhile)
+    said = next((ln for ln in log.splitlines() if ln.startswith("# removed ")), "")
+    assert name in said, log
 
 
 def test_a_release_that_cannot_be_downloaded_leaves_no_cache_directory(tmp_path):

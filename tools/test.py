@@ -18,8 +18,12 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 (2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
-pytest runs as `<env python> -m pytest tests --durations=40 ARGS` with PYTHONPATH=src (the whole
-suite lists its 40 slowest tests); test paths among the arguments replace `tests --durations=40`.
+pytest runs as `<env python> -m pytest tests --durations=40 -n N --dist loadgroup --no-loadscope-reorder
+ARGS` with PYTHONPATH=src: the whole suite lists its 40 slowest tests and runs in N pytest-xdist
+workers (EAGLEPATCH_TEST_WORKERS, else one per core, at most 4 and one per 6 GiB of memory; 1: no
+workers), each module a unit of work given out longest first, modules that share costly work one unit
+(tests/conftest.py, work_units). Test paths among the arguments replace all of that (one process), and
+-n or -p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
 environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
@@ -39,6 +43,7 @@ sys.path.insert(0, str(REPO / "src"))
 from eaglepatch import cli, cpuenv, sysdeps  # noqa: E402
 
 # the tests that run every series' environment
+WORKERS_ENV = "EAGLEPATCH_TEST_WORKERS"
 FUNCTIONAL = (REPO / "tests" / "test_functional.py", REPO / "tests" / "test_dump_stops.py",
               REPO / "tests" / "test_draft_capture.py", REPO / "tests" / "test_plugin.py",
               REPO / "tests" / "test_plugin_targets.py")
@@ -115,6 +120,30 @@ def build(paths: list[str]) -> Path:
     return py
 
 
+def workers() -> int:
+    """How many pytest-xdist workers run the whole suite: EAGLEPATCH_TEST_WORKERS, else one per core,
+    at most 4 and one per 6 GiB of memory (a worker may hold an SGLang CPU server and a training run)."""
+    given = os.environ.get(WORKERS_ENV, "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise RuntimeError(f"error: {WORKERS_ENV}={given!r} is not a count of workers; set it to 1 or more (1: no workers)")
+        return int(given)
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    by_mem = max(1, mem // (6 << 30)) if mem else 1
+    return max(1, min(os.cpu_count() or 1, 4, by_mem))
+
+
+def xdist_args(args: list[str], n: int) -> list[str]:
+    """pytest-xdist's arguments for a whole-suite run in ``n`` workers, none where ARGS choose workers
+    themselves (-n, --numprocesses, -p no:xdist) or one worker is asked for."""
+    if any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in args):
+        return []
+    return [] if n == 1 else ["-n", str(n), "--dist", "loadgroup", "--no-loadscope-reorder"]
+
+
 def main(argv: list[str]) -> int:
     head, tail = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     if "-h" in head or "--help" in head:
@@ -122,6 +151,11 @@ def main(argv: list[str]) -> int:
         return 0
     pytest_help = "--pytest-help" in head
     args = [a for a in head if a != "--pytest-help"] + tail
+    try:
+        n = workers()
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     try:
         if not pytest_help:
             sysdeps.ensure()
@@ -134,8 +168,10 @@ def main(argv: list[str]) -> int:
     env[cpuenv.NO_BUILD_ENV] = "1"  # every environment the run needs is built: none is built inside pytest
     if pytest_help:
         return subprocess.call([str(py), "-m", "pytest", "--help"], cwd=REPO, env=env)
-    # the whole suite also lists its 40 slowest tests, so every CI log shows where the time goes
-    cmd = [str(py), "-m", "pytest"] + ([] if test_paths(args) else ["tests", "--durations=40"]) + args
+    # the whole suite also lists its 40 slowest tests, so every CI log shows where the time goes, and
+    # runs in pytest-xdist workers, one module (or modules sharing costly work) each: tests/conftest.py
+    whole = [] if test_paths(args) else ["tests", "--durations=40"] + xdist_args(args, n)
+    cmd = [str(py), "-m", "pytest"] + whole + args
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=REPO, env=env)
     if rc == 5:
