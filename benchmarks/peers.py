@@ -88,9 +88,11 @@ FP8_ROW_TOL = 0.05
 DEFAULT_METHODS = ("limit", "ours", "hf", "specforge", "sglang-json")
 WARM_WAVES = 4  # a warm-up round: this many times the timed pass's requests in flight
 WARM_STABLE = 2  # the warm-up ends once this many rounds in a row each ran within 10% of the one before
-# after its warm-up the limit makes this many untimed passes of the real conversations: on one H100 (2026-12-06)
-# its first timed pass after a settled warm-up ran at 53.5k and 57.9k tokens/s, the next ones at 79-94k
-LIMIT_WARM_PASSES = 1
+# after its warm-up each server of the goal's ratio (the limit and ours's) makes this many untimed passes of the
+# real conversations: on one H100 (2026-12-06) the limit's first timed pass after a settled warm-up ran at 53.5k
+# and 57.9k tokens/s, the next ones at 79-94k; ours's first at 21.6k against 37.5k (run 16), ours-processes's at
+# 36.6k against 53.4k on an H200 (run 17): without it the worst repetition is the server's warm-up
+WARM_PASSES = 1
 
 
 def steady(rates, stable: int = WARM_STABLE, within: float = 0.1) -> bool:
@@ -1120,10 +1122,10 @@ class Run:
             warm = self.warm_server(url, "limit")
             method_s = self.method_s("limit")
             plan = self.plan("limit", url=url, concurrency=self.prof["concurrency"], repeats=self.a.repeats,
-                             warm_passes=LIMIT_WARM_PASSES if warm["rounds"] else 0,
+                             warm_passes=WARM_PASSES if warm["rounds"] else 0,
                              method_s=method_s, drain_s=60)
             res = self.worker("limit", plan, self.base_env(), s,
-                              (self.a.repeats + LIMIT_WARM_PASSES) * (method_s + 60) + self.wait_s())
+                              (self.a.repeats + WARM_PASSES) * (method_s + 60) + self.wait_s())
         finally:
             stop(p)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1198,9 +1200,16 @@ class Run:
         reps = []
         try:
             warm = self.warm_server(url, name)
+            method_s = self.method_s(name)
+            warm["passes"] = []
+            for _ in range(WARM_PASSES if warm["rounds"] else 0):  # untimed, as the limit's: the same extract run
+                clear_dumps()
+                w = self.ours_pass(url, dumps, d, -1, method_s, env, s, processes, out_dir if fp8_disk else None)
+                warm["passes"].append({k: w.get(k) for k in ("answers", "samples_done", "work_s", "tokens_per_s",
+                                                             "failed")
+                                       if w.get(k) is not None})
             if warm["rounds"]:
                 clear_dumps()
-            method_s = self.method_s(name)
             for k in range(self.a.repeats):
                 if k:
                     clear_dumps()
@@ -1227,10 +1236,13 @@ class Run:
         dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
         reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each).
         ``processes`` > 1: with ``--processes`` (its samples made in that many worker processes).
-        ``compact_in``: ``--format compact`` (fp8 as the dump stored it), the dataset in that directory."""
+        ``compact_in``: ``--format compact`` (fp8 as the dump stored it), the dataset in that directory.
+        ``k`` -1: the untimed pass after the warm-up (``WARM_PASSES``): its dataset is not checked, and
+        always removed."""
         fmt = "specforge" if compact_in is None else "compact"
-        out = (d if compact_in is None else compact_in) / ("dataset" if k == 0 else "dataset-rep%d" % (k + 1))
-        xlog = d / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
+        tag = "-warm" if k < 0 else "" if k == 0 else "-rep%d" % (k + 1)
+        out = (d if compact_in is None else compact_in) / ("dataset" + tag)
+        xlog = d / ("extract%s.log" % tag)
         w0, wall0 = time.monotonic(), time.time()
         cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
                "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
@@ -1267,6 +1279,11 @@ class Run:
                "extract_exit": x.returncode, "extract_own_wall_s": wall}
         if processes > 1:
             rep.update(extract_worker_processes=processes)
+        if k < 0:
+            shutil.rmtree(out, ignore_errors=True)
+            toks = sum(b["tokens"] for b in recs)
+            return dict(rep, answers=len(times), samples_done=len(times),
+                        tokens_per_s=round(toks / rep["work_s"], 1) if rep["work_s"] > 0 else None)
         rep.update(self.check_rep(out, len(times), fmt))
         if not self.a.keep_work:
             shutil.rmtree(out, ignore_errors=True)

@@ -72,69 +72,72 @@ def pytest_configure(config):
     tempfile.tempdir = str(tmp)
 
 
-# The whole suite runs in pytest-xdist workers (tools/test.py: -n N --dist loadgroup). Each module is
-# one unit of work, so a module's fixtures are made once; modules that share a session's costly work
-# are one unit, in collection order: those that use one of SHARED_FIXTURES (found from the tests'
-# own fixture names), and those of SHARED_ON_DISK (test_check_draft starts from the inputs
-# test_acceptance publishes in the cache: apart, it would make them again, or race to).
+# The whole suite runs in pytest-xdist workers (tools/test.py: -n N --dist loadscope
+# --no-loadscope-reorder), dealt out in units by ``pytest_xdist_make_scheduler`` below: each module is
+# one unit, so its fixtures are made once, and the modules of one SHARED_UNITS entry are one unit, in
+# collection order: they share a session's costly work (the smoke runs of ``series_smoke`` and
+# ``plugin_cli_smoke``; test_check_draft starts from the inputs test_acceptance publishes in the cache:
+# apart, each would make them again, or race to). A module that uses one of SHARED_FIXTURES outside
+# the unit of their other users is refused at collection.
+SHARED_UNITS = {"test_functional": ("test_functional", "test_plugin", "test_plugin_targets"),
+                "test_acceptance": ("test_acceptance", "test_check_draft")}
 SHARED_FIXTURES = ("series_smoke", "plugin_cli_smoke")
-SHARED_ON_DISK = (("test_acceptance", "test_check_draft"),)
+UNIT_OF = {m: unit for unit, mods in SHARED_UNITS.items() for m in mods}
 # the units measured longest on the 2-core CI machine (stop 55's durations), given out first so that
 # no long one starts last; the others follow in collection order
 LONGEST_FIRST = ("test_acceptance", "test_functional", "test_acceptance_dflash", "test_dump_stops",
                  "test_extract", "test_peers", "test_draft_capture", "test_mooncake_online_bench")
 
 
-def work_units(items) -> dict:
-    """module name -> the name of its unit of work: the first module (in LONGEST_FIRST's order, then
-    alphabetical) of the modules it shares costly work with."""
-    parent = {}
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test id (``tests/test_x.py::test_y[z]``): its module's SHARED_UNITS
+    entry, else its module."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return UNIT_OF.get(module, module)
 
-    def find(m):
-        parent.setdefault(m, m)
-        while parent[m] != m:
-            m = parent[m]
-        return m
 
-    def join(a, b):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            rank = lambda m: (LONGEST_FIRST.index(m) if m in LONGEST_FIRST else len(LONGEST_FIRST), m)  # noqa: E731
-            lo, hi = sorted((ra, rb), key=rank)
-            parent[hi] = lo
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadscope``: xdist's scope scheduler with ``unit_of`` as the scope (a unit's
+    tests go to one worker, in order; a free worker takes the next unit in collection order).
+    pytest-xdist 3.8's own ``loadgroup`` cannot do this here: it sets each test's ``_nodeid``, which
+    pytest 9 ignores (its ``Node.nodeid`` is made from ``_id``), so every test became a unit of its own."""
+    if config.getoption("dist", "no") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+def split_shared_work(items) -> dict:
+    """SHARED_FIXTURES -> the units of the tests that use it, where that is more than one."""
     users = {}
     for it in items:
-        mod = it.module.__name__ if getattr(it, "module", None) else it.nodeid.split("::")[0]
-        find(mod)
         for f in SHARED_FIXTURES:
             if f in getattr(it, "fixturenames", ()):
-                users.setdefault(f, mod)
-                join(users[f], mod)
-    for group in SHARED_ON_DISK:
-        present = [m for m in group if m in parent]
-        for m in present[1:]:
-            join(present[0], m)
-    return {m: find(m) for m in parent}
+                users.setdefault(f, set()).add(unit_of(it.nodeid))
+    return {f: sorted(u) for f, u in users.items() if len(u) > 1}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist adds each group to its tests' ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Under ``--dist loadgroup``: every test marked with its module's unit of work (``work_units``),
-    and the units in LONGEST_FIRST's order, each unit's own tests in collection order."""
-    if getattr(config.option, "dist", "no") != "loadgroup":
+    """Every run: a module using one of SHARED_FIXTURES outside their other users' unit is refused.
+    In pytest-xdist workers (and their controller): the units in LONGEST_FIRST's order, then in
+    collection order, each unit's tests contiguous and in collection order."""
+    split = split_shared_work(items)
+    if split:
+        raise pytest.UsageError(f"tests/conftest.py: modules of different units share {split}: put them in one "
+                                f"SHARED_UNITS entry (else each pytest-xdist worker makes that work again)")
+    if not (hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"):
         return
-    units = work_units(items)
-
-    def unit(it):
-        return units[it.module.__name__ if getattr(it, "module", None) else it.nodeid.split("::")[0]]
-
     order = {u: i for i, u in enumerate(LONGEST_FIRST)}
     first_seen = {}
     for i, it in enumerate(items):
-        first_seen.setdefault(unit(it), i)
-        it.add_marker(pytest.mark.xdist_group(unit(it)))
-    items.sort(key=lambda it: (order.get(unit(it), len(order)), first_seen[unit(it)]))
+        first_seen.setdefault(unit_of(it.nodeid), i)
+    items.sort(key=lambda it: (order.get(unit_of(it.nodeid), len(order)), first_seen[unit_of(it.nodeid)]))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -153,7 +153,7 @@ def test_test_py_runs_the_whole_suite_in_workers_and_test_paths_in_one_process(m
     t = _test_py()
     monkeypatch.setenv("EAGLEPATCH_TEST_WORKERS", "3")
     assert t.workers() == 3
-    assert t.xdist_args([], 3) == ["-n", "3", "--dist", "loadgroup", "--no-loadscope-reorder"]
+    assert t.xdist_args([], 3) == ["-n", "3", "--dist", "loadscope", "--no-loadscope-reorder"]
     assert t.xdist_args(["-x", "-k", "peers"], 2)[:2] == ["-n", "2"]
     for own in (["-n", "4"], ["-n4"], ["--numprocesses=4"], ["-p", "no:xdist"]):
         assert t.xdist_args(own, 2) == [], own
@@ -162,53 +162,80 @@ def test_test_py_runs_the_whole_suite_in_workers_and_test_paths_in_one_process(m
     assert 1 <= t.workers() <= min(4, os.cpu_count() or 1)
 
 
-# a plugin that writes, per collected test in order, its module and xdist group
-UNITS_PLUGIN = '''
-import json, os
-def pytest_collection_finish(session):
-    rows = []
-    for it in session.items:
-        m = it.get_closest_marker("xdist_group")
-        rows.append([it.module.__name__, m.args[0] if m else None])
-    with open(os.environ["UNITS_OUT"], "w") as f:
-        json.dump(rows, f)
+# a plugin that records which worker was given each test, in the order given, and skips it before
+# any fixture is made
+DEALT_PLUGIN = '''
+import os, time
+import pytest
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    with open(os.environ["DEALT_OUT"], "a") as f:
+        f.write("%d %s %s\\n" % (time.monotonic_ns(), os.environ.get("PYTEST_XDIST_WORKER", "main"), item.nodeid))
+    pytest.skip("dealt")
 '''
 
 
 def test_the_whole_suite_is_dealt_in_units_that_keep_shared_work_together(tmp_path):
-    """The real collection under ``--dist loadgroup`` (one worker): every test carries its unit;
-    the modules that use the session's smoke runs are one unit, and so are test_acceptance and
-    test_check_draft (in that order: the latter starts from what the former publishes); each unit's
-    tests are contiguous, and the units run longest first (conftest.LONGEST_FIRST). Without
-    loadgroup nothing is marked or moved."""
-    import json
+    """The whole suite as tools/test.py runs it (2 pytest-xdist workers, ``--dist loadscope
+    --no-loadscope-reorder``), each test skipped as it starts: every test is given out once; every
+    unit's tests (conftest.unit_of: a module, or the modules of a SHARED_UNITS entry) go to one worker,
+    contiguous and in collection order (test_acceptance before test_check_draft, which starts from what
+    the former publishes); the two workers start with the two longest units, and the units are given
+    out in conftest.LONGEST_FIRST's order, each worker's in that order. Without workers nothing is moved."""
+    import conftest
+
+    (tmp_path / "dealt_plugin.py").write_text(DEALT_PLUGIN)
+    out = tmp_path / "dealt.txt"
+    env = dict(os.environ, DEALT_OUT=str(out),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+
+    def deal(*extra):
+        out.unlink(missing_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "dealt_plugin", "-p", "no:cacheprovider",
+                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        rows = sorted((ln.split(" ", 2) for ln in out.read_text().splitlines()), key=lambda r: int(r[0]))
+        return [(w, n) for _, w, n in rows]
+
+    plain = deal()
+    dealt = deal(*_test_py().xdist_args([], 2))
+    assert sorted(n for _, n in dealt) == sorted(n for _, n in plain) and len(dealt) == len(set(dealt)) > 1000
+    unit = conftest.unit_of
+    workers = {}
+    for w, n in dealt:
+        workers.setdefault(unit(n), set()).add(w)
+    assert all(len(ws) == 1 for ws in workers.values()), {u: ws for u, ws in workers.items() if len(ws) > 1}
+    assert len({w for ws in workers.values() for w in ws}) == 2
+    for w in ("gw0", "gw1"):
+        mine = [n for x, n in dealt if x == w]
+        seq = [unit(n) for i, n in enumerate(mine) if i == 0 or unit(mine[i - 1]) != unit(n)]
+        assert len(seq) == len(set(seq)), f"{w}: a unit's tests are not contiguous: {seq}"
+        for u in set(seq):  # each unit's tests in collection order
+            assert [n for n in mine if unit(n) == u] == [n for _, n in plain if unit(n) == u], (w, u)
+    mods = [n.split("::")[0] for _, n in dealt]
+    assert max(i for i, m in enumerate(mods) if m.endswith("test_acceptance.py")) < mods.index("tests/test_check_draft.py")
+    starts = {}
+    for w, n in dealt:
+        starts.setdefault(unit(n), w)
+    assert {starts[u] for u in conftest.LONGEST_FIRST[:2]} == {"gw0", "gw1"}  # the first deal: one each
+    for w in ("gw0", "gw1"):  # a worker is given its units in turn
+        mine = [u for u in dict.fromkeys(unit(n) for x, n in dealt if x == w)]
+        assert [u for u in mine if u in conftest.LONGEST_FIRST] == [u for u in conftest.LONGEST_FIRST
+                                                                    if starts[u] == w], (w, mine)
+        assert mine[0] in conftest.LONGEST_FIRST[:2], (w, mine[:3])
+    assert [n.split("::")[0] for _, n in plain] == sorted(n.split("::")[0] for _, n in plain)
+
+
+def test_a_module_that_shares_costly_work_outside_its_unit_is_refused():
+    """conftest.split_shared_work: the users of a SHARED_FIXTURES fixture in two units are named
+    (the collection then stops with a usage error); in one unit, nothing."""
+    from types import SimpleNamespace as T
 
     import conftest
 
-    (tmp_path / "units_plugin.py").write_text(UNITS_PLUGIN)
-    env = dict(os.environ, UNITS_OUT=str(tmp_path / "units.json"),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-
-    def collect(*extra):
-        r = subprocess.run([sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-p", "units_plugin",
-                            "-p", "no:cacheprovider", *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return json.loads((tmp_path / "units.json").read_text())
-
-    rows = collect("-n", "1", "--dist", "loadgroup", "--no-loadscope-reorder")
-    unit = {}
-    for mod, group in rows:
-        assert group is not None, mod
-        assert unit.setdefault(mod, group) == group, mod
-    assert unit["test_plugin"] == unit["test_plugin_targets"] == unit["test_functional"]
-    assert unit["test_check_draft"] == unit["test_acceptance"]
-    assert len(set(unit.values())) < len(unit) - 2  # the joins made fewer units than modules
-    order = [g for i, (_, g) in enumerate(rows) if i == 0 or rows[i - 1][1] != g]
-    assert len(order) == len(set(order)), "a unit's tests are not contiguous"
-    assert order[:len(conftest.LONGEST_FIRST)] == list(conftest.LONGEST_FIRST), order
-    mods = [m for m, _ in rows]
-    assert max(i for i, m in enumerate(mods) if m == "test_acceptance") < mods.index("test_check_draft")
-
-    plain = collect()
-    assert all(g is None for _, g in plain) and [m for m, _ in plain] == sorted(m for m, _ in plain)
+    ok = [T(nodeid="tests/test_functional.py::a", fixturenames=["series_smoke"]),
+          T(nodeid="tests/test_plugin.py::b[0.5.17]", fixturenames=["series_smoke", "tmp_path"]),
+          T(nodeid="tests/test_export.py::c", fixturenames=["tmp_path"])]
+    assert conftest.split_shared_work(ok) == {}
+    bad = ok + [T(nodeid="tests/test_new.py::d", fixturenames=["series_smoke"])]
+    assert conftest.split_shared_work(bad) == {"series_smoke": ["test_functional", "test_new"]}

@@ -80,6 +80,12 @@ def test_every_method_reported_with_its_figures(run):
                                               if "warmup" in p]
     for w in warm:
         assert w["rounds"] and all(r["tokens_per_s"] > 0 for r in w["rounds"]) and "error" not in w, w
+    # ours's servers, as the limit's, then make one untimed extract pass of the real conversations
+    for name in ("ours", "ours-fp8-disk"):
+        passes = run.measured[name]["warmup"]["passes"]
+        assert [(w["samples_done"], "failed" in w) for w in passes] == [(conv["count"], False)], (name, passes)
+        assert passes[0]["tokens_per_s"] > 0, passes
+        assert not list((run.work / name).glob("dataset-warm*")), "the untimed pass's dataset was kept"
     # the dump writer's counts and extract's stage seconds are kept for a post-mortem
     ours = run.measured["ours"]
     assert ours["dump_counts"]["flushed"] and ours["dump_counts"]["written"] >= conv["count"], ours["dump_counts"]

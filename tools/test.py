@@ -18,11 +18,11 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 (2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
-pytest runs as `<env python> -m pytest tests --durations=40 -n N --dist loadgroup --no-loadscope-reorder
+pytest runs as `<env python> -m pytest tests --durations=40 -n N --dist loadscope --no-loadscope-reorder
 ARGS` with PYTHONPATH=src: the whole suite lists its 40 slowest tests and runs in N pytest-xdist
 workers (EAGLEPATCH_TEST_WORKERS, else one per core, at most 4 and one per 6 GiB of memory; 1: no
 workers), each module a unit of work given out longest first, modules that share costly work one unit
-(tests/conftest.py, work_units). Test paths among the arguments replace all of that (one process), and
+(tests/conftest.py: SHARED_UNITS, unit_of). Test paths among the arguments replace all of that (one process), and
 -n or -p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
@@ -141,7 +141,7 @@ def xdist_args(args: list[str], n: int) -> list[str]:
     themselves (-n, --numprocesses, -p no:xdist) or one worker is asked for."""
     if any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in args):
         return []
-    return [] if n == 1 else ["-n", str(n), "--dist", "loadgroup", "--no-loadscope-reorder"]
+    return [] if n == 1 else ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"]
 
 
 def main(argv: list[str]) -> int:
