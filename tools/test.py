@@ -19,11 +19,12 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
 pytest runs as `<env python> -m pytest tests --durations=40 -n N --dist loadscope --no-loadscope-reorder
-ARGS` with PYTHONPATH=src: the whole suite lists its 40 slowest tests and runs in N pytest-xdist
-workers (EAGLEPATCH_TEST_WORKERS, else one per core, at most 4 and one per 6 GiB of memory; 1: no
-workers), each module a unit of work given out longest first, modules that share costly work one unit
-(tests/conftest.py: SHARED_UNITS, unit_of). Test paths among the arguments replace all of that (one process), and
--n or -p no:xdist among them replace the workers.
+ARGS` with PYTHONPATH=src: the whole suite lists its 40 slowest tests; with EAGLEPATCH_TEST_WORKERS=N
+(N > 1; default 1: one process, the `-n ... --no-loadscope-reorder` part left out) it runs in N
+pytest-xdist workers, each module a unit of work given out longest first, modules that share costly
+work one unit (tests/conftest.py: SHARED_UNITS, unit_of). On the 2-core CI machine two workers were
+slower than one process. Test paths among the arguments replace all of that (one process), and -n or
+-p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
 environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
@@ -121,19 +122,16 @@ def build(paths: list[str]) -> Path:
 
 
 def workers() -> int:
-    """How many pytest-xdist workers run the whole suite: EAGLEPATCH_TEST_WORKERS, else one per core,
-    at most 4 and one per 6 GiB of memory (a worker may hold an SGLang CPU server and a training run)."""
+    """How many pytest-xdist workers run the whole suite: EAGLEPATCH_TEST_WORKERS, else 1 (one process).
+    Not more by default: on the 2-core CI machine (2026-12-06) two workers had finished 208 of 1,093
+    tests after 56 minutes, where one process runs the whole suite in about 63 (the heavy tests already
+    use both cores: torch's threads, the SGLang servers' processes)."""
     given = os.environ.get(WORKERS_ENV, "").strip()
-    if given:
-        if not given.isdigit() or int(given) < 1:
-            raise RuntimeError(f"error: {WORKERS_ENV}={given!r} is not a count of workers; set it to 1 or more (1: no workers)")
-        return int(given)
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        mem = 0
-    by_mem = max(1, mem // (6 << 30)) if mem else 1
-    return max(1, min(os.cpu_count() or 1, 4, by_mem))
+    if not given:
+        return 1
+    if not given.isdigit() or int(given) < 1:
+        raise RuntimeError(f"error: {WORKERS_ENV}={given!r} is not a count of workers; set it to 1 or more (1: no workers)")
+    return int(given)
 
 
 def xdist_args(args: list[str], n: int) -> list[str]:
@@ -169,7 +167,8 @@ def main(argv: list[str]) -> int:
     if pytest_help:
         return subprocess.call([str(py), "-m", "pytest", "--help"], cwd=REPO, env=env)
     # the whole suite also lists its 40 slowest tests, so every CI log shows where the time goes, and
-    # runs in pytest-xdist workers, one module (or modules sharing costly work) each: tests/conftest.py
+    # with EAGLEPATCH_TEST_WORKERS > 1 runs in pytest-xdist workers, a module (or modules sharing costly
+    # work) a unit: tests/conftest.py
     whole = [] if test_paths(args) else ["tests", "--durations=40"] + xdist_args(args, n)
     cmd = [str(py), "-m", "pytest"] + whole + args
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
