@@ -96,6 +96,7 @@ def unit_of(nodeid: str) -> str:
     return UNIT_OF.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist installed knows no such hook
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadscope``: xdist's scope scheduler with ``unit_of`` as the scope (a unit's
     tests go to one worker, in order; a free worker takes the next unit in collection order).
