@@ -72,8 +72,8 @@ def pytest_configure(config):
     tempfile.tempdir = str(tmp)
 
 
-# The whole suite runs in pytest-xdist workers (tools/test.py: -n N --dist loadscope
-# --no-loadscope-reorder), dealt out in units by ``pytest_xdist_make_scheduler`` below: each module is
+# With EAGLEPATCH_TEST_WORKERS=N > 1 the whole suite runs in pytest-xdist workers (tools/test.py: -n N
+# --dist loadscope --no-loadscope-reorder), dealt out in units by ``pytest_xdist_make_scheduler``: each module is
 # one unit, so its fixtures are made once, and the modules of one SHARED_UNITS entry are one unit, in
 # collection order: they share a session's costly work (the smoke runs of ``series_smoke`` and
 # ``plugin_cli_smoke``; test_check_draft starts from the inputs test_acceptance publishes in the cache:

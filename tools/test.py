@@ -18,13 +18,12 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 (2026-12-01, a smaller suite), took 17 min (the environments 4 min) and left 12 GB in ~/.cache;
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
-pytest runs as `<env python> -m pytest tests --durations=40 -n N --dist loadscope --no-loadscope-reorder
-ARGS` with PYTHONPATH=src: the whole suite lists its 40 slowest tests; with EAGLEPATCH_TEST_WORKERS=N
-(N > 1; default 1: one process, the `-n ... --no-loadscope-reorder` part left out) it runs in N
-pytest-xdist workers, each module a unit of work given out longest first, modules that share costly
-work one unit (tests/conftest.py: SHARED_UNITS, unit_of). On the 2-core CI machine two workers were
-slower than one process. Test paths among the arguments replace all of that (one process), and -n or
--p no:xdist among them replace the workers.
+pytest runs as `<env python> -m pytest tests --durations=40 ARGS` with PYTHONPATH=src (the whole
+suite lists its 40 slowest tests); with EAGLEPATCH_TEST_WORKERS=N > 1 (default 1) the whole suite also
+gets `-n N --dist loadscope --no-loadscope-reorder`: N pytest-xdist workers, each module a unit of work
+given out longest first, modules that share costly work one unit (tests/conftest.py: SHARED_UNITS,
+unit_of); on the 2-core CI machine two workers were slower than one process. Test paths among the
+arguments replace all of that (one process), and -n or -p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
 environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
@@ -43,8 +42,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 from eaglepatch import cli, cpuenv, sysdeps  # noqa: E402
 
+WORKERS_ENV = "EAGLEPATCH_TEST_WORKERS"  # pytest-xdist workers for the whole suite (workers())
 # the tests that run every series' environment
-WORKERS_ENV = "EAGLEPATCH_TEST_WORKERS"
 FUNCTIONAL = (REPO / "tests" / "test_functional.py", REPO / "tests" / "test_dump_stops.py",
               REPO / "tests" / "test_draft_capture.py", REPO / "tests" / "test_plugin.py",
               REPO / "tests" / "test_plugin_targets.py")
