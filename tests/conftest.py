@@ -72,7 +72,7 @@ def pytest_configure(config):
     tempfile.tempdir = str(tmp)
 
 
-# With EAGLEPATCH_TEST_WORKERS=N > 1 the whole suite runs in pytest-xdist workers (tools/test.py: -n N
+# tools/test.py runs the whole suite in N pytest-xdist workers (2 by default where the machine allows; -n N
 # --dist loadscope --no-loadscope-reorder), dealt out in units by ``pytest_xdist_make_scheduler``: each module is
 # one unit, so its fixtures are made once, and the modules of one SHARED_UNITS entry are one unit, in
 # collection order: they share a session's costly work (the smoke runs of ``series_smoke`` and

@@ -168,6 +168,8 @@ def test_every_phase_timed(result):
 # ---- compact dump (issue 30): the same toy on fp8 data with the rebuildable states left out --------
 
 FP8_SETS = dict(dump_dtype="fp8", rebuildable="omit", controls="correct")
+# |fp8 - bf16| replayed accept length of one seed (test_fp8_accept_length_within_bf16s says why)
+FP8_ACCEPT_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -223,14 +225,17 @@ def test_fp8_data_went_through_the_compact_dump(result, fp8_result):
 def test_fp8_accept_length_within_bf16s(result, fp8_result):
     """Issue 30: a draft trained on the fp8 dump's data (dequantised, embedding and final rebuilt)
     accepts what the same draft (seed 0, same steps, same conversations) trained on the states
-    stored as computed accepts, within 0.05 (replayed, on the 32 held-out conversations: 352
-    tokens in about 100 verifies, so one verify more or less moves it by 0.034). Measured 3.451
-    (bf16) vs 3.485 (fp8), 102 vs 101 verifies. With the row errors below a tripwire for the data
-    path, not evidence for the GPU goal (within 0.03): with draft seeds 1 and 2 the same
-    comparison gave -0.068 and -0.103 (mean over three seeds -0.045, the seeds' spread 0.07;
-    docs/acceptance.md). The held-out prediction is reported, not judged: a change of the
-    server's scale in its last bit moved it from 3.642 to 3.560 (bf16 3.635) while the replay
-    stayed 3.485."""
+    stored as computed accepts, within 0.15 (replayed, on the 32 held-out conversations: 352
+    tokens in about 100 verifies, so one verify more or less moves it by 0.034). A tripwire for
+    the data path, not evidence for the GPU goal (within 0.03); the data path itself is held by
+    test_fp8_row_error_per_state. One seed's difference moves with the training's arithmetic: with
+    torch's 2 threads 3.451 (bf16) vs 3.485 (fp8), +0.034; with 1 thread (the test workers'
+    setting, tools/test.py) 3.4175 vs 3.520, +0.1025; with draft seeds 1 and 2 -0.068 and -0.103
+    (docs/acceptance.md). So 0.15, not the 0.05 it was (which the 1-thread run failed): above every
+    difference measured, below what a layer mix-up costs on this toy (test_controls_ordered: the
+    off-by-one reading accepts at least 0.3 less, measured 1.26). The held-out prediction is
+    reported, not judged: a change of the server's scale in its last bit moved it from 3.642 to
+    3.560 (bf16 3.635) while the replay stayed 3.485."""
     from eaglepatch.acceptance import storage_check
 
     _, r = result
@@ -240,7 +245,7 @@ def test_fp8_accept_length_within_bf16s(result, fp8_result):
     c = storage_check.compare(r, f)
     a, b = r["replayed"]["correct"]["accept_length"], f["replayed"]["correct"]["accept_length"]
     assert c["seeds"] == [0] and c["per_seed"][0]["difference"] == round(b - a, 4), c
-    assert abs(b - a) <= 0.05, ("replayed accept length bf16 %.4f, fp8+omit %.4f" % (a, b), c["per_seed"])
+    assert abs(b - a) <= FP8_ACCEPT_TOLERANCE, ("replayed accept length bf16 %.4f, fp8+omit %.4f" % (a, b), c["per_seed"])
 
 
 def test_fp8_dump_bytes(result, fp8_result):

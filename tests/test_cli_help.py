@@ -149,7 +149,7 @@ def test_test_py_refuses_a_workers_count_that_is_not_one(value, tmp_path):
     assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
 
 
-def test_test_py_runs_the_whole_suite_in_workers_when_asked_and_test_paths_in_one_process(monkeypatch):
+def test_test_py_runs_the_whole_suite_in_workers_and_test_paths_in_one_process(monkeypatch):
     t = _test_py()
     monkeypatch.setenv("EAGLEPATCH_TEST_WORKERS", "3")
     assert t.workers() == 3
@@ -159,7 +159,19 @@ def test_test_py_runs_the_whole_suite_in_workers_when_asked_and_test_paths_in_on
         assert t.xdist_args(own, 2) == [], own
     assert t.xdist_args([], 1) == []
     monkeypatch.delenv("EAGLEPATCH_TEST_WORKERS")
-    assert t.workers() == 1 and t.xdist_args([], t.workers()) == []  # one process unless asked
+    assert t.workers() == t.default_workers()
+    # unless asked: 2 workers where there are 2 cores and 16 GiB, else one process
+    assert t.default_workers(2, 16 << 30) == 2 and t.default_workers(64, 1 << 40) == 2
+    assert t.default_workers(1, 1 << 40) == 1 and t.default_workers(2, 15 << 30) == 1
+    # the workers' torch threads share the cores; one process keeps torch's own default
+    assert t.thread_env(2, 2) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert t.thread_env(2, 16) == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
+    assert t.thread_env(3, 2)["OMP_NUM_THREADS"] == "1" and t.thread_env(1, 2) == {}
+    # given to the run's processes only with workers, and never over what the user set
+    assert t.with_threads({"A": "1"}, t.xdist_args([], 2), 2)["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert t.with_threads({"OMP_NUM_THREADS": "7"}, t.xdist_args([], 2), 2)["OMP_NUM_THREADS"] == "7"
+    assert t.with_threads({"A": "1"}, t.xdist_args([], 1), 1) == {"A": "1"}
+    assert t.with_threads({"A": "1"}, t.xdist_args(["-p", "no:xdist"], 2), 2) == {"A": "1"}
 
 
 # a plugin that records which worker was given each test, in the order given, and skips it before

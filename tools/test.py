@@ -19,11 +19,15 @@ error (EAGLEPATCH_NO_ENV_BUILD). The first full run, measured once on a fresh 2-
 with the caches in place a whole run took 25 min (2026-12-02, 617 tests, once, the machine busy).
 
 pytest runs as `<env python> -m pytest tests --durations=40 ARGS` with PYTHONPATH=src (the whole
-suite lists its 40 slowest tests); with EAGLEPATCH_TEST_WORKERS=N > 1 (default 1) the whole suite also
-gets `-n N --dist loadscope --no-loadscope-reorder`: N pytest-xdist workers, each module a unit of work
-given out longest first, modules that share costly work one unit (tests/conftest.py: SHARED_UNITS,
-unit_of); on the 2-core CI machine two workers were slower than one process. Test paths among the
-arguments replace all of that (one process), and -n or -p no:xdist among them replace the workers.
+suite lists its 40 slowest tests). The whole suite runs in N pytest-xdist workers
+(`-n N --dist loadscope --no-loadscope-reorder`): N = EAGLEPATCH_TEST_WORKERS, else 2 on a machine
+of 2 or more cores and 16 GiB or more, else 1 (one process). Each module is a unit of work given out
+longest first, modules that share costly work one unit (tests/conftest.py: SHARED_UNITS, unit_of).
+With N > 1 every process of the run gets cores/N torch threads (OMP_NUM_THREADS and MKL_NUM_THREADS,
+unless set): two workers of two threads each on the 2-core CI machine (2026-12-06) had done 208 of
+1,093 tests after 56 minutes, where one process runs the whole suite in about 62; two workers of one
+thread each ran it in 39 (2026-12-07). Test paths among the arguments replace all of that (one
+process), and -n or -p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
 environment could not be built; other codes are pytest's (2 interrupted, 3 internal error,
@@ -121,16 +125,39 @@ def build(paths: list[str]) -> Path:
 
 
 def workers() -> int:
-    """How many pytest-xdist workers run the whole suite: EAGLEPATCH_TEST_WORKERS, else 1 (one process).
-    Not more by default: on the 2-core CI machine (2026-12-06) two workers had finished 208 of 1,093
-    tests after 56 minutes, where one process runs the whole suite in about 63 (the heavy tests already
-    use both cores: torch's threads, the SGLang servers' processes)."""
+    """How many pytest-xdist workers run the whole suite: EAGLEPATCH_TEST_WORKERS, else DEFAULT_WORKERS
+    where the machine has the cores and the memory for them (``default_workers``), else 1."""
     given = os.environ.get(WORKERS_ENV, "").strip()
     if not given:
-        return 1
+        return default_workers()
     if not given.isdigit() or int(given) < 1:
         raise RuntimeError(f"error: {WORKERS_ENV}={given!r} is not a count of workers; set it to 1 or more (1: no workers)")
     return int(given)
+
+
+DEFAULT_WORKERS = 2
+WORKER_MEMORY = 8 << 30  # what one worker's heaviest units (a smoke run beside the acceptance toy) need, with room
+
+
+def default_workers(cores: int | None = None, memory: int | None = None) -> int:
+    """DEFAULT_WORKERS where the machine has a core and WORKER_MEMORY of memory for each, else 1."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if memory is None:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            memory = 0
+    return DEFAULT_WORKERS if cores >= DEFAULT_WORKERS and memory >= DEFAULT_WORKERS * WORKER_MEMORY else 1
+
+
+def thread_env(n: int, cores: int | None = None) -> dict:
+    """The torch thread settings of a run in ``n`` workers: cores/n each (at least 1), so the workers'
+    torch pools (and their servers') do not outnumber the cores; none for one process."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if n <= 1:
+        return {}
+    per = str(max(1, cores // n))
+    return {"OMP_NUM_THREADS": per, "MKL_NUM_THREADS": per}
 
 
 def xdist_args(args: list[str], n: int) -> list[str]:
@@ -139,6 +166,12 @@ def xdist_args(args: list[str], n: int) -> list[str]:
     if any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in args):
         return []
     return [] if n == 1 else ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"]
+
+
+def with_threads(env: dict, pytest_args: list[str], n: int) -> dict:
+    """``env`` with ``thread_env(n)`` added where the run is in workers (``-n`` among its arguments);
+    a thread setting already in ``env`` stays."""
+    return dict(thread_env(n), **env) if "-n" in pytest_args else env
 
 
 def main(argv: list[str]) -> int:
@@ -166,9 +199,10 @@ def main(argv: list[str]) -> int:
     if pytest_help:
         return subprocess.call([str(py), "-m", "pytest", "--help"], cwd=REPO, env=env)
     # the whole suite also lists its 40 slowest tests, so every CI log shows where the time goes, and
-    # with EAGLEPATCH_TEST_WORKERS > 1 runs in pytest-xdist workers, a module (or modules sharing costly
-    # work) a unit: tests/conftest.py
+    # runs in workers() pytest-xdist workers (2 by default), a module (or modules sharing costly work) a
+    # unit (tests/conftest.py), each process with cores/N torch threads (thread_env)
     whole = [] if test_paths(args) else ["tests", "--durations=40"] + xdist_args(args, n)
+    env = with_threads(env, whole, n)
     cmd = [str(py), "-m", "pytest"] + whole + args
     print("$ PYTHONPATH=src %s" % " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, cwd=REPO, env=env)
