@@ -26,7 +26,7 @@ longest first, modules that share costly work one unit (tests/conftest.py: SHARE
 With N > 1 every process of the run gets cores/N torch threads (OMP_NUM_THREADS and MKL_NUM_THREADS,
 unless set): two workers of two threads each on the 2-core CI machine (2026-12-06) had done 208 of
 1,093 tests after 56 minutes, where one process runs the whole suite in about 62; two workers of one
-thread each ran it in 39 (2026-12-07). Test paths among the arguments replace all of that (one
+thread each ran it in 39 and 35 (2026-12-07). Test paths among the arguments replace all of that (one
 process), and -n or -p no:xdist among them replace the workers.
 
 Exit: 0 every selected test passed; 1 a test failed, no test was collected (pytest's 5), or an
