@@ -25,6 +25,12 @@ final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decod
   extract's ``--format compact``: half the bytes), dumps and dataset on ``--disk-dir`` (a real disk),
   read back through ``eaglepatch.compact.CompactDataset`` (SpecForge's view) for the checks; not among
   the defaults;
+- ``ours-fp8``: ``ours-fp8-disk`` with its dumps in ``--dump-dir`` and its dataset in the work
+  directory, as ``ours``'s (on the GPU both in /dev/shm: fp8 without the disk); not among the defaults;
+- ``ours-mooncake``: ``ours-processes`` with the server's Mooncake sink (``serve.py --sink mooncake``, a
+  ``mooncake_master`` the run starts) and extract reading each answer's states from the store
+  (``--mooncake-master``), deleting them as it writes each sample: no dump file at all; GPU: needs
+  ``--mooncake-site``; not among the defaults;
 - ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
   lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
   at the best of a few batch sizes tried first on a subset (the sweep is reported);
@@ -80,8 +86,21 @@ for _p in (SRC, REPO / "tests" / "extract_fixtures"):
 
 from eaglepatch.errors import UsageError  # noqa: E402
 
-METHODS = ("limit", "ours", "ours-processes", "ours-fp8-disk", "hf", "specforge", "sglang-json")
-OURS = ("ours", "ours-processes", "ours-fp8-disk")  # this project's methods: each must run
+METHODS = ("limit", "ours", "ours-processes", "ours-fp8", "ours-fp8-disk", "ours-mooncake", "hf", "specforge",
+           "sglang-json")
+OURS = ("ours", "ours-processes", "ours-fp8", "ours-fp8-disk", "ours-mooncake")  # this project's: each must run
+# how each of ours's methods runs: extract's worker processes (False: its threads alone), the server's fp8
+# storage (extract then keeps it: --format compact), where the dumps and dataset go ("dump": --dump-dir and the
+# work directory; "disk": --disk-dir), and the sink (file, or the Mooncake store and no dump file)
+OURS_VARIANTS = {
+    "ours": dict(processes=False, fp8=False, place="dump", sink="file"),
+    "ours-processes": dict(processes=True, fp8=False, place="dump", sink="file"),
+    "ours-fp8": dict(processes=True, fp8=True, place="dump", sink="file"),
+    "ours-fp8-disk": dict(processes=True, fp8=True, place="disk", sink="file"),
+    "ours-mooncake": dict(processes=True, fp8=False, place="dump", sink="mooncake"),
+}
+# ours-mooncake's store: room for the objects of the requests in flight and those extract has not read yet
+MOONCAKE_MB = {"cpu": dict(segment_mb=1024, buffer_mb=256), "gpu": dict(segment_mb=24576, buffer_mb=2048)}
 # fp8 e4m3 with one scale per token and state rounds a value by at most 1/16; a row measured 0.025-0.032
 # from float32 (docs/benchmarks.md section 8): the fp8 method's tolerance is the profile's plus this
 FP8_ROW_TOL = 0.05
@@ -1146,12 +1165,21 @@ class Run:
     def method_ours_processes(self, s: Sampler) -> dict:
         """``ours`` with one extract run whose samples are made in ``--extract-processes`` worker processes
         (extract's ``--processes``): one dataset, ``--concurrency`` as ``ours``'s."""
-        return self.method_ours(s, processes=self.a.extract_processes)
+        return self.method_ours(s, "ours-processes")
+
+    def method_ours_fp8(self, s: Sampler) -> dict:
+        """``ours-processes`` storing fp8 (the server's fp8 states with the rebuildable ones left out, extract's
+        ``--format compact``), its dumps in ``--dump-dir`` and its dataset in the work directory."""
+        return self.method_ours(s, "ours-fp8")
 
     def method_ours_fp8_disk(self, s: Sampler) -> dict:
-        """``ours-processes`` storing fp8: the server dumps fp8 states with the rebuildable ones left out,
-        extract keeps them as stored (``--format compact``), dumps and dataset on ``--disk-dir``."""
-        return self.method_ours(s, processes=self.a.extract_processes, fp8_disk=True)
+        """``ours-fp8`` with its dumps and dataset on ``--disk-dir``."""
+        return self.method_ours(s, "ours-fp8-disk")
+
+    def method_ours_mooncake(self, s: Sampler) -> dict:
+        """``ours-processes`` through the Mooncake sink: the server puts each request's states into the store
+        of a ``mooncake_master`` this method starts, extract reads them from it (``--mooncake-master``)."""
+        return self.method_ours(s, "ours-mooncake")
 
     def disk_dir(self, name: str) -> Path:
         """ours-fp8-disk's directory for its dumps and datasets: a new subdirectory of --disk-dir
@@ -1162,33 +1190,66 @@ class Run:
         self.extra_dumps.append(d)
         return d
 
-    def method_ours(self, s: Sampler, processes: int = 1, fp8_disk: bool = False) -> dict:
+    def mooncake_site(self) -> Path:
+        """The site holding the mooncake package and its ``mooncake_master``: --mooncake-site, or on CPU
+        the project's own (``eaglepatch.mooncake.ensure_site``, its Debian libraries first)."""
+        if self.a.mooncake_site:
+            return Path(self.a.mooncake_site)
+        from eaglepatch import mooncake, sysdeps
+
+        sysdeps.ensure()
+        return mooncake.ensure_site(Path(self.env_py))
+
+    def ours_places(self, name: str) -> tuple:
+        """(the server's dump directory, extract's output directory) of ours's method ``name``."""
+        v = OURS_VARIANTS[name]
+        d = self.work / name
+        out_dir = self.disk_dir(name) if v["place"] == "disk" else d
+        if not self.gpu:
+            dumps = self.work / "demo" / "dumps"
+        elif v["place"] == "disk":
+            dumps = out_dir / "dumps"
+            dumps.mkdir(exist_ok=True)
+        else:
+            dumps = self.dumps_dir()
+        return dumps, out_dir
+
+    def method_ours(self, s: Sampler, name: str = "ours") -> dict:
         import cpuserver
         import requests
 
-        name = "ours-fp8-disk" if fp8_disk else "ours-processes" if processes > 1 else "ours"
+        from eaglepatch import mooncake
+
+        v = OURS_VARIANTS[name]
+        processes = self.a.extract_processes if v["processes"] else 1
         d = self.work / name
         d.mkdir(exist_ok=True)
         port = cpuserver.free_port()
         url = "http://127.0.0.1:%d" % port
         log = d / "server.log"
         ids = self.dump_ids(self.release)
-        out_dir = self.disk_dir(name) if fp8_disk else d
-        if not self.gpu:
-            dumps = self.work / "demo" / "dumps"
-        elif fp8_disk:
-            dumps = out_dir / "dumps"
-            dumps.mkdir(exist_ok=True)
-        else:
-            dumps = self.dumps_dir()
-        serve = self.serve_cmd(port, dumps, ("--dump-dtype", "fp8", "--rebuildable", "omit") if fp8_disk else ())
+        dumps, out_dir = self.ours_places(name)
+        flags = ["--dump-dtype", "fp8", "--rebuildable", "omit"] if v["fp8"] else []
+        if self.a.dump_writers:
+            flags += ["--dump-writers", str(self.a.dump_writers)]
         env = self.base_env()
+        master, store = None, MOONCAKE_MB["gpu" if self.gpu else "cpu"]
+        if v["sink"] == "mooncake":
+            site = self.mooncake_site()
+            env = mooncake.with_site(env, site)
+            master = mooncake.Master(site, d / "master.log").start()
+            flags += ["--sink", "mooncake", "--mooncake-host", "127.0.0.1", "--mooncake-ttl-s", "600",
+                      "--mooncake-segment-mb", str(store["segment_mb"]), "--mooncake-buffer-mb", str(store["buffer_mb"])]
+        where = ["--mooncake-master", master.address, "--mooncake-metadata", master.metadata] if master else []
+        serve = self.serve_cmd(port, dumps, tuple(flags + where))
         t0 = time.monotonic()
         p = start(serve, log, env=env, sampler=s)
         try:
             startup = wait_http(p, url, log, self.wait_s())
         except Exception:
             stop(p)
+            if master is not None:
+                master.stop()
             return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
         say("%s: server ready in %.0f s (%s)" % (name, startup, url))
 
@@ -1197,6 +1258,10 @@ class Run:
             for f in Path(dumps).glob("*.safetensors"):
                 f.unlink()
 
+        def one_pass(k: int) -> dict:
+            return self.ours_pass(url, dumps, d, k, method_s, env, s, processes,
+                                  out_dir if v["fp8"] else None, master)
+
         reps = []
         try:
             warm = self.warm_server(url, name)
@@ -1204,7 +1269,7 @@ class Run:
             warm["passes"] = []
             for _ in range(WARM_PASSES if warm["rounds"] else 0):  # untimed, as the limit's: the same extract run
                 clear_dumps()
-                w = self.ours_pass(url, dumps, d, -1, method_s, env, s, processes, out_dir if fp8_disk else None)
+                w = one_pass(-1)
                 warm["passes"].append({k: w.get(k) for k in ("answers", "samples_done", "work_s", "tokens_per_s",
                                                              "failed")
                                        if w.get(k) is not None})
@@ -1213,39 +1278,49 @@ class Run:
             for k in range(self.a.repeats):
                 if k:
                     clear_dumps()
-                rep = self.ours_pass(url, dumps, d, k, method_s, env, s, processes, out_dir if fp8_disk else None)
+                rep = one_pass(k)
                 if "failed" in rep:
                     return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
                 reps.append(rep)
         finally:
             stop(p)
+            if master is not None:
+                master.stop()
         return {"startup_s": round(startup + reps[0]["client_startup_s"], 2), "server_startup_s": round(startup, 2),
                 "client_startup_s": reps[0]["client_startup_s"], "warmup": warm, "repetitions": reps,
                 "method_s_per_repetition": round(method_s, 1), "bucket_times": "from the sample files' modification times",
                 "server": "patched sglang %s (tools/serve.py), EAGLE3_DUMP_LAYERS=%s, final on"
-                          % (self.release, ",".join(map(str, ids))), "dump_dir": str(dumps),
+                          % (self.release, ",".join(map(str, ids))),
+                "server_dump_flags": " ".join(flags),
+                "dump_writers": self.a.dump_writers or "the server's default (EAGLE3_DUMP_WRITERS unset)",
                 "extract_worker_processes": processes,
+                **({"sink": "mooncake: a mooncake_master of this run, extract --mooncake-master (no dump file)",
+                    "mooncake_store_mb": store} if master is not None else
+                   {"sink": "file", "dump_dir": str(dumps), "dump_file_system": file_system(dumps)}),
                 **({"storage": "fp8 states, rebuildable ones left out (serve.py --dump-dtype fp8 --rebuildable omit; "
-                               "extract --format compact)", "disk_dir": str(out_dir),
-                    "disk_file_system": file_system(out_dir)} if fp8_disk else {}),
+                               "extract --format compact)", "dataset_dir": str(out_dir),
+                    "dataset_file_system": file_system(out_dir)} if v["fp8"] else {}),
+                **({"disk_dir": str(out_dir), "disk_file_system": file_system(out_dir)} if v["place"] == "disk" else {}),
                 "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
     def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler,
-                  processes: int = 1, compact_in: Path | None = None) -> dict:
+                  processes: int = 1, compact_in: Path | None = None, master=None) -> dict:
         """One timed ``tools/extract.py`` run (repetition ``k``) over every conversation into a new
         dataset, stopped as a user stops it once ``method_s`` is spent; its dataset checked (reader,
         reference) and, unless --keep-work, removed before the next (hidden 7168: tens of GB each).
         ``processes`` > 1: with ``--processes`` (its samples made in that many worker processes).
         ``compact_in``: ``--format compact`` (fp8 as the dump stored it), the dataset in that directory.
         ``k`` -1: the untimed pass after the warm-up (``WARM_PASSES``): its dataset is not checked, and
-        always removed."""
+        always removed. ``master``: the states come from that Mooncake master's store, not from ``dumps``."""
         fmt = "specforge" if compact_in is None else "compact"
         tag = "-warm" if k < 0 else "" if k == 0 else "-rep%d" % (k + 1)
         out = (d if compact_in is None else compact_in) / ("dataset" + tag)
         xlog = d / ("extract%s.log" % tag)
         w0, wall0 = time.monotonic(), time.time()
         cmd = [self.env_py, REPO / "tools" / "extract.py", "--server", url, "--model", self.model,
-               "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl", "--dump-dir", dumps,
+               "--tokenizer", self.tokenizer, "--data", self.work / "data" / "ordered.jsonl",
+               *(["--mooncake-master", master.address, "--mooncake-metadata", master.metadata] if master is not None
+                 else ["--dump-dir", dumps]),
                "--out", out, "--format", fmt, "--max-len", self.prof["extract_max_len"],
                "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
         if processes > 1:
@@ -1773,15 +1848,18 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="GPU: the target's directory (built there, DeepSeek-V3 widths, when it has no "
                                     "config.json)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma list of " + ", ".join(METHODS) + " (default: all but ours-processes and "
-                         "ours-fp8-disk)")
+                    help="comma list of " + ", ".join(METHODS) + " (default: " + ",".join(DEFAULT_METHODS) + ")")
     ap.add_argument("--out", help="results JSON (the plot goes beside it as .png)")
     ap.add_argument("--budget-s", type=float, help="start no method once the run has used this (cpu 400, gpu 400)")
     ap.add_argument("--method-s", type=float, help="seconds of work per method (cpu 90, gpu 45)")
     ap.add_argument("--conversations", type=int, help="number of conversations (cpu 24, gpu 1000)")
     ap.add_argument("--extract-processes", type=int, default=4,
-                    help="worker processes of ours-processes and ours-fp8-disk (extract.py --processes; "
-                         "default 4)")
+                    help="worker processes of ours-processes, ours-fp8, ours-fp8-disk and ours-mooncake "
+                         "(extract.py --processes; default 4)")
+    ap.add_argument("--dump-writers", type=int, help="the dump's writer threads in every server of ours's methods "
+                    "(serve.py --dump-writers; default: the server's own, EAGLE3_DUMP_WRITERS unset)")
+    ap.add_argument("--mooncake-site", help="ours-mooncake: the site directory holding the mooncake package and its "
+                    "mooncake_master (GPU: required; CPU: default the project's own, built once and cached)")
     ap.add_argument("--disk-dir", help="GPU: ours-fp8-disk's dump files and datasets go to a new subdirectory "
                     "of DIR, removed after the method (default: WORK); the JSON names its file system")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes of limit and ours, each on its one server "
@@ -1849,6 +1927,17 @@ def main(argv=None) -> int:
         if a.extract_processes < 2:
             raise UsageError("--extract-processes must be >= 2 (ours is extract with its threads alone)",
                              "pass the number of extract.py --processes of ours-processes, e.g. --extract-processes 4")
+        from eaglepatch.serve import MAX_WRITERS
+
+        if a.dump_writers is not None and not 1 <= a.dump_writers <= MAX_WRITERS:
+            raise UsageError("--dump-writers %d: not between 1 and %d" % (a.dump_writers, MAX_WRITERS),
+                             "pass the dump's writer threads, e.g. --dump-writers 8, or leave it out")
+        if a.mooncake_site and not (Path(a.mooncake_site) / "mooncake" / "mooncake_master").is_file():
+            raise UsageError("--mooncake-site %s holds no mooncake/mooncake_master" % a.mooncake_site,
+                             "pass the site directory the mooncake package is installed in")
+        if "ours-mooncake" in methods and a.model and not a.mooncake_site:
+            raise UsageError("ours-mooncake on the GPU needs --mooncake-site DIR (the bundle carries no mooncake)",
+                             "carry the mooncake wheels and pass --mooncake-site, or drop ours-mooncake")
         if a.repeats < 1:
             raise UsageError("--repeats must be >= 1", "pass the number of timed passes, e.g. --repeats 3")
         if a.conversations is not None and a.conversations < 1:

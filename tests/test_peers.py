@@ -43,9 +43,10 @@ def peers(*args, timeout=840) -> subprocess.CompletedProcess:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("peers")
     out, work = root / "peers.json", root / "work"
-    # --budget-s 600: the limit's server and the second repetitions take the default's room
-    p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "600",
-              "--methods", "limit,ours,ours-fp8-disk,hf,specforge,sglang-json", "--extract-processes", "2")
+    # --budget-s 700: the limit's server, ours-mooncake's and the second repetitions take the default's room
+    p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "700",
+              "--methods", "limit,ours,ours-fp8-disk,ours-mooncake,hf,specforge,sglang-json", "--extract-processes",
+              "2", "--dump-writers", "3")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -57,9 +58,9 @@ def run(tmp_path_factory):
 @in_env
 def test_every_method_reported_with_its_figures(run):
     m = run.res["methods"]
-    assert set(m) == {"limit", "ours", "ours-fp8-disk", "hf", "specforge", "sglang-json"}
+    assert set(m) == {"limit", "ours", "ours-fp8-disk", "ours-mooncake", "hf", "specforge", "sglang-json"}
     assert run.res["partial"] is False and "CPU smoke" in run.res["note"]
-    assert {"limit", "ours", "ours-fp8-disk", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
+    assert {"limit", "ours", "ours-fp8-disk", "ours-mooncake", "hf"} <= set(run.measured), {k: v.get("refused") or v.get("failed") for k, v in m.items()}
     conv = run.res["conversations"]
     for name, r in run.measured.items():
         assert r["complete"] and r["samples_done"] == conv["count"], name
@@ -81,7 +82,7 @@ def test_every_method_reported_with_its_figures(run):
     for w in warm:
         assert w["rounds"] and all(r["tokens_per_s"] > 0 for r in w["rounds"]) and "error" not in w, w
     # ours's servers, as the limit's, then make one untimed extract pass of the real conversations
-    for name in ("ours", "ours-fp8-disk"):
+    for name in ("ours", "ours-fp8-disk", "ours-mooncake"):
         passes = run.measured[name]["warmup"]["passes"]
         assert [(w["samples_done"], "failed" in w) for w in passes] == [(conv["count"], False)], (name, passes)
         assert passes[0]["tokens_per_s"] > 0, passes
@@ -150,6 +151,68 @@ def test_ours_fp8_disk_makes_one_fp8_dataset_in_worker_processes(run):
     # a value): about a quarter of ours's bytes (on a GPU, against bf16, about half)
     ratio = m["gb_per_million_tokens"] / run.measured["ours"]["gb_per_million_tokens"]
     assert 0.2 < ratio < 0.4, ratio
+
+
+@in_env
+def test_ours_mooncake_reads_every_sample_from_the_store(run):
+    """``ours-mooncake`` (issue 45): the server's Mooncake sink into a mooncake_master the run started,
+    tools/extract.py --processes 2 reading each answer's states from the store: every sample of each
+    repetition in a dataset SpecForge's reader loads, rows within the CPU tolerance of the float32
+    reference, the server's writer counting store puts and no dump file written."""
+    m = run.measured["ours-mooncake"]
+    n = run.res["conversations"]["count"]
+    assert m["sink"].startswith("mooncake") and "dump_dir" not in m and m["extract_worker_processes"] == 2, m
+    assert "--sink mooncake" in m["server_dump_flags"], m
+    log = (run.work / "ours-mooncake" / "server.log").read_text()
+    assert "sink mooncake (master 127.0.0.1:" in log, log[-2000:]
+    for k, rep in enumerate(m["repetitions"]):
+        assert rep["samples_done"] == n and rep["extract_exit"] == 0, rep
+        assert rep["dump_counts"]["written"] >= n and not rep["dump_counts"]["failed"], rep["dump_counts"]
+        assert rep["dataset_bytes"] > 0 and rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep
+        ref = rep["reference"]
+        assert ref["verdict"] == "pass" and not ref["missing"] and ref["max_row_rel"] < TOL, ref
+        xlog = run.work / "ours-mooncake" / ("extract.log" if k == 0 else "extract-rep%d.log" % (k + 1))
+        assert "2 worker processes" in xlog.read_text(), xlog.read_text()[-2000:]
+    master_log = run.work / "ours-mooncake" / "master.log"
+    assert master_log.is_file() and master_log.stat().st_size > 0
+    # the same bytes as ours's dataset: only where the states travel differs
+    assert m["gb_per_million_tokens"] == pytest.approx(run.measured["ours"]["gb_per_million_tokens"], rel=0.02)
+
+
+def test_each_of_ours_methods_dumps_and_writes_where_it_says(tmp_path):
+    """Where each of ours's methods has its server dump and extract write, with the GPU profile's
+    --dump-dir and --disk-dir (no server started): ``ours-fp8`` as ``ours`` (dumps in a new
+    subdirectory of --dump-dir, the dataset in the work directory), ``ours-fp8-disk`` both in a new
+    subdirectory of --disk-dir; every such subdirectory removed after the method."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers as P
+
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    disk.mkdir()
+    r = P.Run(SimpleNamespace(cpu=False, work=str(tmp_path / "work"), dump_dir=str(shm), disk_dir=str(disk)),
+              P.PROFILES["gpu"])
+    assert set(P.OURS_VARIANTS) == set(P.OURS) and set(P.OURS) <= set(P.METHODS)
+    for name in P.OURS:
+        dumps, out = r.ours_places(name)
+        if name == "ours-fp8-disk":
+            assert out.parent == disk and dumps == out / "dumps" and dumps.is_dir(), (name, dumps, out)
+        else:
+            assert dumps.parent == shm and dumps.is_dir() and out == r.work / name, (name, dumps, out)
+    assert P.OURS_VARIANTS["ours-fp8"]["fp8"] and not P.OURS_VARIANTS["ours-processes"]["fp8"]
+    r.drop_extra_dumps()
+    assert not list(shm.iterdir()) and not list(disk.iterdir())
+
+
+@in_env
+def test_dump_writers_reach_every_server_of_ours(run):
+    """``--dump-writers 3``: each of ours's servers starts with 3 writer threads (its start line), the limit's
+    with the dump off."""
+    for name in ("ours", "ours-fp8-disk", "ours-mooncake"):
+        assert run.measured[name]["dump_writers"] == 3
+        log = (run.work / name / "server.log").read_text()
+        assert "3 writer threads (EAGLE3_DUMP_WRITERS=3)" in log, (name, log[-2000:])
+    assert "writer threads" not in (run.work / "limit" / "server.log").read_text()
 
 
 @in_env
@@ -366,6 +429,10 @@ def test_reference_check_fails_on_an_fp8_dataset_with_rotated_layers(run, tmp_pa
     (["--model", "m", "--dump-dir", "/nonexistent-dump-dir"], "--dump-dir /nonexistent-dump-dir: not an existing directory"),
     (["--cpu", "--disk-dir", "/tmp"], "--disk-dir is for the GPU profile"),
     (["--model", "m", "--disk-dir", "/nonexistent-disk-dir"], "--disk-dir /nonexistent-disk-dir: not an existing directory"),
+    (["--cpu", "--dump-writers", "0"], "--dump-writers 0: not between 1 and 64"),
+    (["--cpu", "--dump-writers", "65"], "--dump-writers 65: not between 1 and 64"),
+    (["--cpu", "--mooncake-site", "/tmp"], "--mooncake-site /tmp holds no mooncake/mooncake_master"),
+    (["--model", "m", "--methods", "limit,ours-mooncake"], "ours-mooncake on the GPU needs --mooncake-site"),
 ])
 def test_usage_errors_one_line_nothing_written(tmp_path, args, words):
     out = tmp_path / "p.json"
