@@ -1359,9 +1359,13 @@ class Run:
             toks = sum(b["tokens"] for b in recs)
             return dict(rep, answers=len(times), samples_done=len(times),
                         tokens_per_s=round(toks / rep["work_s"], 1) if rep["work_s"] > 0 else None)
+        t = time.monotonic()
         rep.update(self.check_rep(out, len(times), fmt))
+        rep["check_s"] = round(time.monotonic() - t, 2)  # the reader and reference checks: not in the timed work
         if not self.a.keep_work:
+            t = time.monotonic()
             shutil.rmtree(out, ignore_errors=True)
+            rep["remove_s"] = round(time.monotonic() - t, 2)
         return rep
 
     def method_hf(self, s: Sampler) -> dict:
