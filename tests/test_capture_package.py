@@ -821,6 +821,68 @@ def test_files_are_fsynced_before_and_after_the_rename_with_names_unique_across_
     assert calls[:3] == [("fsync", str(tmp_path / renames[0])), ("rename", renames[0]), ("fsync", str(tmp_path))]
 
 
+def test_no_fsync_in_a_directory_held_in_memory(tmp_path, monkeypatch):
+    """A dump directory on tmpfs (/dev/shm): the file is written under a temporary name and renamed,
+    without the two fsyncs, which make nothing more durable in memory and cost the writer threads the
+    GIL back each (benchmarks/writer_gil.py); on the disk (tmp_path here) both stay. With one
+    directory of each, each file follows its own directory. The sink's choice agrees with coreutils'
+    ``stat -f`` on the file system type."""
+    import os
+    import subprocess
+    import tempfile
+
+    import safetensors.torch as st
+
+    sinks = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".sinks"]
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    shm = Path(tempfile.mkdtemp(prefix="e3c-test-", dir="/dev/shm"))
+    try:
+        for d in (shm, tmp_path):
+            fstype = subprocess.run(["stat", "-f", "-c", "%T", str(d)], capture_output=True, text=True).stdout.strip()
+            assert sinks.memory_backed(str(d)) == (fstype in ("tmpfs", "ramfs")), (d, fstype)
+        assert sinks.memory_backed(str(shm)) and not sinks.memory_backed(str(tmp_path)), "needs /tmp on a disk"
+        calls = []
+        real_fsync = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+        both = os.pathsep.join([str(shm), str(tmp_path)])
+        w = dump_mod.DumpWriter(both, _idx([1]), False, 1 << 20, {})
+        assert "no fsync in %s: held in memory" % shm in w.sink.describe() and str(tmp_path) not in w.sink.describe()
+        rids = [f"r{i}" for i in range(8)]
+        ids, cap, fin = _states([3] * 8, [1])
+        w.submit(_Batch(ids, [3] * 8, rids=rids), cap, fin)
+        w.flush()
+        assert w.written == 8 and not w.failed
+        files = {d: sorted(p.name for p in d.glob("*.safetensors")) for d in (shm, tmp_path)}
+        assert files[shm] and files[tmp_path], files  # the keys spread over both
+        assert not [p for d in (shm, tmp_path) for p in d.iterdir() if p.name.endswith(".tmp")]
+        for name in files[shm]:  # whole files, readable by others
+            assert st.load_file(str(shm / name))["input_ids"].shape[0] == 3 and (shm / name).stat().st_mode & 0o777 == 0o644
+        synced = [c for c in calls if not c.endswith("ledger.json")]
+        assert not [c for c in synced if c.startswith(str(shm))], synced  # nothing in memory was fsynced
+        on_disk = [c for c in synced if c.startswith(str(tmp_path))]
+        assert len(on_disk) == 2 * len(files[tmp_path]), on_disk  # each disk file and its directory
+        w.close()
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_writing_process_switches_threads_at_most_every_millisecond():
+    """The dump's threads share the GIL with the scheduler's: the writing process runs at
+    ``SWITCH_INTERVAL_S`` (1 ms) at most while the dump is on, a shorter one set before is kept."""
+    commits = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".commits"]
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert commits.shorten_switch_interval() == pytest.approx(0.001) == sys.getswitchinterval()
+        sys.setswitchinterval(0.0002)
+        assert commits.shorten_switch_interval() == pytest.approx(0.0002) == sys.getswitchinterval()
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
     """A write that takes time (a slow disk): the flush answers after the file is there, over the
     real control socket, and reports the counts; pause and resume travel the same way."""

@@ -5,7 +5,9 @@ metadata) and commit it whole or not at all; ``header(key)`` is what a request's
 recorded (None: nothing there), which the writer compares before it writes again.
 
 - ``FileSink`` (``EAGLE3_DUMP_SINK=file``, the default): ``<key>.safetensors`` written under a
-  temporary name, fsynced, renamed, the directory fsynced. ``EAGLE3_DUMP_DIR`` may name several
+  temporary name, fsynced, renamed, the directory fsynced; in a directory held in memory (tmpfs,
+  ramfs: ``memory_backed``) without the two fsyncs, which make nothing more durable there (a
+  reader still sees the old file or the whole new one: the rename). ``EAGLE3_DUMP_DIR`` may name several
   directories separated by ``os.pathsep`` (one per local disk): each key's file goes to the one
   ``spread`` picks, which ``tools/extract.py`` computes the same way.
 - ``MooncakeSink`` (``EAGLE3_DUMP_SINK=mooncake``): the tensors packed into one object at 64-byte
@@ -55,6 +57,29 @@ def spread(key: str, count: int) -> int:
         return 0
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") % count
+
+
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # their files live in memory: an fsync there writes nothing anywhere
+
+
+def memory_backed(directory: str) -> bool:
+    """Whether ``directory`` is on a file system held in memory (``MEMORY_FILE_SYSTEMS``): the one
+    mounted at the longest mount point over its real path (psutil's list of every mount)."""
+    import psutil
+
+    real = os.path.realpath(directory)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, fstype = mount, part.fstype
+    return fstype in MEMORY_FILE_SYSTEMS
+
+
+def _no_fsync(path: str) -> None:
+    """A file system in memory: nothing to make durable. Each system call the writer threads make costs
+    them the GIL back, which the scheduler's thread holds while it runs Python, for up to the switch
+    interval (benchmarks/writer_gil.py): the six calls of the two fsyncs are left out."""
 
 
 def _fsync(path: str) -> None:
@@ -148,6 +173,13 @@ class FileSink:
         """``directory``: an ``EAGLE3_DUMP_DIR`` value, one directory or several (``dump_directories``)."""
         self.directories = dump_directories(directory)
         self.directory = self.directories[0]
+        # a directory in memory: no fsync (None: this module's _fsync, looked up at each commit)
+        self.fsyncs = {d: _no_fsync if memory_backed(d) else None for d in self.directories}
+
+    def describe(self) -> str:
+        """The start line's words for this sink."""
+        memory = [d for d, f in self.fsyncs.items() if f is _no_fsync]
+        return self.name + (f" (no fsync in {', '.join(memory)}: held in memory)" if memory else "")
 
     def path(self, key: str) -> str:
         return os.path.join(self.directories[spread(key, len(self.directories))], f"{key}.safetensors")
@@ -161,9 +193,10 @@ class FileSink:
     def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
         from safetensors.torch import save_file
 
-        path = self.path(key)
-        tmp = os.path.join(os.path.dirname(path), f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-        durable_replace(path, tmp, lambda t: save_file(tensors, t, metadata=metadata))
+        directory = self.directories[spread(key, len(self.directories))]
+        path = os.path.join(directory, f"{key}.safetensors")  # self.path(key)
+        tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        durable_replace(path, tmp, lambda t: save_file(tensors, t, metadata=metadata), fsync=self.fsyncs[directory])
         return self.where(key)
 
     def fail(self, key: str, why: str) -> None:
