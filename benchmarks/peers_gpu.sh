@@ -1,0 +1,55 @@
+#!/bin/bash
+# Issue 45's peers runs on the GPU machine, one call each: unpack the GPU bundle (whole in .gpu-bundle, or
+# part0 kept in /tmp/keep by an earlier call plus .gpu-b/part1), build the target once at /tmp/peers-model,
+# then benchmarks/peers.py with the limit beside ours's methods, dumps and datasets in /dev/shm; the
+# Mooncake payload (benchmarks/mooncake_payload.py --out .gpu-m/mooncake) when a method needs it.
+# Writes into $OUT: peers.json, peers.png, peers.log, top.log.gz (top every 5 s) and, per ours method,
+# its last extract log and the end of its server log. Usage, from the repository root, with
+# .gpu-bundle (or .gpu-b), .gpu-patched and, for ours-mooncake, .gpu-m carried (docs/peers.md):
+#   bash benchmarks/peers_gpu.sh METHODS BUDGET_S [DUMP_WRITERS (4)] [REPEATS (3)]
+#   e.g. bash benchmarks/peers_gpu.sh limit,ours-processes 470 4
+if [ $# -lt 2 ]; then
+  echo "error: METHODS and BUDGET_S are required; fix: bash benchmarks/peers_gpu.sh limit,ours-processes 470" >&2; exit 2
+fi
+if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
+  echo "error: OUT is not an existing directory; fix: run it in a device call, or set OUT=DIR" >&2; exit 2
+fi
+METHODS=$1
+BUDGET=$2
+T0=$(date +%s)
+if [ ! -f /tmp/site/sglang/__init__.py ]; then
+  if [ -f .gpu-bundle/bundle.tar.xz ]; then sh .gpu-bundle/unpack.sh /tmp/site || exit 3
+  else mkdir -p /tmp/bundle && cat /tmp/keep/part0 .gpu-b/part1 > /tmp/bundle/bundle.tar.xz && \
+    cp .gpu-b/SHA256SUMS .gpu-b/unpack.sh /tmp/bundle/ && sh /tmp/bundle/unpack.sh /tmp/site || exit 3; fi
+fi
+echo "unpacked at $(( $(date +%s) - T0 )) s"; nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv
+if [ ! -f /tmp/peers-model/config.json ]; then
+  PYTHONPATH=src python3 -c "
+import sys, types; sys.path[:0] = ['benchmarks', 'src']
+import peers
+r = peers.Run(types.SimpleNamespace(cpu=False, work='/tmp/pw1', model='/tmp/peers-model'), peers.PROFILES['gpu'])
+print(r.gpu_model())" || exit 4
+fi
+echo "target at $(( $(date +%s) - T0 )) s"
+MC=""
+if [[ "$METHODS" == *mooncake* ]]; then
+  [ -f /tmp/mc/env.sh ] || sh .gpu-m/mooncake/unpack.sh /tmp/mc || exit 3
+  . /tmp/mc/env.sh; MC="--mooncake-site /tmp/mc"
+fi
+(while true; do date +%T; top -b -n1 -w 220 | head -32; sleep 5; done) > /tmp/top.log 2>&1 &
+TOP=$!
+rm -rf /dev/shm/pw
+set -o pipefail
+PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:src python3 benchmarks/peers.py \
+  --model /tmp/peers-model --methods "$METHODS" $MC --extract-processes 8 --dump-writers "${3:-4}" \
+  --repeats "${4:-3}" --method-s 30 --warm-s 20 --budget-s "$BUDGET" --dump-dir /dev/shm --disk-dir /var/tmp \
+  --work /dev/shm/pw --out "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
+rc=$?
+kill $TOP
+gzip -c /tmp/top.log > "$OUT/top.log.gz"
+for m in ours-processes ours-fp8 ours-fp8-disk ours-mooncake; do
+  [ -f /dev/shm/pw/$m/extract-rep3.log ] && cp /dev/shm/pw/$m/extract-rep3.log "$OUT/$m-extract-rep3.log"
+  [ -f /dev/shm/pw/$m/server.log ] && tail -c 300000 /dev/shm/pw/$m/server.log | gzip > "$OUT/$m-server.log.gz"
+done
+echo "rc $rc after $(( $(date +%s) - T0 )) s"
+exit $rc
