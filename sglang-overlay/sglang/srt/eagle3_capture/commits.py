@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 MAX_DEFAULT_WRITERS = 4  # past 4 threads the disks measured here gained nothing (benchmarks/dump_writers.py)
 # The dump's threads (the gather thread, the writers) share the GIL with the scheduler's thread, which holds it
 # while it runs Python. A thread back from a system call (a write, a rename) waits for the GIL until the holder
-# is asked to drop it: Python's switch interval, 5 ms by default, several times per file. With a busy Python
-# thread beside it, one writer committed 25 files of 200 tokens a second against 181 alone at 5 ms, 87 at 1 ms
-# (benchmarks/writer_gil.py). The writing process runs at this interval at most while the dump is on.
+# is asked to drop it: Python's switch interval, 5 ms by default, several times per file. Beside a busy Python
+# thread one writer committed 24.5 files/s of 200 tokens into /dev/shm at 5 ms and 89.0 at 1 ms (187.1 with the
+# thread idle; benchmarks/writer_gil.py, docs/benchmarks.md section 14, CPU). The writing process runs at this
+# interval at most while the dump is on.
 SWITCH_INTERVAL_S = 0.001
 
 

@@ -181,8 +181,11 @@ class FileSink:
         memory = [d for d, f in self.fsyncs.items() if f is _no_fsync]
         return self.name + (f" (no fsync in {', '.join(memory)}: held in memory)" if memory else "")
 
+    def directory_of(self, key: str) -> str:
+        return self.directories[spread(key, len(self.directories))]
+
     def path(self, key: str) -> str:
-        return os.path.join(self.directories[spread(key, len(self.directories))], f"{key}.safetensors")
+        return os.path.join(self.directory_of(key), f"{key}.safetensors")
 
     def where(self, key: str) -> dict:
         return {"sink": self.name, "file": f"{key}.safetensors"}
@@ -193,8 +196,8 @@ class FileSink:
     def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
         from safetensors.torch import save_file
 
-        directory = self.directories[spread(key, len(self.directories))]
-        path = os.path.join(directory, f"{key}.safetensors")  # self.path(key)
+        directory = self.directory_of(key)
+        path = self.path(key)
         tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         durable_replace(path, tmp, lambda t: save_file(tensors, t, metadata=metadata), fsync=self.fsyncs[directory])
         return self.where(key)
