@@ -869,20 +869,6 @@ def test_no_fsync_in_a_directory_held_in_memory(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_the_writing_process_switches_threads_at_most_every_millisecond():
-    """The dump's threads share the GIL with the scheduler's: the writing process runs at
-    ``SWITCH_INTERVAL_S`` (1 ms) at most while the dump is on, a shorter one set before is kept."""
-    commits = sys.modules[dump_mod.__name__.rsplit(".", 1)[0] + ".commits"]
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        assert commits.shorten_switch_interval() == pytest.approx(0.001) == sys.getswitchinterval()
-        sys.setswitchinterval(0.0002)
-        assert commits.shorten_switch_interval() == pytest.approx(0.0002) == sys.getswitchinterval()
-    finally:
-        sys.setswitchinterval(before)
-
-
 def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
     """A write that takes time (a slow disk): the flush answers after the file is there, over the
     real control socket, and reports the counts; pause and resume travel the same way."""

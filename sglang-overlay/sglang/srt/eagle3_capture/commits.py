@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import zlib
@@ -29,21 +28,6 @@ from typing import Callable, Dict, List
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_WRITERS = 4  # past 4 threads the disks measured here gained nothing (benchmarks/dump_writers.py)
-# The dump's threads (the gather thread, the writers) share the GIL with the scheduler's thread, which holds it
-# while it runs Python. A thread back from a system call (a write, a rename) waits for the GIL until the holder
-# is asked to drop it: Python's switch interval, 5 ms by default, several times per file. Beside a busy Python
-# thread one writer committed 24.5 files/s of 200 tokens into /dev/shm at 5 ms and 89.0 at 1 ms (187.1 with the
-# thread idle; benchmarks/writer_gil.py, docs/benchmarks.md section 14, CPU). The writing process runs at this
-# interval at most while the dump is on.
-SWITCH_INTERVAL_S = 0.001
-
-
-def shorten_switch_interval() -> float:
-    """Set this process's switch interval to ``SWITCH_INTERVAL_S`` unless it is shorter already; the
-    interval now in effect."""
-    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-    return sys.getswitchinterval()
 
 
 def default_writers() -> int:

@@ -67,7 +67,7 @@ from .settings import (
     text_config,
 )
 from . import specforge
-from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers, shorten_switch_interval
+from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
 from .sinks import HOST, FileSink, MooncakeSink, SinkError, dump_directories
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
@@ -962,18 +962,16 @@ def start_dump(runner, target, settings: DumpSettings):
     )
     writer.max_wait_s = settings.max_wait_s
     writer.specforge_ids = settings.specforge_ids
-    switch_s = None
     if writer.enabled:
         from . import identity
 
         identity.install()  # each prefill's requests, taken before its forward runs
         writer.start_control()
         writer.install_sigterm_drain(settings.drain_s)
-        switch_s = shorten_switch_interval()  # the writing process only: its dump threads wait less for the GIL
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s, %d writer threads "
-        "(%s), sink %s%s)", ENV_DIR,
+        "(%s), sink %s)", ENV_DIR,
         settings.directory if len(settings.directories) == 1 else
         f"{len(settings.directories)} directories, files spread by key ({', '.join(settings.directories)})",
         ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
@@ -984,6 +982,5 @@ def start_dump(runner, target, settings: DumpSettings):
         f"default: the CPUs this process may use, at most {MAX_DEFAULT_WRITERS}",
         writer.sink.describe() if settings.mooncake is None else
         f"mooncake (master {settings.mooncake.master}, {settings.mooncake.protocol})",
-        f", switch interval {switch_s * 1e3:g} ms" if writer.enabled else "",
     )
     return writer

@@ -77,8 +77,8 @@ def memory_backed(directory: str) -> bool:
 
 
 def _no_fsync(path: str) -> None:
-    """A file system in memory: nothing to make durable. Each system call the writer threads make costs
-    them the GIL back, which the scheduler's thread holds while it runs Python, for up to the switch
+    """A file system in memory: nothing to make durable. Each system call a writer thread makes costs it
+    the GIL back, which the scheduler's thread holds while it runs Python, for up to Python's switch
     interval (benchmarks/writer_gil.py): the six calls of the two fsyncs are left out."""
 
 
