@@ -423,7 +423,7 @@ class Bench:
         # the peers benchmark's driver lends its server plumbing (flags, environment, patched files)
         ns = argparse.Namespace(cpu=a.cpu, work=str(self.work), model=str(self.work / "model"), site=a.site,
                                 patched_files=a.patched_files, warm_s=0, budget_s=a.budget_s, method_s=None,
-                                conversations=None)
+                                conversations=None, mooncake_site=a.mooncake_site)
         self.run = peers.Run(ns, peers.PROFILES["cpu" if a.cpu else "gpu"])
         self.result = {"profile": "cpu" if a.cpu else "gpu", "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        "sinks": {}}
@@ -455,14 +455,6 @@ class Bench:
             r.release, ",".join(map(str, r.dump_ids(r.release))))
         say("requests per pass: %d (%d tokens in produce, %d in online)" % (
             n, self.result["requests"]["produce"]["tokens"], self.result["requests"]["online"]["tokens"]))
-
-    def mooncake_site(self) -> Path:
-        if self.a.mooncake_site:
-            return Path(self.a.mooncake_site)
-        from eaglepatch import mooncake, sysdeps
-
-        sysdeps.ensure()
-        return mooncake.ensure_site(Path(sys.executable))
 
     def serve_cmd(self, sink: str, port: int, dumps: Path, master) -> list:
         r = self.run
@@ -500,7 +492,7 @@ class Bench:
         master = None
         env = r.base_env()
         if sink in STORE_SINKS:
-            site = self.mooncake_site()
+            site = self.run.mooncake_site()
             env = mooncake.with_site(env, site)
             if str(site) not in sys.path:  # once, for the first sink of the store
                 os.environ["PYTHONPATH"] = os.pathsep.join([str(site)] + ([os.environ["PYTHONPATH"]]

@@ -29,8 +29,9 @@ final post-norm state, and ``aux_hidden_state`` [1, T, 3H], the outputs of decod
   directory, as ``ours``'s (on the GPU both in /dev/shm: fp8 without the disk); not among the defaults;
 - ``ours-mooncake``: ``ours-processes`` with the server's Mooncake sink (``serve.py --sink mooncake``, a
   ``mooncake_master`` the run starts) and extract reading each answer's states from the store
-  (``--mooncake-master``), deleting them as it writes each sample: no dump file at all; GPU: needs
-  ``--mooncake-site``; not among the defaults;
+  (``--mooncake-master``), deleting them as it writes each sample: no dump file at all; between its
+  phases the store is cleared (the warm-up's objects nobody reads); GPU: needs ``--mooncake-site``; not
+  among the defaults;
 - ``hf``: transformers' ``DeepseekV3ForCausalLM`` with forward hooks, padded batches of similar
   lengths, one ``torch.save`` per sample (how DeepSpec and ModelOpt's HF path do it), bf16 on a GPU,
   at the best of a few batch sizes tried first on a subset (the sweep is reported);
@@ -55,8 +56,9 @@ median overall and per bucket (``over_repetitions``); ``ratio_to_limit``: each m
 over the limit's, overall and per bucket, pass i over the limit's pass i, with the min and the
 median (none without a measured ``limit``: the JSON says why, nothing is estimated).
 
-Exit: 0 done; 1 a method's dataset failed its reference check, this project's method did not run, or
---check failed; 2 usage error (one line, nothing written).
+Exit: 0 done; 1 a method's dataset failed its reference check, this project's method did not run or
+lost samples in a pass (``losses``: the server's failed writes, extract's failed conversations, no sample
+at all), or --check failed; 2 usage error (one line, nothing written).
 """
 
 from __future__ import annotations
@@ -325,6 +327,71 @@ def flush_counts(url: str) -> dict:
         return requests.post(url + "/eagle3_dump/flush", json={}, timeout=120).json()
     except Exception as exc:  # noqa: BLE001 - a figure for the record, not a verdict
         return {"error": "%s: %s" % (type(exc).__name__, str(exc)[:200])}
+
+
+def disk_write_rate(directory: Path, nbytes: int) -> dict:
+    """The sequential write rate of ``directory``'s disk: ``nbytes`` of random bytes (compression-proof)
+    in 64 MiB writes, then fsync, timed; the file removed. It bounds a method whose bytes go there."""
+    chunk = os.urandom(min(nbytes, 64 << 20))
+    path = directory / (".peers-disk-probe-%d" % os.getpid())
+    t = time.monotonic()
+    try:
+        with open(path, "wb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                done += f.write(chunk[:nbytes - done])
+            os.fsync(f.fileno())
+        secs = time.monotonic() - t
+    finally:
+        path.unlink(missing_ok=True)
+    return {"bytes": nbytes, "seconds": round(secs, 3), "gb_per_s": round(nbytes / 1e9 / secs, 3),
+            "how": "one file, 64 MiB writes, one fsync (peers.disk_write_rate)"}
+
+
+LOSS_COUNTS = ("failed", "dropped")  # the dump writer's counts of requests whose states it did not deliver
+
+
+CLEAR_STORE = ("import sys; from eaglepatch.mooncake import StoreReader; r = StoreReader(sys.argv[1], sys.argv[2]); "
+               "n = r.clear(); r.close(); print('removed', n)")
+
+
+def clear_store(python: str, env: dict, master) -> int:
+    """Remove every request object of ``master``'s store (this run's own; ``StoreReader.clear``) in a
+    client of ``python`` and ``env`` (mooncake on its path); the keys removed."""
+    got = subprocess.run([python, "-c", CLEAR_STORE, master.address, master.metadata], env=env, text=True,
+                         capture_output=True, timeout=120)
+    last = (got.stdout.strip().splitlines() or [""])[-1].split()
+    if got.returncode != 0 or len(last) != 2 or last[0] != "removed":
+        raise RuntimeError("clearing the Mooncake store failed: " + " ".join((got.stderr or got.stdout).split()[-30:]))
+    return int(last[1])
+
+
+def pass_losses(before: dict, after: dict, xlog: Path) -> dict:
+    """What one pass of ours lost: the server's failed and dropped writes over it (its flush counts
+    before and after; None where either is missing) and the conversations extract gave up on."""
+    out = {k: after[k] - before[k] if isinstance(before.get(k), int) and isinstance(after.get(k), int) else None
+           for k in LOSS_COUNTS}
+    try:
+        text = xlog.read_text(errors="replace")
+    except OSError:
+        text = ""
+    out["conversations_failed"] = sum(line.startswith("failed: conversation ") for line in text.splitlines())
+    return out
+
+
+def loss_verdict(losses: dict, samples: int, work_s: float, cut: bool) -> str | None:
+    """Why a pass of ours is a failure (None: it is not): the server failed a write, or dropped a
+    chunked request in a pass that was not ``cut`` (stopping extract aborts what it has in flight), its
+    counts could not be read, extract gave up on a conversation, or no sample came at all."""
+    why = ["the server %s %d write(s)" % (k, n) for k, n in losses.items()
+           if k in LOSS_COUNTS and n and not (k == "dropped" and cut)]
+    why += ["the server's dump counts could not be read (%s)" % k for k, n in losses.items()
+            if k in LOSS_COUNTS and n is None][:1]
+    if losses.get("conversations_failed"):
+        why.append("extract failed %d conversation(s)" % losses["conversations_failed"])
+    if not samples:
+        why.append("no sample in %.0f s of work" % work_s)
+    return "; ".join(why) + " (extract's log: what failed and why)" if why else None
 
 
 def progress_lines(log: Path) -> list:
@@ -1229,6 +1296,8 @@ class Run:
         log = d / "server.log"
         ids = self.dump_ids(self.release)
         dumps, out_dir = self.ours_places(name)
+        # the disk's own rate bounds a method whose dumps and dataset go there (run 19: 0.16 of the limit)
+        probe = disk_write_rate(out_dir, (4 << 30) if self.gpu else (64 << 20)) if v["place"] == "disk" else None
         flags = ["--dump-dtype", "fp8", "--rebuildable", "omit"] if v["fp8"] else []
         if self.a.dump_writers:
             flags += ["--dump-writers", str(self.a.dump_writers)]
@@ -1253,10 +1322,14 @@ class Run:
             return {"refused": "the patched server did not start: " + log_tail(log, 2), "log": str(log)}
         say("%s: server ready in %.0f s (%s)" % (name, startup, url))
 
-        def clear_dumps():  # this directory is the run's own: what a pass left (flushed first) is removed
-            requests.post(url + "/eagle3_dump/flush", json={}, timeout=120)
+        cleared = []
+
+        def clear_dumps(after: str):  # the directory and the store are the run's own: what a phase left
+            requests.post(url + "/eagle3_dump/flush", json={}, timeout=120)  # (flushed first) is removed
             for f in Path(dumps).glob("*.safetensors"):
                 f.unlink()
+            if master is not None:  # nobody reads the warm-up's objects: left, they filled an H100 run's store
+                cleared.append({"after": after, "keys_removed": clear_store(self.env_py, env, master)})
 
         def one_pass(k: int) -> dict:
             return self.ours_pass(url, dumps, d, k, method_s, env, s, processes,
@@ -1267,20 +1340,24 @@ class Run:
             warm = self.warm_server(url, name)
             method_s = self.method_s(name)
             warm["passes"] = []
-            for _ in range(WARM_PASSES if warm["rounds"] else 0):  # untimed, as the limit's: the same extract run
-                clear_dumps()
+            for i in range(WARM_PASSES if warm["rounds"] else 0):  # untimed, as the limit's: the same extract run
+                clear_dumps("warm-up rounds" if i == 0 else "untimed pass %d" % i)
                 w = one_pass(-1)
                 warm["passes"].append({k: w.get(k) for k in ("answers", "samples_done", "work_s", "tokens_per_s",
-                                                             "failed")
+                                                             "losses", "failed")
                                        if w.get(k) is not None})
+                if "failed" in w:  # as a timed pass's: the passes after it would lose the same samples
+                    return {"failed": "untimed pass %d: %s" % (i + 1, w["failed"]), "warmup": warm,
+                            **({"store_cleared": cleared} if master is not None else {})}
             if warm["rounds"]:
-                clear_dumps()
+                clear_dumps("untimed pass %d" % WARM_PASSES if WARM_PASSES else "warm-up rounds")
             for k in range(self.a.repeats):
                 if k:
-                    clear_dumps()
+                    clear_dumps("repetition %d" % k)
                 rep = one_pass(k)
                 if "failed" in rep:
-                    return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps}
+                    return {"failed": "repetition %d: %s" % (k + 1, rep["failed"]), "repetitions": reps,
+                            "failed_repetition": rep, **({"store_cleared": cleared} if master is not None else {})}
                 reps.append(rep)
         finally:
             stop(p)
@@ -1295,12 +1372,13 @@ class Run:
                 "dump_writers": self.a.dump_writers or "the server's default (EAGLE3_DUMP_WRITERS unset)",
                 "extract_worker_processes": processes,
                 **({"sink": "mooncake: a mooncake_master of this run, extract --mooncake-master (no dump file)",
-                    "mooncake_store_mb": store} if master is not None else
+                    "mooncake_store_mb": store, "store_cleared": cleared} if master is not None else
                    {"sink": "file", "dump_dir": str(dumps), "dump_file_system": file_system(dumps)}),
                 **({"storage": "fp8 states, rebuildable ones left out (serve.py --dump-dtype fp8 --rebuildable omit; "
                                "extract --format compact)", "dataset_dir": str(out_dir),
                     "dataset_file_system": file_system(out_dir)} if v["fp8"] else {}),
-                **({"disk_dir": str(out_dir), "disk_file_system": file_system(out_dir)} if v["place"] == "disk" else {}),
+                **({"disk_dir": str(out_dir), "disk_file_system": file_system(out_dir), "disk_write_rate": probe}
+                   if v["place"] == "disk" else {}),
                 "start_to_ready_s": round(time.monotonic() - t0, 1)}
 
     def ours_pass(self, url: str, dumps: Path, d: Path, k: int, method_s: float, env: dict, s: Sampler,
@@ -1325,6 +1403,7 @@ class Run:
                "--concurrency", self.prof["concurrency"], "--no-progress", "--log-every", "5"]
         if processes > 1:
             cmd += ["--processes", processes]
+        before = flush_counts(url)  # the server's counts: its losses in this pass are the difference
         x = start(cmd, xlog, env=env, sampler=s)
         first = None  # when extract.py, its imports and tokenizing done, sends its first request
         deadline = w0 + method_s
@@ -1338,6 +1417,7 @@ class Run:
             if cut:
                 stop(x, grace=10)
         dump_counts = flush_counts(url)
+        losses = pass_losses(before, dump_counts, xlog)
         client_startup = (first - wall0) if first else 0.0
         # per bucket, from the samples' completion times (the data file is in bucket order)
         times = {c["id"]: p.stat().st_mtime for b in self.buckets for c in b["convs"]
@@ -1350,15 +1430,21 @@ class Run:
         except (OSError, ValueError, KeyError, TypeError):
             wall = None
         rep = {"buckets": recs, "client_startup_s": round(client_startup, 2), "dump_counts": dump_counts,
-               "extract_progress": progress_lines(xlog), "work_s": round(time.monotonic() - w0 - client_startup, 3),
+               "losses": losses, "extract_progress": progress_lines(xlog),
+               "work_s": round(time.monotonic() - w0 - client_startup, 3),
                "extract_exit": x.returncode, "extract_own_wall_s": wall}
         if processes > 1:
             rep.update(extract_worker_processes=processes)
+        lost = loss_verdict(losses, len(times), rep["work_s"], cut)
         if k < 0:
             shutil.rmtree(out, ignore_errors=True)
             toks = sum(b["tokens"] for b in recs)
             return dict(rep, answers=len(times), samples_done=len(times),
-                        tokens_per_s=round(toks / rep["work_s"], 1) if rep["work_s"] > 0 else None)
+                        tokens_per_s=round(toks / rep["work_s"], 1) if rep["work_s"] > 0 else None,
+                        **({"failed": lost} if lost else {}))
+        if lost:  # a sample the dataset lacks is no figure of ours: the method fails (exit 1), its record kept
+            shutil.rmtree(out, ignore_errors=True)
+            return dict(rep, samples_done=len(times), failed=lost)
         t = time.monotonic()
         rep.update(self.check_rep(out, len(times), fmt))
         rep["check_s"] = round(time.monotonic() - t, 2)  # the reader and reference checks: not in the timed work

@@ -169,6 +169,35 @@ def test_the_same_request_again_is_kept(master, tmp_path):
     w.close()
 
 
+def test_clear_removes_every_request_object_and_leaves_the_sinks_sentinel(master, tmp_path):
+    """``StoreReader.clear`` (benchmarks/peers.py between a method's phases: the warm-up's objects nobody
+    reads filled an H100 run's store) removes each request's data, manifest and error marker, and
+    leaves the sink's sentinel: the sink's next sweep counts no restart of the master. Removing the
+    sentinel too (Mooncake's ``remove_all``, the first version) makes it count one and write an error
+    marker for every object it had put, the check failing on that input."""
+    w = _writer(tmp_path, master)
+    rids = _submit([w])
+    assert w.flush_report(60)["written"] == len(rids)
+    sink = w.sink
+    reader = mooncake.StoreReader(master.address, master.metadata)
+    keys = [dump_mod.request_key(r) for r in rids]
+    reader.store.put(keys[0] + mooncake.ERROR_SUFFIX, b'{"error": "a marker"}')
+    assert all(reader.store.is_exist(k) == 1 and reader.store.is_exist(k + mooncake.META_SUFFIX) == 1 for k in keys)
+    assert reader.clear() == 2 * len(keys) + 1
+    assert not any(reader.store.is_exist(k + sfx) == 1 for k in keys for sfx in ("", mooncake.META_SUFFIX,
+                                                                              mooncake.ERROR_SUFFIX))
+    assert reader.store.is_exist(sink.sentinel) == 1 and reader.clear() == 0
+    sink.sweep()
+    assert sink.counts()["master_restarts"] == 0, sink.counts()
+    # the wrong way: the sentinel removed with the objects reads, to the sink, as a restarted master
+    reader.store.remove_all(force=True)
+    sink.sweep()
+    c = sink.counts()
+    assert c["master_restarts"] == 1 and c["gone_at_restart"] == len(keys), c
+    reader.close()
+    w.close()
+
+
 def test_settings_refuse_what_cannot_work(site, tmp_path):
     def refused(env, needle):
         with pytest.raises(settings.DumpConfigError, match=needle):

@@ -12,6 +12,7 @@ there. About 8 minutes on a 2-core machine.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -138,6 +139,9 @@ def test_ours_fp8_disk_makes_one_fp8_dataset_in_worker_processes(run):
     n = run.res["conversations"]["count"]
     assert m["extract_worker_processes"] == 2 and len(m["repetitions"]) == 2, m
     assert "--dump-dtype fp8" in m["storage"] and m["disk_file_system"] not in ("unknown", ""), m
+    probe = m["disk_write_rate"]  # the disk's own rate, the bound of this method: measured, its file gone
+    assert probe["bytes"] == 64 << 20 and probe["seconds"] > 0 and probe["gb_per_s"] > 0, probe
+    assert not list(Path(m["disk_dir"]).glob(".peers-disk-probe-*")), m["disk_dir"]
     for k, rep in enumerate(m["repetitions"]):
         assert rep["samples_done"] == n and rep["extract_exit"] == 0 and rep["extract_worker_processes"] == 2, rep
         assert rep["format"] == "compact" and rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep["reader"]
@@ -168,6 +172,9 @@ def test_ours_mooncake_reads_every_sample_from_the_store(run):
     for k, rep in enumerate(m["repetitions"]):
         assert rep["samples_done"] == n and rep["extract_exit"] == 0, rep
         assert rep["dump_counts"]["written"] >= n and not rep["dump_counts"]["failed"], rep["dump_counts"]
+        assert rep["losses"] == {"failed": 0, "dropped": 0, "conversations_failed": 0}, rep["losses"]
+        # the store cleared between phases, the server's sentinel left: no restart of the master seen
+        assert rep["dump_counts"]["master_restarts"] == rep["dump_counts"]["gone_at_restart"] == 0, rep["dump_counts"]
         assert rep["dataset_bytes"] > 0 and rep["reader"]["loaded"] and rep["reader"]["samples"] == n, rep
         ref = rep["reference"]
         assert ref["verdict"] == "pass" and not ref["missing"] and ref["max_row_rel"] < TOL, ref
@@ -175,6 +182,13 @@ def test_ours_mooncake_reads_every_sample_from_the_store(run):
         assert "2 worker processes" in xlog.read_text(), xlog.read_text()[-2000:]
     master_log = run.work / "ours-mooncake" / "master.log"
     assert master_log.is_file() and master_log.stat().st_size > 0
+    # the warm-up's objects, which nobody reads, removed before any pass (left, they filled the store of
+    # the H100 run 21: docs/results/peers-h100-run21.json), and the store cleared between passes
+    cleared = m["store_cleared"]
+    warm_requests = sum(r["requests"] for r in m["warmup"]["rounds"])
+    assert warm_requests and cleared[0]["after"] == "warm-up rounds", m["warmup"]
+    assert cleared[0]["keys_removed"] >= warm_requests, cleared
+    assert [c["after"] for c in cleared[1:]] == ["untimed pass 1", "repetition 1"], cleared
     # the same bytes as ours's dataset: only where the states travel differs
     assert m["gb_per_million_tokens"] == pytest.approx(run.measured["ours"]["gb_per_million_tokens"], rel=0.02)
 
@@ -446,6 +460,22 @@ def test_usage_errors_one_line_nothing_written(tmp_path, args, words):
     assert p.returncode == 2 and p.stderr.startswith("error: ") and not (tmp_path / "nodir").exists()
 
 
+def test_the_gpu_call_script_refuses_usage_errors_in_one_line(tmp_path):
+    """benchmarks/peers_gpu.sh (one GPU call of issue 45's runs): without METHODS and BUDGET_S, or without an
+    existing $OUT, one ``error: ...; fix: ...`` line, exit 2, before it unpacks or starts anything."""
+    script = REPO / "benchmarks" / "peers_gpu.sh"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for args, out, words in ((["limit"], str(tmp_path), "METHODS and BUDGET_S are required"),
+                             (["limit,ours-processes", "300"], None, "OUT is not an existing directory"),
+                             (["limit,ours-processes", "300"], str(tmp_path / "absent"), "OUT is not an existing")):
+        p = subprocess.run(["bash", str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env=dict(env, **({"OUT": out} if out else {})))
+        lines = p.stderr.splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "; fix: " in lines[0], p
+        assert words in lines[0] and not p.stdout, p
+    assert sorted(x.name for x in tmp_path.iterdir()) == []  # nothing unpacked, nothing written
+
+
 @in_env
 def test_budget_spent_reports_not_measured(tmp_path):
     out = tmp_path / "p.json"
@@ -461,6 +491,35 @@ def test_budget_spent_reports_not_measured(tmp_path):
     assert r["computed"] is False and "limit was not among the methods run" in r["why"] and "methods" not in r
     assert res["summary"]["ratio_to_limit"] == r["why"]
     assert "summary: no ratio to the limit: limit was not among the methods run" in p.stderr
+
+
+@in_env
+def test_a_pass_of_ours_that_lost_samples_fails_the_method(tmp_path):
+    """A pass of ours whose server failed writes, or whose extract gave up on conversations, is a
+    failure (exit 1), never a figure: the verdict on the recorded H100 runs of 2026-12-07. Run 21's
+    ``ours-mooncake`` (the store full of the warm-up's objects: the server failed its puts, extract its
+    conversations, no sample came) fails; run 20's ``ours-processes`` (1,000 samples a pass) passes."""
+    spec = importlib.util.spec_from_file_location("peers_mod", PEERS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = REPO / "docs" / "results"
+    bad = json.loads((res / "peers-h100-run21.json").read_text())["methods"]["ours-mooncake"]["repetitions"]
+    good = json.loads((res / "peers-h100-run20.json").read_text())["methods"]["ours-processes"]["repetitions"]
+    log = res / "peers-h100-run21-ours-mooncake-extract-rep3.log.gz"
+    xlog = tmp_path / "extract-rep3.log"  # the recorded log, as extract left it
+    xlog.write_bytes(gzip.decompress(log.read_bytes()))
+    losses = mod.pass_losses(bad[1]["dump_counts"], bad[2]["dump_counts"], xlog)  # repetition 3's own
+    assert losses["failed"] == 139 and losses["conversations_failed"] > 0, losses
+    why = mod.loss_verdict(losses, bad[2]["samples_done"], bad[2]["work_s"], cut=True)
+    assert "the server failed 139 write(s)" in why and "extract failed" in why and "no sample" in why, why
+    for a, b in zip(good, good[1:]):  # each pass's counts over the one before: nothing lost
+        clean = mod.pass_losses(a["dump_counts"], b["dump_counts"], REPO / "no-such.log")
+        assert clean == {"failed": 0, "dropped": 0, "conversations_failed": 0}, clean
+        assert mod.loss_verdict(clean, b["samples_done"], b["work_s"], cut=False) is None
+    # a dropped chunked request is a loss unless extract was stopped with it in flight; unreadable counts are
+    assert "dropped 2" in mod.loss_verdict({"failed": 0, "dropped": 2}, 10, 5.0, cut=False)
+    assert mod.loss_verdict({"failed": 0, "dropped": 2}, 10, 5.0, cut=True) is None
+    assert "could not be read" in mod.loss_verdict({"failed": None, "dropped": None}, 10, 5.0, cut=False)
 
 
 @in_env

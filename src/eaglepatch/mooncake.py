@@ -44,6 +44,9 @@ INSTALL = ("pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-en
 COMPLETE = ".eaglepatch-complete"
 META_SUFFIX = ":meta"  # the overlay's sinks.META_SUFFIX
 ERROR_SUFFIX = ":error"  # sinks.ERROR_SUFFIX: a failed commit's {"error": why}
+# a request's keys: the sha256 (hex) of its rid (the overlay's identity.file_key), alone (the data) or with a
+# suffix; a sink's sentinel ("eagle3-dump-sink:host:pid:id") does not match
+OBJECT_KEYS = r"^[0-9a-f]{64}(:meta|:error)?$"
 MANIFEST_VERSION = 1
 ALIGN = 64  # the sink's byte alignment of each tensor in an object (sinks.ALIGN, hs-connectors' _TENSOR_ALIGN)
 # the tensor dtypes a manifest may name, with their bytes per element (torch's names, with or without
@@ -432,6 +435,16 @@ class StoreReader:
 
         tensors, meta = self.tensors(handle, timeout, delete=delete)
         return decode(Path("mooncake:" + meta.get("key", "?")), meta, tensors, rebuilder)
+
+    def clear(self) -> int:
+        """Remove every request object of the store, whichever server wrote it (forced: past read leases):
+        data, manifest and error marker, the keys ``OBJECT_KEYS`` matches; the number of keys removed. The
+        sinks' sentinels stay: a server that misses its own counts a restart of the master. For a store one
+        run owns alone (a benchmark between its passes), never a shared one."""
+        n = self.store.remove_by_regex(OBJECT_KEYS, force=True)
+        if n < 0:
+            raise StoreError(f"the Mooncake master {self.master} did not remove its objects (code {n})")
+        return n
 
     def delete(self, handle) -> None:
         """Remove a request's object and manifest (the manifest first: a reader never finds a
