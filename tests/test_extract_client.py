@@ -322,6 +322,81 @@ def test_behind_the_router_every_replica_is_flushed(model, dumps, tmp_path):
 
 # ---- provenance -----------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _http(answer):
+    """A loopback HTTP server answering each request with ``answer(method, path)`` -> (status, JSON)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, method):
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            status, body = answer(method, self.path)
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._reply("GET")
+
+        def do_POST(self):
+            self._reply("POST")
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield "http://127.0.0.1:%d" % srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@in_env
+def test_a_router_slow_to_list_its_replicas_is_not_taken_for_a_server_with_the_dump_off():
+    """Behind SGLang's router (404 at the flush) the client reads ``GET /workers``. A router that
+    answers it 503 at first is still a router: tried again, its replica flushed. One that never
+    answers it is a flush problem naming /workers and the cause (the sample is tried again), never
+    ``NoFlush`` ("the dump is off on that server"), which the client said for a router it could not
+    read in a CI run of 2026-12-07 (the old client fails here with NoFlush). A server answering 404
+    at both is still NoFlush."""
+    from eaglepatch.extract.client import WORKERS_TRIES, NoFlush, SGLangClient
+
+    flushed, asked = [], []
+    with _http(lambda m, path: (flushed.append(path) or 200, {"flushed": True})) as replica:
+        def router(fails):
+            def answer(method, path):
+                if path == "/workers":
+                    asked.append(path)
+                    if len(asked) <= fails:
+                        return 503, {"error": "busy"}
+                    return 200, {"workers": [{"url": replica + "/"}], "total": 1}
+                return 404, {"detail": "Not Found"}
+            return answer
+
+        with _http(router(WORKERS_TRIES - 1)) as url:  # answers on the last try
+            c = SGLangClient(url, backoff=0.01)
+            assert c.flush(0, time.monotonic()) == [] and c._router[0] and flushed == ["/eagle3_dump/flush"]
+            assert len(asked) == WORKERS_TRIES
+        asked.clear()
+        flushed.clear()
+        with _http(router(10 ** 6)) as url:  # never answers /workers
+            c = SGLangClient(url, backoff=0.01)
+            problems = c.flush(0, time.monotonic())
+            assert len(problems) == 1 and url + "/workers did not answer: HTTP 503" in problems[0], problems
+            assert not c._router[0] and not flushed and len(asked) == WORKERS_TRIES
+        with _http(lambda m, path: (404, {"detail": "Not Found"})) as url:  # no flush, no router: NoFlush
+            with pytest.raises(NoFlush, match="answered HTTP 404"):
+                SGLangClient(url, backoff=0.01).flush(0, time.monotonic())
+
+
 @in_env
 def test_dumps_of_another_model_stop_the_run_and_the_dataset_resumes(model, dumps, tmp_path):
     """The dataset records its first dump's provenance. A later dump of another checkpoint (in the

@@ -41,6 +41,7 @@ import requests
 from ..errors import UsageError
 
 TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+WORKERS_TRIES = 3  # GET /workers of a server whose flush answered 404 (is it SGLang's router?)
 
 
 class TransientError(Exception):
@@ -242,15 +243,17 @@ class SGLangClient:
                 if why and status is None:  # it answered the request, then went away
                     self._failed(i, why)
                 return [f"{url}{FLUSH}: {why}"] if why else []
-            replicas = self._replicas(i)
+            replicas, why = self._replicas(i)
+            if why:  # no answer at /workers: unknown whether a router, so neither NoFlush nor a router yet
+                return [f"{url}{FLUSH} answered HTTP 404 and {url}/workers did not answer: {why}"]
             if replicas is None:
                 raise NoFlush(url)
             self._router[i] = True
             self.log(f"{url} is SGLang's router ({len(replicas)} replicas): its replicas are flushed directly")
         else:
-            replicas = self._replicas(i)
+            replicas, why = self._replicas(i)
             if replicas is None:
-                return [f"{url}/workers: the router does not list its replicas"]
+                return [f"{url}/workers: {why or 'the router does not list its replicas'}"]
         problems = []
         for r in replicas:
             status, why = self._flush_one(r, r)
@@ -279,15 +282,30 @@ class SGLangClient:
         detail = body.get("error") if isinstance(body, dict) and body.get("error") else r.text[:160]
         return r.status_code, f"HTTP {r.status_code}: {detail}"
 
-    def _replicas(self, i: int):
-        """The replica URLs SGLang's router at server ``i`` lists (``GET /workers``), or None when the
-        server is no router."""
-        try:
-            r = self._session(i).get(self.urls[i] + "/workers", timeout=min(self.timeout, 30))
-            workers = r.json().get("workers") if r.status_code == 200 else None
-        except (requests.RequestException, ValueError, AttributeError):
-            return None
-        if not isinstance(workers, list) or not all(isinstance(w, dict) and isinstance(w.get("url"), str)
-                                                    for w in workers):
-            return None
-        return [w["url"].rstrip("/") for w in workers]
+    def _replicas(self, i: int) -> tuple:
+        """(the replica URLs SGLang's router at server ``i`` lists (``GET /workers``), '');
+        (None, '') when the server is no router (an answer without a list of workers); (None, why)
+        when ``/workers`` gave no answer (no connection, a timeout, a transient status) in
+        ``WORKERS_TRIES`` tries on a fresh connection each: a busy router is not taken for no router."""
+        why = ""
+        for k in range(WORKERS_TRIES):
+            if k:
+                time.sleep(self.backoff * k)
+            try:
+                r = self._session(i).get(self.urls[i] + "/workers", timeout=min(self.timeout, 30))
+            except requests.RequestException as exc:
+                self._local.sessions.pop(i, None)  # drop a possibly broken connection
+                why = f"{type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            if r.status_code in TRANSIENT_STATUS:
+                why = f"HTTP {r.status_code}: {r.text[:160]}"
+                continue
+            try:
+                workers = r.json().get("workers") if r.status_code == 200 else None
+            except (ValueError, AttributeError):
+                workers = None
+            if not isinstance(workers, list) or not all(isinstance(w, dict) and isinstance(w.get("url"), str)
+                                                        for w in workers):
+                return None, ""
+            return [w["url"].rstrip("/") for w in workers], ""
+        return None, why
