@@ -4,8 +4,9 @@
 # then benchmarks/peers.py with the limit beside ours's methods, dumps and datasets in /dev/shm; the
 # Mooncake payload (benchmarks/mooncake_payload.py --out .gpu-m/mooncake) when a method needs it.
 # Writes into $OUT: peers.json, peers.png, peers.log, top.log.gz (top every 5 s) and, per ours method,
-# its last extract log and the end of its server log. Warm-up up to 60 s a server (it ends once the rates
-# settle): run 18's cold limit, cut at 20 s after one round, ran 63-81k tokens/s against 82-95k warm. Usage, from the repository root, with
+# its last extract log and the end of its server log. Warm-up up to 60 s a server (it ends once the
+# rates settle): run 18's cold limit, cut at 20 s after one round, ran 63-81k tokens/s against 82-95k
+# warm. Usage, from the repository root, with
 # .gpu-bundle (or .gpu-b), .gpu-patched and, for ours-mooncake, .gpu-m carried (docs/peers.md):
 #   bash benchmarks/peers_gpu.sh METHODS BUDGET_S [DUMP_WRITERS (4)] [REPEATS (3)]
 #   e.g. bash benchmarks/peers_gpu.sh limit,ours-processes 470 4
