@@ -81,6 +81,65 @@ def enter_env(patched: bool = True) -> Path:
     sys.exit(rc)
 
 
+def min_median(values: list) -> dict:
+    """{"min", "median", "all"} of a list of numbers (the JSON of the GIL benchmarks)."""
+    return {"min": min(values), "median": statistics.median(values), "all": values}
+
+
+def in_torch_env() -> None:
+    """Under a python without torch, safetensors or psutil: run this script again in the project's
+    cached CPU environment (built when missing); returns where they import."""
+    try:
+        import psutil  # noqa: F401
+        import safetensors  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        from eaglepatch.cpuenv import ensure_env
+
+        sys.exit(subprocess.call([str(ensure_env()), *sys.argv]))
+
+
+def counts(text: str) -> list:
+    """'100,500' -> [100, 500]; [] when any is not a whole number >= 1 (the caller's usage error)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return []
+    return out if out and min(out) >= 1 else []
+
+
+def forward_args(ap, writers: str) -> None:
+    """The options of the benchmarks that write forwards of prompts beside a busy thread
+    (writer_procs, commit_gil); ``writers``: what a writer is there."""
+    ap.add_argument("--dir", default="/dev/shm", help="parent of the directory the files go to (default /dev/shm)")
+    ap.add_argument("--requests", type=int, default=32, help="prompts per forward (default 32)")
+    ap.add_argument("--tokens", default="100,500", help="rows per prompt, comma list (default 100,500)")
+    ap.add_argument("--writers", type=int, default=4, help=f"writer {writers} (default 4)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds per configuration (default 3)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    ap.add_argument("--out", help="write the JSON here too")
+
+
+def forward_usage(a) -> "str | None":
+    """The one-line usage error of ``forward_args``' values (None: they are fine)."""
+    if not counts(a.tokens) or a.requests < 1 or a.writers < 1 or a.seconds <= 0 or a.reps < 1:
+        return ("error: --tokens takes counts >= 1, and --requests, --writers, --seconds and --reps positive "
+                "values; fix: e.g. --tokens 100,500 --requests 32 --writers 4 --seconds 3 --reps 3")
+    if not Path(a.dir).is_dir():
+        return f"error: --dir {a.dir}: not a directory; fix: pass an existing directory, e.g. /dev/shm"
+    return None
+
+
+def emit(res: dict, out) -> None:
+    """Print the JSON of a result, and write it to ``out`` too when given."""
+    import json
+
+    text = json.dumps(res, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def summary(values) -> str:
     """'median (min..max, n=N)' of a list of numbers."""
     v = sorted(values)

@@ -38,7 +38,10 @@ if [[ "$METHODS" == *mooncake* ]]; then
   [ -f /tmp/mc/env.sh ] || sh .gpu-m/mooncake/unpack.sh /tmp/mc || exit 3
   . /tmp/mc/env.sh; MC="--mooncake-site /tmp/mc"
 fi
-(while true; do date +%T; top -b -n1 -w 220 | head -32; sleep 5; done) > /tmp/top.log 2>&1 &
+# every 5 s: the processes, then the busiest threads (the dump's writer threads beside the scheduler's)
+(while true; do date +%T; top -b -n1 -w 220 | head -32; echo THREADS; top -H -b -n1 -w 220 | sed -n 7,40p;
+  S=$(pgrep -f 'sglang::scheduler' | head -1); [ -n "$S" ] && { echo "SCHEDULER $S tid comm utime stime (ticks)";
+  for t in /proc/$S/task/*; do awk '{print $1, $2, $14, $15}' $t/stat 2>/dev/null; done; }; sleep 5; done) > /tmp/top.log 2>&1 &
 TOP=$!
 rm -rf /dev/shm/pw
 set -o pipefail

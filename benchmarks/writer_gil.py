@@ -28,11 +28,8 @@ Exit 0; 2 on a usage error (one line).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,22 +38,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _bench  # noqa: E402
 
 CONFIGS = ("before", "after", "after-1ms", "alone")
 TRIED_INTERVAL_S = 0.001  # after-1ms
 HIDDEN, STATES = 7168, 4
-
-
-def reexec_in_env() -> None:
-    """Under a python without torch: run again in the project's cached CPU environment."""
-    try:
-        import psutil  # noqa: F401
-        import safetensors  # noqa: F401
-        import torch  # noqa: F401
-    except ImportError:
-        from eaglepatch.cpuenv import ensure_env
-
-        sys.exit(subprocess.call([str(ensure_env()), *sys.argv]))
 
 
 def one(sinks, d: Path, config: str, writers: int, tokens: int, seconds: float) -> dict:
@@ -98,10 +86,6 @@ def one(sinks, d: Path, config: str, writers: int, tokens: int, seconds: float) 
             "busy_thread_mops_per_s": round(loops / wall / 1e6, 2) if config != "alone" else None}
 
 
-def mm(xs: list) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "all": xs}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,18 +96,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     ap.add_argument("--out", help="write the JSON here too")
     a = ap.parse_args()
-    try:
-        counts = [int(x) for x in a.writers.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1 or a.tokens < 1 or a.seconds <= 0 or a.reps < 1:
+    counts = _bench.counts(a.writers)
+    if not counts or a.tokens < 1 or a.seconds <= 0 or a.reps < 1:
         print("error: --writers takes counts >= 1, --tokens, --seconds and --reps positive values; "
               "fix: e.g. --writers 1,4 --tokens 200 --seconds 3 --reps 3", file=sys.stderr)
         return 2
     if not Path(a.dir).is_dir():
         print(f"error: --dir {a.dir}: not a directory; fix: pass an existing directory, e.g. /dev/shm", file=sys.stderr)
         return 2
-    reexec_in_env()
+    _bench.in_torch_env()
     from eaglepatch.overlay import import_package
 
     import_package("e3c_writer_gil")
@@ -138,21 +119,18 @@ def main() -> int:
                 for c in CONFIGS:
                     runs[c].append(one(sinks, d, c, w, a.tokens, a.seconds))
                     print(f"[writer_gil] writers {w} rep {r + 1} {c}: {runs[c][-1]}", file=sys.stderr, flush=True)
-            block = {c: {"files_per_s": mm([x["files_per_s"] for x in runs[c]])} for c in CONFIGS}
+            block = {c: {"files_per_s": _bench.min_median([x["files_per_s"] for x in runs[c]])} for c in CONFIGS}
             for c in CONFIGS[:-1]:
-                block[c]["busy_thread_mops_per_s"] = mm([x["busy_thread_mops_per_s"] for x in runs[c]])
+                block[c]["busy_thread_mops_per_s"] = _bench.min_median([x["busy_thread_mops_per_s"] for x in runs[c]])
             block["after_over_before"] = {
-                "files_per_s": mm([round(x["files_per_s"] / y["files_per_s"], 2)
+                "files_per_s": _bench.min_median([round(x["files_per_s"] / y["files_per_s"], 2)
                                    for x, y in zip(runs["after"], runs["before"])]),
-                "busy_thread": mm([round(x["busy_thread_mops_per_s"] / y["busy_thread_mops_per_s"], 3)
+                "busy_thread": _bench.min_median([round(x["busy_thread_mops_per_s"] / y["busy_thread_mops_per_s"], 3)
                                    for x, y in zip(runs["after"], runs["before"])])}
             res["writers"][str(w)] = block
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    _bench.emit(res, a.out)
     for w, b in res["writers"].items():
         g, k = b["after_over_before"]["files_per_s"], b["after_over_before"]["busy_thread"]
         print(f"[writer_gil] {w} writer(s), {a.tokens} tokens a file, {'memory' if res['memory_backed'] else 'disk'}: "

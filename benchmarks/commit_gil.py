@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""The dump writer's own work beside a busy Python thread: a base revision's overlay against this tree's.
+
+  python3 benchmarks/commit_gil.py [--base REV] [--dir /dev/shm] [--requests 32] [--tokens 100,500]
+                                   [--writers 4] [--seconds 3] [--reps 3] [--out commit-gil.json]
+
+The dump's gather and writer threads share the scheduler's process, whose thread holds the GIL
+while it runs Python. Each torch call (a slice, a view, a dtype change) and each system call a
+writer makes gives the GIL away, and getting it back waits up to Python's switch interval (5 ms)
+while that thread runs. Here the main thread runs pure Python throughout (the scheduler's
+stand-in) while the real ``DumpWriter`` of each overlay (``--base``'s, checked out with git, and the
+working tree's) gathers forwards of ``--requests`` prompts of ``--tokens`` rows (an embedding, 3
+layers and the final state, bf16, hidden 7168: a DeepSeek-V3 dump) and its ``--writers`` threads
+commit one file per prompt into ``--dir``, for ``--seconds`` per configuration:
+
+- ``busy``: beside the busy thread (what a server's dump meets);
+- ``alone``: the main thread idle (the writer's own rate: the disk and the copies).
+
+Configurations and overlays are interleaved within each repetition. Reported per token count:
+files/s of each overlay and configuration (min and median over repetitions) and, per repetition,
+this tree's files/s over the base's beside the busy thread. Exit 0; 2 on a usage error (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _bench  # noqa: E402
+
+HIDDEN, LAYERS = 7168, (-1, 2, 30, 59)  # capture of the embedding and three layers, + the final state
+CONFIGS = ("busy", "alone")
+IN_FLIGHT = 2  # forwards gathered and not yet written, at most
+
+
+def overlay_at(rev: str, dest: Path) -> Path:
+    """The overlay directory of revision ``rev`` (git archive), extracted under ``dest``."""
+    data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "sglang-overlay"], check=True,
+                          capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
+    return dest / "sglang-overlay"
+
+
+class Forward:
+    """One prefill forward's host rows of ``requests`` prompts of ``tokens`` rows each."""
+
+    def __init__(self, requests: int, tokens: int):
+        import torch
+
+        n = requests * tokens
+        self.tensors = {"input_ids": torch.randint(0, 100000, (n,), dtype=torch.int64)}
+        for k in LAYERS:
+            self.tensors[f"layer.{k}"] = torch.randn(n, HIDDEN).to(torch.bfloat16)
+        self.tensors["final"] = torch.randn(n, HIDDEN).to(torch.bfloat16)
+        self.requests, self.tokens = requests, tokens
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int, seconds: float) -> dict:
+    """Files/s of the overlay at ``root`` (imported as ``name``) for ``seconds``."""
+    from eaglepatch.overlay import import_package
+
+    import_package(name, root)
+    dump = __import__(name + ".dump", fromlist=["DumpWriter"])
+    ident = __import__(name + ".identity", fromlist=["RequestInfo"])
+    w = dump.DumpWriter(str(d), [k + 1 for k in LAYERS], True, 1 << 30, {"format": "eagle3-dump/1"},
+                        writers=writers)
+    stop = time.monotonic() + seconds
+    done = [0]
+
+    def gather() -> None:  # the writer's gather thread: whole forwards, their files on the pool
+        k, flushes = 0, []
+        while time.monotonic() < stop:
+            spans = [dump._Span(i * fwd.tokens, fwd.tokens, 0, ident.RequestInfo(rid=f"{config}-{k}-{i}",
+                                                                                   prompt_len=fwd.tokens))
+                     for i in range(fwd.requests)]
+            job = dump._Job(dict(fwd.tensors), [], 0, None, spans)
+            hold = dump._Hold(lambda: None)
+            w._gather(job, hold)
+            hold.drop()
+            flushes.append(threading.Event())
+            w._pool.when_done(flushes[-1])
+            if len(flushes) > IN_FLIGHT:  # the staging memory's bound: a few forwards ahead of the files
+                flushes.pop(0).wait()
+                done[0] += fwd.requests
+            k += 1
+        for f in flushes:
+            f.wait()
+            done[0] += fwd.requests
+
+    # the files are removed by another process (a removal here would give the GIL away too)
+    sweeper = subprocess.Popen(["sh", "-c", f"while :; do find '{d}' -name '*.safetensors' -delete; sleep 0.1; done"],
+                               start_new_session=True)
+    t = threading.Thread(target=gather)
+    t0 = time.monotonic()
+    t.start()
+    loops = 0
+    if config == "busy":
+        while time.monotonic() < stop:  # the scheduler's stand-in: Python all the time
+            for _ in range(1000):
+                loops += 1
+    t.join()
+    wall = time.monotonic() - t0
+    w.close()
+    os.killpg(sweeper.pid, signal.SIGKILL)
+    sweeper.wait()
+    for f in d.iterdir():
+        f.unlink(missing_ok=True)
+    assert w.failed == 0, f"{name}: {w.failed} files failed"
+    return {"files_per_s": round(done[0] / wall, 1),
+            "gb_per_s": round(done[0] * fwd.nbytes / fwd.requests / wall / 1e9, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD", help="git revision whose overlay is the base (default HEAD)")
+    ap.add_argument("--base-overlay", help="the base's overlay directory instead (a machine without the git history)")
+    _bench.forward_args(ap, "threads")
+    a = ap.parse_args()
+    why = _bench.forward_usage(a)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    tokens = _bench.counts(a.tokens)
+    if a.base_overlay and not (Path(a.base_overlay) / "sglang").is_dir():
+        print(f"error: --base-overlay {a.base_overlay}: no sglang/ in it; fix: pass a copy of sglang-overlay/",
+              file=sys.stderr)
+        return 2
+    if not a.base_overlay and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q",
+                                              a.base + "^{commit}"], capture_output=True).returncode:
+        print(f"error: --base {a.base}: not a revision of this repository; fix: e.g. --base HEAD", file=sys.stderr)
+        return 2
+    _bench.in_torch_env()
+    from eaglepatch.overlay import overlay_root
+
+    scratch = Path(tempfile.mkdtemp(prefix="commit-gil-"))
+    d = Path(tempfile.mkdtemp(prefix="commit-gil-", dir=a.dir))
+    roots = {"base": Path(a.base_overlay) if a.base_overlay else overlay_at(a.base, scratch), "tree": overlay_root()}
+    base_rev = a.base_overlay or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base],
+                                                capture_output=True, text=True).stdout.strip()
+    res = {"base": base_rev, "dir": a.dir, "requests": a.requests, "writers": a.writers, "seconds": a.seconds,
+           "reps": a.reps, "cores": os.cpu_count(), "python": sys.version.split()[0], "tokens": {}}
+    try:
+        for n in tokens:
+            fwd = Forward(a.requests, n)
+            runs = {(o, c): [] for o in roots for c in CONFIGS}
+            for r in range(a.reps):
+                for c in CONFIGS:
+                    for o, root in roots.items():
+                        got = one(f"e3c_commit_gil_{o}", root, d, fwd, c, a.writers, a.seconds)
+                        runs[o, c].append(got["files_per_s"])
+                        print(f"[commit_gil] {n} tokens rep {r + 1} {o} {c}: {got}", file=sys.stderr, flush=True)
+            block = {f"{o} {c}": _bench.min_median(v) for (o, c), v in runs.items()}
+            block["tree_over_base_busy"] = _bench.min_median([round(x / y, 2) for x, y in
+                                               zip(runs["tree", "busy"], runs["base", "busy"])])
+            res["tokens"][str(n)] = block
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    _bench.emit(res, a.out)
+    for n, b in res["tokens"].items():
+        g = b["tree_over_base_busy"]
+        print(f"[commit_gil] {n} tokens a file, {a.writers} writers, beside a busy thread: files/s this tree / "
+              f"{base_rev} min {g['min']} median {g['median']} (base {b['base busy']['median']}, tree "
+              f"{b['tree busy']['median']}; alone {b['base alone']['median']} / {b['tree alone']['median']})",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
