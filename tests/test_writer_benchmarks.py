@@ -76,12 +76,22 @@ def test_commit_gil_times_both_overlays_through_the_real_writer(tmp_path):
     assert list(d.iterdir()) == []
 
 
+def test_views_gil_times_each_way_alone_and_beside_a_busy_thread(tmp_path):
+    out = tmp_path / "vg.json"
+    r = _run("views_gil.py", "--reps", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())["ms_for_6_tensors"]
+    assert sorted(res) == sorted(f"{w} {c}" for w in ("tensor_split", "32 slices", "split") for c in ("alone", "busy"))
+    assert all(v["min"] > 0 and len(v["all"]) == 1 for v in res.values())
+
+
 @pytest.mark.parametrize("script,args,words", [
     ("writer_procs.py", ["--tokens", "0"], "--tokens takes counts >= 1"),
     ("writer_procs.py", ["--dir", "/nonexistent-dir"], "not a directory"),
     ("commit_gil.py", ["--writers", "0"], "--writers"),
     ("commit_gil.py", ["--base", "no-such-revision"], "not a revision"),
     ("commit_gil.py", ["--base-overlay", "/nonexistent-dir"], "no sglang/"),
+    ("views_gil.py", ["--reps", "0"], "--reps must be >= 1"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_write_nothing(tmp_path, script, args, words):
     out = tmp_path / "x.json"
