@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -100,24 +99,17 @@ def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int,
             f.wait()
             done[0] += fwd.requests
 
-    # the files are removed by another process (a removal here would give the GIL away too)
-    sweeper = subprocess.Popen(["sh", "-c", f"while :; do find '{d}' -name '*.safetensors' -delete; sleep 0.1; done"],
-                               start_new_session=True)
-    t = threading.Thread(target=gather)
-    t0 = time.monotonic()
-    t.start()
-    loops = 0
-    if config == "busy":
-        while time.monotonic() < stop:  # the scheduler's stand-in: Python all the time
-            for _ in range(1000):
-                loops += 1
-    t.join()
-    wall = time.monotonic() - t0
-    w.close()
-    os.killpg(sweeper.pid, signal.SIGKILL)
-    sweeper.wait()
-    for f in d.iterdir():
-        f.unlink(missing_ok=True)
+    with _bench.swept(d):
+        t = threading.Thread(target=gather)
+        t0 = time.monotonic()
+        t.start()
+        if config == "busy":
+            while time.monotonic() < stop:  # the scheduler's stand-in: Python all the time
+                for _ in range(1000):
+                    pass
+        t.join()
+        wall = time.monotonic() - t0
+        w.close()
     assert w.failed == 0, f"{name}: {w.failed} files failed"
     return {"files_per_s": round(done[0] / wall, 1),
             "gb_per_s": round(done[0] * fwd.nbytes / fwd.requests / wall / 1e9, 3)}

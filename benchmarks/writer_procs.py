@@ -34,7 +34,6 @@ import mmap
 import os
 import pickle
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -209,23 +208,18 @@ def run_processes(sh: Shared, d: Path, writers: int, stop: float, done: list, fo
 def one(sh: Shared, d: Path, config: str, writers: int, seconds: float) -> float:
     how, where = config.split()
     done = [0]
-    sweeper = subprocess.Popen(["sh", "-c", f"while :; do find '{d}' -name '*.safetensors' -delete; sleep 0.1; done"],
-                               start_new_session=True)
-    stop = time.monotonic() + seconds
-    fn = run_threads if how == "threads" else run_processes
-    t = threading.Thread(target=fn, args=(sh, d, writers, stop, done))
-    t0 = time.monotonic()
-    t.start()
-    if where == "busy":
-        while time.monotonic() < stop:
-            for _ in range(1000):
-                pass
-    t.join()
-    wall = time.monotonic() - t0
-    os.killpg(sweeper.pid, signal.SIGKILL)
-    sweeper.wait()
-    for f in d.iterdir():
-        f.unlink(missing_ok=True)
+    with _bench.swept(d):
+        stop = time.monotonic() + seconds
+        fn = run_threads if how == "threads" else run_processes
+        t = threading.Thread(target=fn, args=(sh, d, writers, stop, done))
+        t0 = time.monotonic()
+        t.start()
+        if where == "busy":
+            while time.monotonic() < stop:
+                for _ in range(1000):
+                    pass
+        t.join()
+        wall = time.monotonic() - t0
     return round(done[0] / wall, 1)
 
 
