@@ -2,7 +2,7 @@
 """The dump writer's own work beside a busy Python thread: a base revision's overlay against this tree's.
 
   python3 benchmarks/commit_gil.py [--base REV] [--dir /dev/shm] [--requests 32] [--tokens 100,500]
-                                   [--writers 4] [--seconds 3] [--reps 3] [--out commit-gil.json]
+                                   [--writers 4] [--seconds 3] [--reps 3] [--switch-ms MS] [--out commit-gil.json]
 
 The dump's gather and writer threads share the scheduler's process, whose thread holds the GIL
 while it runs Python. Each torch call (a slice, a view, a dtype change) and each system call a
@@ -18,7 +18,11 @@ commit one file per prompt into ``--dir``, for ``--seconds`` per configuration:
 
 Configurations and overlays are interleaved within each repetition. Reported per token count:
 files/s of each overlay and configuration (min and median over repetitions) and, per repetition,
-this tree's files/s over the base's beside the busy thread. Exit 0; 2 on a usage error (one line).
+this tree's files/s over the base's beside the busy thread. ``--switch-ms MS``: this tree's runs set
+the GIL switch interval to MS (``sys.setswitchinterval``, what ``EAGLE3_DUMP_GIL_SWITCH_MS`` sets in a
+server), the base's keep Python's 5 ms: with ``--base HEAD`` that compares the interval alone. The busy
+thread's loops per second are reported too (the scheduler's stand-in: what a shorter interval costs
+it), and their ratio tree / base. Exit 0; 2 on a usage error (one line).
 """
 
 from __future__ import annotations
@@ -67,8 +71,10 @@ class Forward:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int, seconds: float) -> dict:
-    """Files/s of the overlay at ``root`` (imported as ``name``) for ``seconds``."""
+def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int, seconds: float,
+        switch_s: float | None = None) -> dict:
+    """Files/s of the overlay at ``root`` (imported as ``name``) for ``seconds``, and the busy thread's
+    loops/s; ``switch_s``: the GIL switch interval meanwhile (None: the interpreter's)."""
     from eaglepatch.overlay import import_package
 
     import_package(name, root)
@@ -99,19 +105,30 @@ def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int,
             f.wait()
             done[0] += fwd.requests
 
+    before = sys.getswitchinterval()
+    loops = 0
     with _bench.swept(d):
-        t = threading.Thread(target=gather)
-        t0 = time.monotonic()
-        t.start()
-        if config == "busy":
-            while time.monotonic() < stop:  # the scheduler's stand-in: Python all the time
-                for _ in range(1000):
-                    pass
-        t.join()
-        wall = time.monotonic() - t0
+        if switch_s is not None:
+            sys.setswitchinterval(switch_s)
+        try:
+            t = threading.Thread(target=gather)
+            t0 = time.monotonic()
+            t.start()
+            if config == "busy":
+                while time.monotonic() < stop:  # the scheduler's stand-in: Python all the time
+                    for _ in range(1000):
+                        pass
+                    loops += 1
+            busy_s = time.monotonic() - t0
+            interval = sys.getswitchinterval()
+            t.join()
+            wall = time.monotonic() - t0
+        finally:
+            sys.setswitchinterval(before)
         w.close()
     assert w.failed == 0, f"{name}: {w.failed} files failed"
-    return {"files_per_s": round(done[0] / wall, 1),
+    return {"files_per_s": round(done[0] / wall, 1), "busy_loops_per_s": round(loops / busy_s),
+            "switch_ms": round(interval * 1e3, 3),
             "gb_per_s": round(done[0] * fwd.nbytes / fwd.requests / wall / 1e9, 3)}
 
 
@@ -121,8 +138,12 @@ def main() -> int:
     ap.add_argument("--base", default="HEAD", help="git revision whose overlay is the base (default HEAD)")
     ap.add_argument("--base-overlay", help="the base's overlay directory instead (a machine without the git history)")
     _bench.forward_args(ap, "threads")
+    ap.add_argument("--switch-ms", type=float, help="this tree's runs with this GIL switch interval, milliseconds "
+                    "(above 0, at most 100; default: Python's 5 ms, as the base's)")
     a = ap.parse_args()
     why = _bench.forward_usage(a)
+    if not why and a.switch_ms is not None and not 0 < a.switch_ms <= 100:
+        why = f"error: --switch-ms {a.switch_ms:g}: not above 0 and at most 100; fix: e.g. --switch-ms 1"
     if why:
         print(why, file=sys.stderr)
         return 2
@@ -144,20 +165,31 @@ def main() -> int:
     base_rev = a.base_overlay or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base],
                                                 capture_output=True, text=True).stdout.strip()
     res = {"base": base_rev, "dir": a.dir, "requests": a.requests, "writers": a.writers, "seconds": a.seconds,
-           "reps": a.reps, "cores": os.cpu_count(), "python": sys.version.split()[0], "tokens": {}}
+           "reps": a.reps, "cores": os.cpu_count(), "python": sys.version.split()[0],
+           "tree_switch_ms": a.switch_ms, "tokens": {}}
     try:
         for n in tokens:
             fwd = Forward(a.requests, n)
             runs = {(o, c): [] for o in roots for c in CONFIGS}
+            loops = {o: [] for o in roots}
+            intervals = {o: set() for o in roots}
             for r in range(a.reps):
                 for c in CONFIGS:
                     for o, root in roots.items():
-                        got = one(f"e3c_commit_gil_{o}", root, d, fwd, c, a.writers, a.seconds)
+                        got = one(f"e3c_commit_gil_{o}", root, d, fwd, c, a.writers, a.seconds,
+                                  a.switch_ms / 1e3 if o == "tree" and a.switch_ms else None)
                         runs[o, c].append(got["files_per_s"])
+                        if c == "busy":
+                            loops[o].append(got["busy_loops_per_s"])
+                        intervals[o].add(got["switch_ms"])
                         print(f"[commit_gil] {n} tokens rep {r + 1} {o} {c}: {got}", file=sys.stderr, flush=True)
             block = {f"{o} {c}": _bench.min_median(v) for (o, c), v in runs.items()}
             block["tree_over_base_busy"] = _bench.min_median([round(x / y, 2) for x, y in
                                                zip(runs["tree", "busy"], runs["base", "busy"])])
+            block["busy_loops_per_s"] = {o: _bench.min_median(v) for o, v in loops.items()}
+            block["switch_ms"] = {o: sorted(v) for o, v in intervals.items()}  # as read while each ran
+            block["tree_over_base_busy_loops"] = _bench.min_median([round(x / y, 2) for x, y in
+                                                                    zip(loops["tree"], loops["base"])])
             res["tokens"][str(n)] = block
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -167,8 +199,10 @@ def main() -> int:
         g = b["tree_over_base_busy"]
         print(f"[commit_gil] {n} tokens a file, {a.writers} writers, beside a busy thread: files/s this tree / "
               f"{base_rev} min {g['min']} median {g['median']} (base {b['base busy']['median']}, tree "
-              f"{b['tree busy']['median']}; alone {b['base alone']['median']} / {b['tree alone']['median']})",
-              file=sys.stderr)
+              f"{b['tree busy']['median']}; alone {b['base alone']['median']} / {b['tree alone']['median']}); "
+              f"the busy thread's loops/s this tree / base min {b['tree_over_base_busy_loops']['min']} median "
+              f"{b['tree_over_base_busy_loops']['median']}"
+              + (f" (this tree at a {a.switch_ms:g} ms GIL switch interval)" if a.switch_ms else ""), file=sys.stderr)
     return 0
 
 

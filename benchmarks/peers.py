@@ -1301,6 +1301,8 @@ class Run:
         flags = ["--dump-dtype", "fp8", "--rebuildable", "omit"] if v["fp8"] else []
         if self.a.dump_writers:
             flags += ["--dump-writers", str(self.a.dump_writers)]
+        if self.a.dump_gil_switch_ms:
+            flags += ["--dump-gil-switch-ms", "%g" % self.a.dump_gil_switch_ms]
         env = self.base_env()
         master, store = None, MOONCAKE_MB["gpu" if self.gpu else "cpu"]
         if v["sink"] == "mooncake":
@@ -1370,6 +1372,7 @@ class Run:
                           % (self.release, ",".join(map(str, ids))),
                 "server_dump_flags": " ".join(flags),
                 "dump_writers": self.a.dump_writers or "the server's default (EAGLE3_DUMP_WRITERS unset)",
+                "dump_gil_switch_ms": self.a.dump_gil_switch_ms or "Python's own (EAGLE3_DUMP_GIL_SWITCH_MS unset)",
                 "extract_worker_processes": processes,
                 **({"sink": "mooncake: a mooncake_master of this run, extract --mooncake-master (no dump file)",
                     "mooncake_store_mb": store, "store_cleared": cleared} if master is not None else
@@ -1948,6 +1951,9 @@ def main(argv=None) -> int:
                          "(extract.py --processes; default 4)")
     ap.add_argument("--dump-writers", type=int, help="the dump's writer threads in every server of ours's methods "
                     "(serve.py --dump-writers; default: the server's own, EAGLE3_DUMP_WRITERS unset)")
+    ap.add_argument("--dump-gil-switch-ms", type=float, help="the GIL switch interval of every server of ours's "
+                    "methods, milliseconds (serve.py --dump-gil-switch-ms; default: Python's 5 ms, "
+                    "EAGLE3_DUMP_GIL_SWITCH_MS unset)")
     ap.add_argument("--mooncake-site", help="ours-mooncake: the site directory holding the mooncake package and its "
                     "mooncake_master (GPU: required; CPU: default the project's own, built once and cached)")
     ap.add_argument("--disk-dir", help="GPU: ours-fp8-disk's dump files and datasets go to a new subdirectory "
@@ -2017,11 +2023,15 @@ def main(argv=None) -> int:
         if a.extract_processes < 2:
             raise UsageError("--extract-processes must be >= 2 (ours is extract with its threads alone)",
                              "pass the number of extract.py --processes of ours-processes, e.g. --extract-processes 4")
-        from eaglepatch.serve import MAX_WRITERS
+        from eaglepatch.serve import MAX_GIL_SWITCH_MS, MAX_WRITERS
 
         if a.dump_writers is not None and not 1 <= a.dump_writers <= MAX_WRITERS:
             raise UsageError("--dump-writers %d: not between 1 and %d" % (a.dump_writers, MAX_WRITERS),
                              "pass the dump's writer threads, e.g. --dump-writers 8, or leave it out")
+        if a.dump_gil_switch_ms is not None and not 0 < a.dump_gil_switch_ms <= MAX_GIL_SWITCH_MS:
+            raise UsageError("--dump-gil-switch-ms %g: not above 0 and at most %g" % (a.dump_gil_switch_ms,
+                                                                                     MAX_GIL_SWITCH_MS),
+                             "pass milliseconds, e.g. --dump-gil-switch-ms 1, or leave it out")
         if a.mooncake_site and not (Path(a.mooncake_site) / "mooncake" / "mooncake_master").is_file():
             raise UsageError("--mooncake-site %s holds no mooncake/mooncake_master" % a.mooncake_site,
                              "pass the site directory the mooncake package is installed in")

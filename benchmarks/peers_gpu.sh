@@ -10,6 +10,7 @@
 # .gpu-bundle (or .gpu-b), .gpu-patched and, for ours-mooncake, .gpu-m carried (docs/peers.md):
 #   bash benchmarks/peers_gpu.sh METHODS BUDGET_S [DUMP_WRITERS (4)] [REPEATS (3)]
 #   e.g. bash benchmarks/peers_gpu.sh limit,ours-processes 470 4
+# PEERS_EXTRA: more peers.py flags, e.g. PEERS_EXTRA="--dump-gil-switch-ms 1"
 if [ $# -lt 2 ]; then
   echo "error: METHODS and BUDGET_S are required; fix: bash benchmarks/peers_gpu.sh limit,ours-processes 470" >&2; exit 2
 fi
@@ -47,7 +48,7 @@ rm -rf /dev/shm/pw
 set -o pipefail
 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:src python3 benchmarks/peers.py \
   --model /tmp/peers-model --methods "$METHODS" $MC --extract-processes 8 --dump-writers "${3:-4}" \
-  --repeats "${4:-3}" --method-s 30 --warm-s 60 --budget-s "$BUDGET" --dump-dir /dev/shm --disk-dir /var/tmp \
+  --repeats "${4:-3}" ${PEERS_EXTRA:-} --method-s 30 --warm-s 60 --budget-s "$BUDGET" --dump-dir /dev/shm --disk-dir /var/tmp \
   --work /dev/shm/pw --out "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
 rc=$?
 kill $TOP

@@ -61,6 +61,8 @@ def test_settings_from_env():
     assert (s.directory, s.layer_ids, s.final, s.max_pending_bytes) == ("/d", [-1, 2, 60], False, 1572864)
     assert s.writers is None  # the default: commits.default_writers() at start
     assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_WRITERS": " 6 "}).writers == 6
+    assert s.gil_switch_ms is None  # the interpreter's own interval
+    assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_GIL_SWITCH_MS": " 0.5 "}).gil_switch_ms == 0.5
     assert settings.DumpSettings.from_env({}) is None
     assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d"}).capture_indices(4) == [1, 2]
     assert settings.DumpSettings.from_env({"EAGLE3_DUMP_DIR": "/d", "EAGLE3_DUMP_LAYERS": "3,-1"}).capture_indices(4) == [0, 4]
@@ -70,7 +72,10 @@ def test_settings_from_env():
                         ({"EAGLE3_DUMP_MAX_PENDING_MB": "0"}, "positive finite number"),
                         ({"EAGLE3_DUMP_WRITERS": "0"}, "whole number from 1 to 64"),
                         ({"EAGLE3_DUMP_WRITERS": "65"}, "whole number from 1 to 64"),
-                        ({"EAGLE3_DUMP_WRITERS": "2.5"}, "whole number from 1 to 64")]:
+                        ({"EAGLE3_DUMP_WRITERS": "2.5"}, "whole number from 1 to 64"),
+                        ({"EAGLE3_DUMP_GIL_SWITCH_MS": "0"}, "positive finite number of milliseconds"),
+                        ({"EAGLE3_DUMP_GIL_SWITCH_MS": "nan"}, "positive finite number of milliseconds"),
+                        ({"EAGLE3_DUMP_GIL_SWITCH_MS": "101"}, "more than 100 milliseconds")]:
         with pytest.raises(settings.DumpConfigError, match=needle):
             settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_DIR="/d"))
 

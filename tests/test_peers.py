@@ -47,7 +47,7 @@ def run(tmp_path_factory):
     # --budget-s 700: the limit's server, ours-mooncake's and the second repetitions take the default's room
     p = peers("--cpu", "--out", out, "--work", work, "--keep-work", "--repeats", "2", "--budget-s", "700",
               "--methods", "limit,ours,ours-fp8-disk,ours-mooncake,hf,specforge,sglang-json", "--extract-processes",
-              "2", "--dump-writers", "3")
+              "2", "--dump-writers", "3", "--dump-gil-switch-ms", "2")
     print(p.stderr[-4000:])
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -219,14 +219,17 @@ def test_each_of_ours_methods_dumps_and_writes_where_it_says(tmp_path):
 
 
 @in_env
-def test_dump_writers_reach_every_server_of_ours(run):
-    """``--dump-writers 3``: each of ours's servers starts with 3 writer threads (its start line), the limit's
-    with the dump off."""
+def test_dump_writers_and_gil_switch_reach_every_server_of_ours(run):
+    """``--dump-writers 3 --dump-gil-switch-ms 2``: each of ours's servers starts with 3 writer threads and
+    its writing process at a 2 ms GIL switch interval (its start line, the interval read back from the
+    interpreter), the limit's with the dump off."""
     for name in ("ours", "ours-fp8-disk", "ours-mooncake"):
-        assert run.measured[name]["dump_writers"] == 3
+        assert run.measured[name]["dump_writers"] == 3 and run.measured[name]["dump_gil_switch_ms"] == 2
         log = (run.work / name / "server.log").read_text()
-        assert "3 writer threads (EAGLE3_DUMP_WRITERS=3)" in log, (name, log[-2000:])
-    assert "writer threads" not in (run.work / "limit" / "server.log").read_text()
+        assert "3 writer threads (EAGLE3_DUMP_WRITERS=3), GIL switch interval 2 ms (EAGLE3_DUMP_GIL_SWITCH_MS)" \
+            in log, (name, log[-2000:])
+    limit = (run.work / "limit" / "server.log").read_text()
+    assert "writer threads" not in limit and "GIL switch interval" not in limit
 
 
 @in_env
@@ -445,6 +448,8 @@ def test_reference_check_fails_on_an_fp8_dataset_with_rotated_layers(run, tmp_pa
     (["--model", "m", "--disk-dir", "/nonexistent-disk-dir"], "--disk-dir /nonexistent-disk-dir: not an existing directory"),
     (["--cpu", "--dump-writers", "0"], "--dump-writers 0: not between 1 and 64"),
     (["--cpu", "--dump-writers", "65"], "--dump-writers 65: not between 1 and 64"),
+    (["--cpu", "--dump-gil-switch-ms", "0"], "--dump-gil-switch-ms 0: not above 0 and at most 100"),
+    (["--cpu", "--dump-gil-switch-ms", "101"], "--dump-gil-switch-ms 101: not above 0 and at most 100"),
     (["--cpu", "--mooncake-site", "/tmp"], "--mooncake-site /tmp holds no mooncake/mooncake_master"),
     (["--model", "m", "--methods", "limit,ours-mooncake"], "ours-mooncake on the GPU needs --mooncake-site"),
 ])

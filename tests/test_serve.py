@@ -326,17 +326,19 @@ def test_dump_settings_from_flags_or_the_users_environment(patched_checkout, tmp
             "EAGLE3_DUMP_WRITERS=auto (default), EAGLE3_DUMP_SINK=file (default)"
             ) in r.stderr.splitlines(), r.stderr
     r = run_tool("serve", *base, "--max-pending-mb", "1024", "--final", "1", "--drain-s", "45", "--max-wait-s", "7.5",
-                 "--dump-dtype", "FP8", "--rebuildable", "omit", "--dump-writers", "3",
+                 "--dump-dtype", "FP8", "--rebuildable", "omit", "--dump-writers", "3", "--dump-gil-switch-ms", "0.5",
                  env=dict(user, EAGLE3_DUMP_DRAIN_S="3"))
     assert r.returncode == 0, r.stderr
     env = split_shell(r.stdout.strip())[0]
     assert (env["EAGLE3_DUMP_MAX_PENDING_MB"], env["EAGLE3_DUMP_FINAL"], env["EAGLE3_DUMP_DRAIN_S"],
             env["EAGLE3_DUMP_MAX_WAIT_S"], env["EAGLE3_DUMP_DTYPE"], env["EAGLE3_DUMP_REBUILDABLE"],
-            env["EAGLE3_DUMP_WRITERS"]) == ("1024", "1", "45", "7.5", "fp8", "omit", "3")
+            env["EAGLE3_DUMP_WRITERS"], env["EAGLE3_DUMP_GIL_SWITCH_MS"]) == ("1024", "1", "45", "7.5", "fp8", "omit", "3",
+                                                                               "0.5")
     assert ("[serve] dump settings: EAGLE3_DUMP_MAX_PENDING_MB=1024 (--max-pending-mb), EAGLE3_DUMP_FINAL=1 "
             "(--final), EAGLE3_DUMP_DRAIN_S=45 (--drain-s), EAGLE3_DUMP_MAX_WAIT_S=7.5 (--max-wait-s), "
             "EAGLE3_DUMP_DTYPE=fp8 (--dump-dtype), EAGLE3_DUMP_REBUILDABLE=omit (--rebuildable), "
-            "EAGLE3_DUMP_WRITERS=3 (--dump-writers), EAGLE3_DUMP_SINK=file (default)") in r.stderr.splitlines(), r.stderr
+            "EAGLE3_DUMP_WRITERS=3 (--dump-writers), EAGLE3_DUMP_GIL_SWITCH_MS=0.5 (--dump-gil-switch-ms), "
+            "EAGLE3_DUMP_SINK=file (default)") in r.stderr.splitlines(), r.stderr
     r = run_tool("serve", *base, "--sink", "mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata",
                  "http://10.0.0.5:8080/metadata", "--mooncake-protocol", "rdma", "--mooncake-device", "mlx5_0",
                  "--mooncake-host", "10.0.0.7", "--mooncake-segment-mb", "8192", "--mooncake-buffer-mb", "1024",

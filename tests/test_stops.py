@@ -496,6 +496,7 @@ def test_any_setting_text_is_read_or_refused_with_one_line(tmp_path):
             return
         assert 0 < got.drain_s <= settings.MAX_SECONDS and 0 < got.max_wait_s <= settings.MAX_SECONDS
         assert 0 < got.max_pending_bytes <= settings.memory_mib() << 20
+        assert got.gil_switch_ms is None or 0 < got.gil_switch_ms <= settings.MAX_GIL_SWITCH_MS
 
     check()
 

@@ -62,17 +62,21 @@ def test_writer_procs_file_check_fails_when_a_process_writes_other_bytes(tmp_pat
 
 
 def test_commit_gil_times_both_overlays_through_the_real_writer(tmp_path):
+    """Both overlays' writers beside a busy thread and alone; ``--switch-ms 1``: this tree's runs at a
+    1 ms GIL switch interval (read back while they ran), the base's at Python's 5 ms."""
     out = tmp_path / "cg.json"
     d = tmp_path / "d"
     d.mkdir()
     r = _run("commit_gil.py", "--base", "HEAD", "--seconds", "0.3", "--reps", "1", "--tokens", "10",
-             "--requests", "4", "--writers", "2", "--dir", str(d), "--out", str(out))
+             "--requests", "4", "--writers", "2", "--dir", str(d), "--switch-ms", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     block = res["tokens"]["10"]
     for c in ("base busy", "tree busy", "base alone", "tree alone"):
         assert block[c]["min"] > 0, block
     assert len(block["tree_over_base_busy"]["all"]) == 1
+    assert block["switch_ms"] == {"base": [5.0], "tree": [1.0]} and res["tree_switch_ms"] == 1, block
+    assert block["busy_loops_per_s"]["base"]["min"] > 0 and len(block["tree_over_base_busy_loops"]["all"]) == 1
     assert list(d.iterdir()) == []
 
 
@@ -91,6 +95,7 @@ def test_views_gil_times_each_way_alone_and_beside_a_busy_thread(tmp_path):
     ("commit_gil.py", ["--writers", "0"], "--writers"),
     ("commit_gil.py", ["--base", "no-such-revision"], "not a revision"),
     ("commit_gil.py", ["--base-overlay", "/nonexistent-dir"], "no sglang/"),
+    ("commit_gil.py", ["--switch-ms", "0"], "--switch-ms 0: not above 0"),
     ("views_gil.py", ["--reps", "0"], "--reps must be >= 1"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_write_nothing(tmp_path, script, args, words):

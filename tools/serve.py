@@ -113,6 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-writers", metavar="N",
                     help="EAGLE3_DUMP_WRITERS: threads writing dump files at once, each file committed whole "
                          "(default: $EAGLE3_DUMP_WRITERS, else the CPUs the server's rank may use, at most 4)")
+    ap.add_argument("--dump-gil-switch-ms", metavar="MS",
+                    help="EAGLE3_DUMP_GIL_SWITCH_MS: the writing process's GIL switch interval in milliseconds "
+                         "(sys.setswitchinterval, above 0, at most 100): the dump's threads wait at most this long "
+                         "for the GIL that SGLang's scheduler thread holds; smaller writes files sooner and takes "
+                         "the scheduler more often (docs/peers.md) (default: $EAGLE3_DUMP_GIL_SWITCH_MS, else "
+                         "Python's 5)")
     ap.add_argument("--sink", metavar="file|mooncake",
                     help="EAGLE3_DUMP_SINK: mooncake puts each request's states into a Mooncake Store instead of a "
                          "file (docs/online.md; needs --mooncake-master, and the mooncake package in the server's "

@@ -39,6 +39,7 @@ import os
 import queue
 import stat
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ import torch
 from .settings import (
     DEFAULT_DRAIN_S,
     ENV_DIR,
+    ENV_GIL_SWITCH_MS,
     ENV_LAUNCH,
     ENV_LAYERS,
     ENV_WRITERS,
@@ -968,10 +970,12 @@ def start_dump(runner, target, settings: DumpSettings):
         identity.install()  # each prefill's requests, taken before its forward runs
         writer.start_control()
         writer.install_sigterm_drain(settings.drain_s)
+        if settings.gil_switch_ms is not None:  # the writing process's threads wait less for the GIL
+            sys.setswitchinterval(settings.gil_switch_ms / 1e3)
     logger.info(
         "%s: dumping prefill hidden states to %s (%s=%s -> HF hidden_states indices %s, final %s, "
         "pending cap %d MiB, chunked prefill %s, stored as %s, rebuildable states %s%s, %d writer threads "
-        "(%s), sink %s)", ENV_DIR,
+        "(%s), GIL switch interval %.3g ms%s, sink %s)", ENV_DIR,
         settings.directory if len(settings.directories) == 1 else
         f"{len(settings.directories)} directories, files spread by key ({', '.join(settings.directories)})",
         ENV_LAYERS, settings.layer_ids if settings.layer_ids is not None else "default",
@@ -980,6 +984,7 @@ def start_dump(runner, target, settings: DumpSettings):
         (": left out " + ", ".join(layout.left_out)) if layout.left_out else "",
         writer.writers, f"{ENV_WRITERS}={settings.writers}" if settings.writers else
         f"default: the CPUs this process may use, at most {MAX_DEFAULT_WRITERS}",
+        sys.getswitchinterval() * 1e3, f" ({ENV_GIL_SWITCH_MS})" if settings.gil_switch_ms is not None else "",
         writer.sink.describe() if settings.mooncake is None else
         f"mooncake (master {settings.mooncake.master}, {settings.mooncake.protocol})",
     )

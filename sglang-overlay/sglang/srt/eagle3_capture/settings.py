@@ -24,6 +24,11 @@ ENV_MAX_WAIT_S = "EAGLE3_DUMP_MAX_WAIT_S"
 ENV_DTYPE = "EAGLE3_DUMP_DTYPE"  # bf16 (default) | fp8: how states are stored (storage.py)
 ENV_REBUILDABLE = "EAGLE3_DUMP_REBUILDABLE"  # store (default) | omit: states a trainer rebuilds
 ENV_WRITERS = "EAGLE3_DUMP_WRITERS"  # threads writing files at once (commits.py); default from the CPUs
+# the writing process's GIL switch interval (sys.setswitchinterval), milliseconds; unset: Python's 5 ms.
+# The dump's threads share the GIL with SGLang's scheduler thread, which runs Python all the time: each
+# time one of them needs the GIL it waits up to this long (docs/peers.md, session 16)
+ENV_GIL_SWITCH_MS = "EAGLE3_DUMP_GIL_SWITCH_MS"
+MAX_GIL_SWITCH_MS = 100.0
 ENV_READING = "EAGLE3_DUMP_READING"  # eagle3 (default) | dflash | dspark: whose reading EAGLE3_DUMP_LAYERS follows
 FAMILIES = ("eagle3", "dflash", "dspark")
 MAX_WRITERS = 64
@@ -45,7 +50,8 @@ DEFAULT_MC_TTL_S = 600.0
 REACH_TIMEOUT_S = 5.0
 DUMP_VARS = ("EAGLE3_DUMP_DIR", "EAGLE3_DUMP_LAYERS", "EAGLE3_DUMP_READING", "EAGLE3_DUMP_FINAL", "EAGLE3_DUMP_MAX_PENDING_MB",
              "EAGLE3_DUMP_DRAIN_S", "EAGLE3_DUMP_MAX_WAIT_S", "EAGLE3_DUMP_DTYPE", "EAGLE3_DUMP_REBUILDABLE", "EAGLE3_DUMP_WRITERS",
-             "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER", "EAGLE3_DUMP_MOONCAKE_METADATA",
+             "EAGLE3_DUMP_GIL_SWITCH_MS", "EAGLE3_DUMP_SINK", "EAGLE3_DUMP_MOONCAKE_MASTER",
+             "EAGLE3_DUMP_MOONCAKE_METADATA",
              "EAGLE3_DUMP_MOONCAKE_PROTOCOL", "EAGLE3_DUMP_MOONCAKE_DEVICE", "EAGLE3_DUMP_MOONCAKE_HOST",
              "EAGLE3_DUMP_MOONCAKE_SEGMENT_MB", "EAGLE3_DUMP_MOONCAKE_BUFFER_MB", "EAGLE3_DUMP_MOONCAKE_TTL_S",
              "EAGLE3_DUMP_SPECFORGE_IDS")
@@ -191,6 +197,14 @@ def _count(env, name: str, most: int) -> Optional[int]:
     return int(raw)
 
 
+def _gil_switch_ms(env) -> Optional[float]:
+    """``EAGLE3_DUMP_GIL_SWITCH_MS``: milliseconds above 0, at most ``MAX_GIL_SWITCH_MS``; None when unset."""
+    if not env.get(ENV_GIL_SWITCH_MS, "").strip():
+        return None
+    return _positive(env, ENV_GIL_SWITCH_MS, 1.0, "milliseconds", MAX_GIL_SWITCH_MS,
+                     "a thread waiting for the GIL would wait that long")
+
+
 def _choice(env, name: str, choices: Sequence[str]) -> str:
     """One of ``choices`` from ``env[name]`` (the first when unset)."""
     raw = env.get(name, "").strip()
@@ -264,6 +278,7 @@ class DumpSettings:
     max_wait_s: float = DEFAULT_MAX_WAIT_S  # the longest a forward waits for room in the arena
     storage: Storage = Storage()  # EAGLE3_DUMP_DTYPE, EAGLE3_DUMP_REBUILDABLE
     writers: Optional[int] = None  # EAGLE3_DUMP_WRITERS; None: commits.default_writers()
+    gil_switch_ms: Optional[float] = None  # EAGLE3_DUMP_GIL_SWITCH_MS; None: the interpreter's own
     family: str = "eagle3"  # EAGLE3_DUMP_READING: whose reading layer_ids follow
     sink: str = "file"  # EAGLE3_DUMP_SINK
     mooncake: Optional[MooncakeSettings] = None  # EAGLE3_DUMP_MOONCAKE_*, with the mooncake sink
@@ -303,7 +318,8 @@ class DumpSettings:
                    drain_s=_positive(env, ENV_DRAIN_S, DEFAULT_DRAIN_S, "seconds"),
                    max_wait_s=_positive(env, ENV_MAX_WAIT_S, DEFAULT_MAX_WAIT_S, "seconds"),
                    storage=Storage(_choice(env, ENV_DTYPE, tuple(DTYPES)), _choice(env, ENV_REBUILDABLE, REBUILDABLE)),
-                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), family=_choice(env, ENV_READING, FAMILIES),
+                   writers=_count(env, ENV_WRITERS, MAX_WRITERS), gil_switch_ms=_gil_switch_ms(env),
+                   family=_choice(env, ENV_READING, FAMILIES),
                    specforge_ids=_specforge_ids(env, sink["sink"]), **sink)
 
     @property
