@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,43 @@ def pytest_collection_modifyitems(session, config, items):
     for i, it in enumerate(items):
         first_seen.setdefault(unit_of(it.nodeid), i)
     items.sort(key=lambda it: (order.get(unit_of(it.nodeid), len(order)), first_seen[unit_of(it.nodeid)]))
+
+
+# the controller of a pytest-xdist run: (worker, unit) -> [start, end], seconds since the session started
+_UNIT_SPANS: dict = {}
+_T0 = [None]
+
+
+def pytest_sessionstart(session):
+    _T0[0] = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    """In the controller of a pytest-xdist run (``report.node``: the worker): when each unit's tests
+    ran on which worker, for the timeline at the end."""
+    node = getattr(report, "node", None)
+    if node is None or _T0[0] is None or report.when not in ("setup", "teardown"):
+        return
+    now = time.monotonic() - _T0[0]
+    span = _UNIT_SPANS.setdefault((node.gateway.id, unit_of(report.nodeid)), [now, now])
+    if report.when == "setup":
+        span[0] = min(span[0], now - report.duration)
+    span[1] = max(span[1], now)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The units each worker ran, in order, with their seconds, and how long each worker had nothing
+    left to do before the run ended: what to move when the suite's wall time grows."""
+    if not _UNIT_SPANS:
+        return
+    end = time.monotonic() - _T0[0]
+    tr = terminalreporter
+    tr.section("units per worker (seconds from the session's start)")
+    for w in sorted({w for w, _ in _UNIT_SPANS}):
+        spans = sorted((v[0], v[1], u) for (x, u), v in _UNIT_SPANS.items() if x == w)
+        busy = sum(b - a for a, b, _ in spans)
+        tr.write_line(f"{w}: " + ", ".join(f"{u} {a:.0f}-{b:.0f}" for a, b, u in spans)
+                      + f"; {busy:.0f} s in units, idle for the last {end - spans[-1][1]:.0f} s of {end:.0f}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_tool
@@ -193,7 +194,8 @@ def test_the_whole_suite_is_dealt_in_units_that_keep_shared_work_together(tmp_pa
     unit's tests (conftest.unit_of: a module, or the modules of a SHARED_UNITS entry) go to one worker,
     contiguous and in collection order (test_acceptance before test_check_draft, which starts from what
     the former publishes); the two workers start with the two longest units, and the units are given
-    out in conftest.LONGEST_FIRST's order, each worker's in that order. Without workers nothing is moved."""
+    out in conftest.LONGEST_FIRST's order, each worker's in that order; the summary's timeline names
+    each worker's units in the order it ran them. Without workers nothing is moved."""
     import conftest
 
     (tmp_path / "dealt_plugin.py").write_text(DEALT_PLUGIN)
@@ -203,14 +205,16 @@ def test_the_whole_suite_is_dealt_in_units_that_keep_shared_work_together(tmp_pa
 
     def deal(*extra):
         out.unlink(missing_ok=True)
+        # --assert=plain: every test is skipped before it runs, so no assert of theirs is rewritten for nothing
+        # (with PYTHONDONTWRITEBYTECODE each collecting process rewrote all modules again: 15 s each)
         r = subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "dealt_plugin", "-p", "no:cacheprovider",
-                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                            "--assert=plain", *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         rows = sorted((ln.split(" ", 2) for ln in out.read_text().splitlines()), key=lambda r: int(r[0]))
-        return [(w, n) for _, w, n in rows]
+        return [(w, n) for _, w, n in rows], r.stdout
 
-    plain = deal()
-    dealt = deal(*_test_py().xdist_args([], 2))
+    plain, _ = deal()
+    dealt, shown = deal(*_test_py().xdist_args([], 2))
     assert sorted(n for _, n in dealt) == sorted(n for _, n in plain) and len(dealt) == len(set(dealt)) > 1000
     unit = conftest.unit_of
     workers = {}
@@ -235,6 +239,9 @@ def test_the_whole_suite_is_dealt_in_units_that_keep_shared_work_together(tmp_pa
         assert [u for u in mine if u in conftest.LONGEST_FIRST] == [u for u in conftest.LONGEST_FIRST
                                                                     if starts[u] == w], (w, mine)
         assert mine[0] in conftest.LONGEST_FIRST[:2], (w, mine[:3])
+        # the timeline at the end names each unit on the worker that ran it, in the order it ran them
+        line = next((ln for ln in shown.splitlines() if ln.startswith(w + ": ")), "")
+        assert [part.rsplit(" ", 1)[0] for part in line[len(w) + 2:].split("; ")[0].split(", ")] == mine, (w, line)
     assert [n.split("::")[0] for _, n in plain] == sorted(n.split("::")[0] for _, n in plain)
 
 
@@ -251,3 +258,29 @@ def test_a_module_that_shares_costly_work_outside_its_unit_is_refused():
     assert conftest.split_shared_work(ok) == {}
     bad = ok + [T(nodeid="tests/test_new.py::d", fixturenames=["series_smoke"])]
     assert conftest.split_shared_work(bad) == {"series_smoke": ["test_functional", "test_new"]}
+
+
+@pytest.mark.parametrize("dont_write", [True, False])
+def test_smoke_workers_read_the_installed_bytecode(dont_write, tmp_path, monkeypatch):
+    """A smoke worker (``eaglepatch.smoke.worker_env``) loads the installed packages' own bytecode:
+    under PYTHONDONTWRITEBYTECODE it gets no PYTHONPYCACHEPREFIX (a prefix where nothing is written
+    hid torch's ``__pycache__`` from every worker, Engine and server process, each compiling torch,
+    transformers and sglang from source: an Engine start took 83 s against 40 s); where bytecode is
+    written, it goes to a directory of the runner's, outside the tree (the tree stays unwritten)."""
+    from eaglepatch.smoke import worker_env
+
+    if dont_write:
+        monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    else:
+        monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    env = worker_env(tmp_path)
+    # where this interpreter looks for torch's bytecode, torch not imported
+    probe = ("import importlib.util, os; print(os.path.exists(importlib.util.cache_from_source("
+             "importlib.util.find_spec('torch').origin)))")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    if dont_write:
+        assert "PYTHONPYCACHEPREFIX" not in env and r.stdout.strip() == "True", (r.stdout, env.get("PYTHONPYCACHEPREFIX"))
+    else:
+        prefix = env["PYTHONPYCACHEPREFIX"]
+        assert Path(prefix).is_dir() and not Path(prefix).is_relative_to(tmp_path), prefix

@@ -160,7 +160,8 @@ def smoke(rep: PluginReport, level: str, say=print, keep: Path | None = None) ->
         say(f"smoke: building the eaglepatch-capture wheel into {work}")
         site = plugin.install(plugin.build_wheel(work / "dist"), work / "site")
         # only sglang and its dist-info on the path (links: the tree is never written; byte code goes
-        # to the runner's PYTHONPYCACHEPREFIX), not the rest of a server's site-packages
+        # to the runner's PYTHONPYCACHEPREFIX, or nowhere under PYTHONDONTWRITEBYTECODE), not the rest of a
+        # server's site-packages
         view = work / "sglang-view"
         view.mkdir()
         for p in [rep.package_parent / "sglang", *sorted(rep.package_parent.glob("sglang-*.dist-info"))]:

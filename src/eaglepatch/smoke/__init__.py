@@ -174,7 +174,11 @@ def smoke_plugin_dir(work: Path) -> Path:
 
 def worker_env(package_parent: Path, stubs: Path = STUBS, plugin_paths: Iterable[Path] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DUMP_")}
-    env["PYTHONPYCACHEPREFIX"] = _pycache_prefix()
+    if not env.get("PYTHONDONTWRITEBYTECODE"):
+        # where bytecode is written, it goes to a dir of this process's, never into the trees; where none is
+        # written (PYTHONDONTWRITEBYTECODE), no prefix: a prefix would hide the installed packages' own
+        # __pycache__ and every worker and engine process would compile torch & co. from source (~15 s each)
+        env["PYTHONPYCACHEPREFIX"] = _pycache_prefix()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve())]
                                         + [str(Path(p).resolve()) for p in plugin_paths] + [str(stubs)])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
