@@ -101,6 +101,8 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--dump-writers", "0"],
          "--dump-writers '0' is not a whole number of threads from 1 to 64; pass e.g. --dump-writers 4"),
         (["--cpu-demo", tmp_path / "demo", "--dump-writers", "auto"], "--dump-writers 'auto' is not a whole number"),
+        (["--model-path", "m", "--dump-dir", tmp_path / "d", "--dump-gil-switch-ms", "101"],
+         "--dump-gil-switch-ms '101' is not a number of milliseconds above 0, at most 100; pass --dump-gil-switch-ms 1"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "s3"], "--sink 's3' is not file or mooncake"),
         (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sink", "mooncake"],
          "--sink mooncake needs the store's master; pass --mooncake-master HOST:PORT"),
@@ -130,6 +132,9 @@ def test_refusals_leave_everything_as_it_was(patched_checkout, tmp_path, release
                                         "to bf16 or fp8, unset it, or pass --dump-dtype"),
         ({"EAGLE3_DUMP_WRITERS": "100"}, "EAGLE3_DUMP_WRITERS='100' (from the environment) is not a whole number of "
                                          "threads from 1 to 64; set it to e.g. 4, unset it, or pass --dump-writers"),
+        ({"EAGLE3_DUMP_GIL_SWITCH_MS": "0"}, "EAGLE3_DUMP_GIL_SWITCH_MS='0' (from the environment) is not a number of "
+                                             "milliseconds above 0, at most 100; set it to e.g. 1, unset it, or pass "
+                                             "--dump-gil-switch-ms"),
     ]
     for env, needle in env_cases:
         for where in (["--model-path", "m", "--dump-dir", tmp_path / "d", "--sglang", patched_checkout],
