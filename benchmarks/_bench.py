@@ -130,6 +130,17 @@ def forward_usage(a) -> "str | None":
     return None
 
 
+def busy(until) -> int:
+    """The scheduler's stand-in: this thread runs Python all the time until ``until()`` is true; the
+    rounds of 1,000 loop steps it made."""
+    rounds = 0
+    while not until():
+        for _ in range(1000):
+            pass
+        rounds += 1
+    return rounds
+
+
 class swept:
     """``with swept(d):`` another process removes the ``*.safetensors`` files written into ``d`` every
     0.1 s (a removal by the measured process would give the GIL away too); at the end, all of them."""

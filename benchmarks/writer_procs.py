@@ -215,9 +215,7 @@ def one(sh: Shared, d: Path, config: str, writers: int, seconds: float) -> float
         t0 = time.monotonic()
         t.start()
         if where == "busy":
-            while time.monotonic() < stop:
-                for _ in range(1000):
-                    pass
+            _bench.busy(lambda: time.monotonic() >= stop)
         t.join()
         wall = time.monotonic() - t0
     return round(done[0] / wall, 1)

@@ -80,6 +80,17 @@ def test_settings_from_env():
             settings.DumpSettings.from_env(dict(env, EAGLE3_DUMP_DIR="/d"))
 
 
+def test_serve_checks_the_dump_s_own_bounds_and_defaults():
+    """tools/serve.py checks a setting before the server starts with copies of the dump's bounds and
+    defaults (it imports no SGLang): they are the dump's."""
+    from eaglepatch import serve
+
+    assert (serve.MAX_WRITERS, serve.MAX_GIL_SWITCH_MS, serve.DEFAULT_DRAIN_S) == (
+        settings.MAX_WRITERS, settings.MAX_GIL_SWITCH_MS, settings.DEFAULT_DRAIN_S)
+    ms = {st.var: st for st in serve.DUMP_SETTINGS}["EAGLE3_DUMP_GIL_SWITCH_MS"]
+    assert ms.most == settings.MAX_GIL_SWITCH_MS
+
+
 def test_keys_are_sha256_of_the_request_id_and_of_the_ids():
     assert dump_mod.request_key("r-1") == hashlib.sha256(b"r-1").hexdigest()
     assert dump_mod.request_key("r-1") != dump_mod.request_key("r-2")

@@ -59,14 +59,17 @@ DEFAULT_DRAIN_S = 20.0  # the dump's own default (eagle3_capture.settings.DEFAUL
 @dataclass(frozen=True)
 class DumpSetting:
     """One of the dump's settings that serve.py passes on: its flag, variable, the dump's default
-    and what its value is (``seconds``/``MiB``: a positive finite number; ``1/0``: a boolean)."""
+    and what its value is (``seconds``/``MiB``: a positive finite number; ``1/0``: a boolean);
+    ``most``: a number's upper bound, where the dump has one."""
 
     flag: str
     var: str
     default: str
     unit: str
+    most: float | None = None
 
 
+MAX_GIL_SWITCH_MS = 100.0  # eagle3_capture.settings.MAX_GIL_SWITCH_MS
 DUMP_SETTINGS = (
     DumpSetting("--max-pending-mb", "EAGLE3_DUMP_MAX_PENDING_MB", "4096", "MiB"),
     DumpSetting("--final", "EAGLE3_DUMP_FINAL", "1", "1/0"),
@@ -77,7 +80,7 @@ DUMP_SETTINGS = (
     # "auto": the server's default (the CPUs its rank may use, at most 4; printed in its start line)
     DumpSetting("--dump-writers", "EAGLE3_DUMP_WRITERS", "auto", "threads"),
     # no default: Python's own 5 ms unless given (eagle3_capture.settings.MAX_GIL_SWITCH_MS at most)
-    DumpSetting("--dump-gil-switch-ms", "EAGLE3_DUMP_GIL_SWITCH_MS", "", "milliseconds"),
+    DumpSetting("--dump-gil-switch-ms", "EAGLE3_DUMP_GIL_SWITCH_MS", "", "milliseconds", MAX_GIL_SWITCH_MS),
     DumpSetting("--sink", "EAGLE3_DUMP_SINK", "file", "file|mooncake"),
     # the Mooncake sink's (docs/online.md); no default: passed only when given
     DumpSetting("--mooncake-master", "EAGLE3_DUMP_MOONCAKE_MASTER", "", "host:port"),
@@ -92,7 +95,6 @@ DUMP_SETTINGS = (
     DumpSetting("--specforge-ids", "EAGLE3_DUMP_SPECFORGE_IDS", "", "ids"),
 )
 MAX_WRITERS = 64  # eagle3_capture.settings.MAX_WRITERS
-MAX_GIL_SWITCH_MS = 100.0  # eagle3_capture.settings.MAX_GIL_SWITCH_MS
 # what the dump reads as a boolean (eagle3_capture.settings._parse_bool)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -162,14 +164,14 @@ def _check_setting(st: DumpSetting, raw: str, from_flag: bool) -> str:
             number = float(value)
         except ValueError:
             number = float("nan")
-        ok = math.isfinite(number) and number > 0 and (st.unit != "milliseconds" or number <= MAX_GIL_SWITCH_MS)
+        ok = math.isfinite(number) and number > 0 and (st.most is None or number <= st.most)
     if ok:
         return value
     what = ("1 or 0" if boolean else " or ".join(choices) if choices else {
         "host:port": "host:port", "metadata": "http://host:port/metadata, etcd://... or P2PHANDSHAKE",
         "text": "one word", "ids": "distinct layer ids >= 0, comma-separated"}.get(st.unit) or (
             f"a whole number of threads from 1 to {MAX_WRITERS}" if threads else
-            f"a number of milliseconds above 0, at most {MAX_GIL_SWITCH_MS:g}" if st.unit == "milliseconds" else
+            f"a number of {st.unit} above 0, at most {st.most:g}" if st.most is not None else
             f"a positive finite number of {st.unit}"))
     example = ("1 or 0" if boolean else what if choices else "e.g. 4" if threads else
                {"host:port": "e.g. 127.0.0.1:50051", "metadata": "e.g. http://127.0.0.1:8080/metadata",
