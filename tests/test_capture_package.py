@@ -885,18 +885,154 @@ def test_no_fsync_in_a_directory_held_in_memory(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Two safetensors files equal: header length, header (as JSON: safetensors writes the metadata
+    from a hash map, in no fixed order) and every data byte."""
+    import struct
+
+    x, y = a.read_bytes(), b.read_bytes()
+    n, m = struct.unpack("<Q", x[:8])[0], struct.unpack("<Q", y[:8])[0]
+    return n == m and json.loads(x[8: 8 + n]) == json.loads(y[8: 8 + m]) and x[8 + n:] == y[8 + m:]
+
+
+def _shm_dir():
+    import os
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    return Path(tempfile.mkdtemp(prefix="e3c-test-", dir="/dev/shm"))
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("memory", [False, True])
+def test_files_from_the_forward_s_rows_are_save_file_s_bytes(tmp_path, ids_dtype, memory):
+    """Whole text requests are written straight from the forward's host rows (addresses, no view
+    per request); a chunked request from its own buffers; ids int64 or int32 (copied to int64), on a
+    disk and in memory. Every file is byte for byte what safetensors' ``save_file`` writes of the
+    request's rows, cut from the forward's inputs here, with the file's own metadata (header compared
+    as JSON: safetensors orders the metadata keys as a hash map does). The comparison fails on a file
+    written from an address one row off (the check's wrong input)."""
+    import shutil
+
+    from safetensors import TensorSpec
+    from safetensors.torch import save_file
+
+    d = _shm_dir() if memory else tmp_path
+    try:
+        layers = [-1, 1, 3]
+        w = dump_mod.DumpWriter(str(d), _idx(layers), True, 1 << 20, {"format": "eagle3-dump/1"}, chunked=True)
+        lens = [5, 1, 7, 3]
+        ids, cap, fin = _states(lens, layers, hidden=24, seed=3)
+        ids = ids.to(ids_dtype)
+        w.submit(_Batch(ids, lens), cap, fin)
+        # the first 4 of r9's 6 rows, then the last 2: written from its own buffers
+        ids2, cap2, fin2 = _states([4], layers, hidden=24, seed=4)
+        w.submit(_Batch(ids2.to(ids_dtype), [4], totals=[6], rids=["r9"]), cap2, fin2)
+        ids3, cap3, fin3 = _states([2], layers, hidden=24, seed=5)
+        w.submit(_Batch(ids3.to(ids_dtype), [2], prefix_lens=[4], totals=[6], rids=["r9"]), cap3, fin3)
+        w.flush()
+        assert (w.written, w.failed, w.dropped) == (5, 0, 0)
+        sources = {"r9": (torch.cat([ids2, ids3]), {k: torch.cat([cap2[k], cap3[k]]) for k in cap2},
+                          torch.cat([fin2, fin3]), 0, 6)}
+        start = 0
+        for i, n in enumerate(lens):
+            sources[f"r{i}"] = (ids, cap, fin, start, n)
+            start += n
+        for rid, (i_, c_, f_, a, n) in sources.items():
+            path = d / (dump_mod.request_key(rid) + ".safetensors")
+            tensors, meta = _read(path)
+            expected = {"input_ids": i_[a: a + n].to(torch.int64), "final": f_[a: a + n]}
+            expected.update({f"layer.{k}": c_[k + 1][a: a + n] for k in layers})
+            assert sorted(tensors) == sorted(expected), rid
+            save_file(expected, str(tmp_path / "expected.safetensors"), metadata=meta)
+            assert _same_file(path, tmp_path / "expected.safetensors"), rid
+        # the wrong input: r2's file written from the rows one below its own
+        ids64 = ids.to(torch.int64)
+        specs = {name: TensorSpec(dtype=str(t.dtype).split(".")[-1], shape=list(t[6:13].shape),
+                                  data_ptr=t[7:14].data_ptr(), data_len=t[6:13].numel() * t.element_size())
+                 for name, t in {"final": fin, **{f"layer.{k}": cap[k + 1] for k in layers}}.items()}
+        specs["input_ids"] = TensorSpec(dtype="int64", shape=[7], data_ptr=ids64[6:13].data_ptr(), data_len=56)
+        _, meta = _read(d / (dump_mod.request_key("r2") + ".safetensors"))
+        w.sink.commit_specs("wrong", specs, meta)
+        expected = {"input_ids": ids64[6:13], "final": fin[6:13], **{f"layer.{k}": cap[k + 1][6:13] for k in layers}}
+        save_file(expected, str(tmp_path / "expected.safetensors"), metadata=meta)
+        assert not _same_file(d / "wrong.safetensors", tmp_path / "expected.safetensors")
+        w.close()
+    finally:
+        if memory:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_in_memory_the_commit_keeps_the_gil_through_its_metadata_calls(tmp_path, monkeypatch):
+    """In a directory held in memory a file's existence check, chmod and rename are libc calls that
+    keep the GIL (``sinks.HELD``): ``os``'s would each give it away beside the scheduler's thread.
+    With ``os.chmod``, ``os.replace`` and ``os.open`` made to fail in the writer's modules, files are
+    still written there, mode 0644 whatever the umask; on the disk the same calls go through ``os``
+    (they fail here, by name). A held rename that fails (a directory at the file's name) fails that
+    request by name and leaves no temporary file."""
+    import os
+    import shutil
+
+    sinks = sys.modules["e3c_under_test.sinks"]
+    shm = _shm_dir()
+    try:
+        def refuse(*a, **kw):
+            raise OSError("the os call this path must not make")
+
+        for mod in (sinks.os, dump_mod.os):
+            monkeypatch.setattr(mod, "chmod", refuse)
+            monkeypatch.setattr(mod, "replace", refuse)
+            monkeypatch.setattr(mod, "open", refuse)
+        w = dump_mod.DumpWriter(str(shm), _idx([1]), False, 1 << 20, {})
+        assert "the write keep the GIL" in w.sink.describe()
+        ids, cap, fin = _states([3, 4], [1])
+        old = os.umask(0o077)
+        try:
+            w.submit(_Batch(ids, [3, 4]), cap, fin)
+            w.flush()
+        finally:
+            os.umask(old)
+        assert (w.written, w.failed) == (2, 0)
+        for rid in ("r0", "r1"):
+            assert (shm / (dump_mod.request_key(rid) + ".safetensors")).stat().st_mode & 0o777 == 0o644
+        (shm / (dump_mod.request_key("r5") + ".safetensors")).mkdir()
+        (shm / (dump_mod.request_key("r5") + ".safetensors") / "x").write_text("not empty")
+        w.submit(_Batch(ids[:3], [3], rids=["r5"]), cap, fin)
+        w.flush()
+        assert (w.written, w.failed) == (2, 1)
+        assert w.state("r5").startswith("failed: the write failed: [Errno"), w.state("r5")
+        assert not [p for p in shm.iterdir() if p.name.endswith(".tmp")]
+        w.close()
+        disk = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
+        disk.submit(_Batch(ids[:3], [3], rids=["d0"]), cap, fin)
+        disk.flush()
+        assert disk.failed == 1 and "the os call this path must not make" in disk.state("d0")
+        disk.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_prompt_key_is_the_sha256_of_the_ids_text_however_long():
+    """Hashed in pieces below hashlib's GIL threshold: the same digest as one sha256 of the text."""
+    for n in (0, 1, 300, 2047, 5000):
+        ids = [(i * 7919) % 200000 for i in range(n)]
+        text = ",".join(str(i) for i in ids).encode()
+        assert dump_mod.prompt_key(ids) == hashlib.sha256(text).hexdigest()
+    assert dump_mod.prompt_key([1, 2, 3]) != hashlib.sha256(b"1,2,3,").hexdigest()
+
+
 def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
     """A write that takes time (a slow disk): the flush answers after the file is there, over the
     real control socket, and reports the counts; pause and resume travel the same way."""
-    import safetensors.torch as st
+    sinks = sys.modules["e3c_under_test.sinks"]
+    real = sinks.durable_replace
 
-    real = st.save_file
-
-    def slow(*a, **kw):
+    def slow(*a, **kw):  # whichever path writes the file (save_file, or serialize_file given addresses)
         time.sleep(0.6)
         return real(*a, **kw)
 
-    monkeypatch.setattr(st, "save_file", slow)
+    monkeypatch.setattr(sinks, "durable_replace", slow)
     w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), False, 1 << 20, {})
     path = str(tmp_path / "c.sock")
     monkeypatch.setenv(control.ENV_TOKEN, "the launch's secret")
@@ -909,7 +1045,7 @@ def test_flush_returns_only_once_the_files_are_on_disk(tmp_path, monkeypatch):
         assert reply["flushed"] is True and reply["written"] == 1
         assert control.call("pause", 5, path=path)["paused"] is True and w.paused
         assert control.call("resume", 5, path=path)["paused"] is False and not w.paused
-        monkeypatch.setattr(st, "save_file", lambda *a, **kw: time.sleep(3))
+        monkeypatch.setattr(sinks, "durable_replace", lambda *a, **kw: time.sleep(3))
         w.submit(_Batch(ids, [3], rids=["slower"]), cap, fin)
         with pytest.raises(control.FlushError, match="did not catch up within 0.5 s"):
             control.call("flush", 0.5, path=path)

@@ -31,6 +31,7 @@ again once space returns.
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
 import json
@@ -44,6 +45,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -169,6 +171,79 @@ class _Hold:
             last = self._count == 0
         if last:
             self._release()
+
+
+class _Forward:
+    """What the gather thread reads once of a forward's host tensors: each contiguous tensor's
+    address, safetensors dtype name, row shape and bytes a row, and the forward's ids as a list. A
+    request's rows are then placed by arithmetic (``_Rows.specs``): beside the scheduler's thread,
+    which runs Python all the time, each torch call that makes a view may give the GIL away and wait
+    up to Python's switch interval to get it back (benchmarks/commit_gil.py), per request and tensor."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.places: Dict[str, tuple] = {}  # name -> (address, dtype name, row shape, bytes a row)
+        for name, t in tensors.items():
+            if t.dim() >= 1 and t.is_contiguous():
+                row_shape = tuple(t.shape[1:])
+                self.places[name] = (t.data_ptr(), str(t.dtype).split(".")[-1], row_shape,
+                                     _numel(row_shape) * t.element_size())
+        ids = tensors.get("input_ids")
+        self.ids = ids.tolist() if ids is not None else None
+        self.ids_int64 = ids is not None and ids.dtype == torch.int64
+
+
+class _Rows(Mapping):
+    """One request's rows of a forward (tensor name -> its rows): a view is made only when a name is
+    looked up (a chunked request's copy, the general commit path); ``specs`` places them without one."""
+
+    def __init__(self, forward: _Forward, start: int, length: int, names: List[str]):
+        self.forward, self.start, self.length, self.names = forward, start, length, names
+        self._views: Dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self.forward.tensors[name][self.start: self.start + self.length]
+        return view
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def ids(self) -> List[int]:
+        return self.forward.ids[self.start: self.start + self.length]
+
+    def specs(self, ids: List[int], keep: list) -> Optional[dict]:
+        """safetensors ``TensorSpec`` of each tensor of this request's file (the ids as int64, from the
+        forward's ids when they are int64, else from ``ids`` copied into an array appended to
+        ``keep``, which the caller holds until the file is written); None when some tensor is not
+        contiguous (the general path then cuts views)."""
+        from safetensors import TensorSpec
+
+        out, places, n = {}, self.forward.places, self.length
+        if "input_ids" in self.names:
+            if self.forward.ids_int64 and "input_ids" in places:
+                address = places["input_ids"][0] + self.start * 8
+            else:
+                copy = array.array("q", ids)
+                keep.append(copy)
+                address = copy.buffer_info()[0]
+            out["input_ids"] = TensorSpec(dtype="int64", shape=[n], data_ptr=address, data_len=n * 8)
+        for name in self.names:
+            if name == "input_ids":
+                continue
+            place = places.get(name)
+            if place is None:
+                return None
+            address, dtype, row_shape, row_bytes = place
+            out[name] = TensorSpec(dtype=dtype, shape=[n, *row_shape], data_ptr=address + self.start * row_bytes,
+                                   data_len=n * row_bytes)
+        return out
 
 
 @dataclass
@@ -539,9 +614,9 @@ class DumpWriter:
         """Write the requests this forward completes; keep the rows of unfinished ones."""
         for p in self._partials.values():
             p.seen = False
+        forward = _Forward(job.tensors)
         for span in job.spans:
-            rows = {n: t[span.start: span.start + span.length] for n, t in job.tensors.items()
-                    if self._keeps(n, span.req)}
+            rows = _Rows(forward, span.start, span.length, [n for n in job.tensors if self._keeps(n, span.req)])
             try:
                 self._take(span, rows, hold)
             except Exception as exc:  # this request's problem: the others of the forward are written
@@ -723,16 +798,33 @@ class DumpWriter:
                 self._committing.discard(req.rid)
             done()
 
+    def _direct(self, rows, req: RequestInfo) -> bool:
+        """Whether this request's file is written straight from the forward's host rows (``_Rows.specs``,
+        ``FileSink.commit_specs``): a whole text request of one forward, to files, with nothing to
+        cut or map. Anything else (a chunked request's own buffers, a multimodal wrapper's ids, kept
+        embedding rows, the Mooncake sink) takes the general path: the same file either way."""
+        return (isinstance(rows, _Rows) and rows.length == req.prompt_len and isinstance(self.sink, FileSink)
+                and self.placeholder_id is None
+                and not (self.layout.embedding_partial and EMBEDDING in rows.names))
+
     def _commit_file(self, rows: Dict[str, torch.Tensor], req: RequestInfo) -> None:
         length = req.prompt_len
-        raw_ids = rows["input_ids"][:length].to(torch.int64)
-        ids = raw_ids
-        if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
-            ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
-        pkey = prompt_key(ids.tolist())
         key = req.key
         with self._states_lock:
             payload = self._expected.get(req.rid)
+        direct = payload is None and self._direct(rows, req)
+        if direct:
+            raw_ids = None
+            id_list = rows.ids()
+        else:
+            raw_ids = rows["input_ids"][:length]
+            if raw_ids.dtype != torch.int64:
+                raw_ids = raw_ids.to(torch.int64)
+            ids = raw_ids
+            if self.placeholder_id is not None:  # a multimodal wrapper's pad values -> its placeholder
+                ids = torch.where(ids >= self.vocab_size, torch.full_like(ids, self.placeholder_id), ids)
+            id_list = ids.tolist()
+        pkey = prompt_key(id_list)
         if payload is not None:  # SpecForge's objects, not this sink's (a retry replaces them)
             out = {name: host[:length] for name, host in rows.items() if name != "input_ids"}
             self._commit_specforge(payload, out, req)
@@ -740,13 +832,22 @@ class DumpWriter:
         metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
         if self._written_before(req, metadata):
             return
-        out = {"input_ids": ids}
+        keep: list = []
+        specs = rows.specs(id_list, keep) if direct else None
+        if specs is not None:
+            self._commit_to_sink(req, key, lambda: self.sink.commit_specs(key, specs, metadata))
+            return
+        out = {"input_ids": ids if raw_ids is not None else torch.tensor(id_list, dtype=torch.int64)}
         for name, host in rows.items():
             if name != "input_ids":
                 out[name] = host[:length]
-        self.layout.cut_embedding(out, raw_ids, all_rows=every_embedding_row(req))
+        if raw_ids is not None:
+            self.layout.cut_embedding(out, raw_ids, all_rows=every_embedding_row(req))
+        self._commit_to_sink(req, key, lambda: self.sink.commit(key, out, metadata))
+
+    def _commit_to_sink(self, req: RequestInfo, key: str, commit) -> None:
         try:
-            where = self.sink.commit(key, out, metadata)
+            where = commit()
             self._set_handle(req, where)
             self._add("written")
             self._set_state(req, "written")

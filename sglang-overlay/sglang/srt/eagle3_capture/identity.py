@@ -63,9 +63,18 @@ def printable(rid: str) -> str:
         return rid.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+HASH_PIECE = 2047  # hashlib gives the GIL away for data of 2 KiB and more (HASHLIB_GIL_MINSIZE)
+
+
 def prompt_key(token_ids: Sequence[int]) -> str:
-    """sha256 (hex) of the stored prompt ids written as '1,2,3' (kept in every file's metadata)."""
-    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
+    """sha256 (hex) of the stored prompt ids written as '1,2,3' (kept in every file's metadata).
+    Hashed in pieces below hashlib's GIL threshold: the dump's writer threads keep the GIL through
+    it (beside the scheduler's thread, getting it back costs up to Python's switch interval)."""
+    data = ",".join(str(int(t)) for t in token_ids).encode()
+    h = hashlib.sha256()
+    for i in range(0, len(data), HASH_PIECE):
+        h.update(data[i: i + HASH_PIECE])
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ recorded (None: nothing there), which the writer compares before it writes again
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -76,6 +77,45 @@ def memory_backed(directory: str) -> bool:
     return fstype in MEMORY_FILE_SYSTEMS
 
 
+class _Held:
+    """Three metadata system calls made while this thread keeps the GIL (``ctypes.PyDLL``: libc's
+    ``access``, ``chmod`` and ``rename``), for directories held in memory only, where they return in
+    microseconds. Made through ``os`` they give the GIL away, and beside the scheduler's thread,
+    which runs Python all the time, each costs the dump's writer thread up to Python's switch
+    interval to get it back (benchmarks/commit_gil.py); on a disk they may wait for it, so there
+    they go through ``os`` as before. A failure raises ``OSError`` with the call's errno, as ``os``
+    does."""
+
+    def __init__(self):
+        libc = ctypes.PyDLL(None, use_errno=True)
+        self._access, self._chmod, self._rename = libc.access, libc.chmod, libc.rename
+        self._access.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        self._chmod.argtypes = [ctypes.c_char_p, ctypes.c_uint]
+        self._rename.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        for f in (self._access, self._chmod, self._rename):
+            f.restype = ctypes.c_int
+
+    @staticmethod
+    def _raise(path: str, other: Optional[str] = None) -> None:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path, None, other)
+
+    def exists(self, path: str) -> bool:
+        """Whether anything is at ``path`` (a link is followed: a dangling one is nothing)."""
+        return self._access(os.fsencode(path), os.F_OK) == 0
+
+    def chmod(self, path: str, mode: int) -> None:
+        if self._chmod(os.fsencode(path), mode) != 0:
+            self._raise(path)
+
+    def replace(self, src: str, dst: str) -> None:
+        if self._rename(os.fsencode(src), os.fsencode(dst)) != 0:
+            self._raise(src, dst)
+
+
+HELD = _Held()
+
+
 def _no_fsync(path: str) -> None:
     """A file system in memory: nothing to make durable. Each system call a writer thread makes costs it
     the GIL back, which the scheduler's thread holds while it runs Python, for up to Python's switch
@@ -90,17 +130,19 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def durable_replace(path: str, tmp: str, write, fsync=None) -> None:
+def durable_replace(path: str, tmp: str, write, fsync=None, held: bool = False) -> None:
     """``write(tmp)``, then ``tmp`` readable by others whatever the umask, fsynced, renamed over
     ``path`` and the directory fsynced: a reader sees the old file or the whole new one, and a crash
     leaves one of them; on any failure the temporary file is removed and the error raised.
-    ``fsync``: the caller's (default: this module's ``_fsync``, which the dump files' tests watch)."""
+    ``fsync``: the caller's (default: this module's ``_fsync``, which the dump files' tests watch).
+    ``held``: the chmod and the rename keep the GIL (``HELD``: a directory in memory)."""
     fsync = fsync or _fsync
+    chmod, replace = (HELD.chmod, HELD.replace) if held else (os.chmod, os.replace)
     try:
         write(tmp)
-        os.chmod(tmp, FILE_MODE)
+        chmod(tmp, FILE_MODE)
         fsync(tmp)
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -173,13 +215,16 @@ class FileSink:
         """``directory``: an ``EAGLE3_DUMP_DIR`` value, one directory or several (``dump_directories``)."""
         self.directories = dump_directories(directory)
         self.directory = self.directories[0]
-        # a directory in memory: no fsync (None: this module's _fsync, looked up at each commit)
+        # a directory in memory: no fsync (None: this module's _fsync, looked up at each commit), and
+        # its metadata calls keep the GIL (HELD)
         self.fsyncs = {d: _no_fsync if memory_backed(d) else None for d in self.directories}
+        self.held = {d: f is _no_fsync for d, f in self.fsyncs.items()}
 
     def describe(self) -> str:
         """The start line's words for this sink."""
         memory = [d for d, f in self.fsyncs.items() if f is _no_fsync]
-        return self.name + (f" (no fsync in {', '.join(memory)}: held in memory)" if memory else "")
+        return self.name + (f" (no fsync in {', '.join(memory)}: held in memory; its file system calls but "
+                            f"the write keep the GIL)" if memory else "")
 
     def directory_of(self, key: str) -> str:
         return self.directories[spread(key, len(self.directories))]
@@ -191,15 +236,29 @@ class FileSink:
         return {"sink": self.name, "file": f"{key}.safetensors"}
 
     def header(self, key: str, read_header) -> Optional[Dict[str, str]]:
-        return read_header(self.path(key))
+        path = self.path(key)
+        if self.held[self.directory_of(key)] and not HELD.exists(path):  # the usual case, the GIL kept
+            return None
+        return read_header(path)
 
     def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
         from safetensors.torch import save_file
 
+        return self._commit(key, lambda t: save_file(tensors, t, metadata=metadata))
+
+    def commit_specs(self, key: str, specs: Dict[str, object], metadata: Dict[str, str]) -> dict:
+        """``commit`` of tensors given as safetensors ``TensorSpec`` (dtype, shape, address, bytes: the
+        caller keeps their memory alive): the same file as ``save_file`` writes of the same tensors,
+        with no torch call."""
+        from safetensors import serialize_file
+
+        return self._commit(key, lambda t: serialize_file(specs, t, metadata=metadata))
+
+    def _commit(self, key: str, write) -> dict:
         directory = self.directory_of(key)
         path = self.path(key)
         tmp = os.path.join(directory, f".{key}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-        durable_replace(path, tmp, lambda t: save_file(tensors, t, metadata=metadata), fsync=self.fsyncs[directory])
+        durable_replace(path, tmp, write, fsync=self.fsyncs[directory], held=self.held[directory])
         return self.where(key)
 
     def fail(self, key: str, why: str) -> None:
