@@ -1,5 +1,6 @@
-"""benchmarks/writer_procs.py and benchmarks/commit_gil.py: the two measurements behind the dump's
-writers beside a busy scheduler thread (docs/benchmarks.md sections 15 and 16), run short on CPU."""
+"""benchmarks/writer_procs.py, commit_gil.py, views_gil.py and handovers_gil.py: the measurements behind
+the dump's writers beside a busy scheduler thread (docs/benchmarks.md sections 15 to 18), run short on
+CPU."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def test_views_gil_times_each_way_alone_and_beside_a_busy_thread(tmp_path):
     assert all(v["min"] > 0 and len(v["all"]) == 1 for v in res.values())
 
 
+def test_handovers_gil_counts_calls_and_both_overlays_files(tmp_path):
+    """Every call of the table counted, both overlays' writers written through (no file failed), the
+    files and the benchmark's own directory removed."""
+    out = tmp_path / "hg.json"
+    d = tmp_path / "d"
+    d.mkdir()
+    r = _run("handovers_gil.py", "--base", "HEAD", "--switch-ms", "2", "--files", "2", "--tokens", "5",
+             "--reps", "1", "--dir", str(d), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"os.chmod", "HELD.chmod", "save_file of 100 rows", "torch t.narrow(0, 100, 100)"} <= set(res["calls"])
+    assert all(v >= 0 for v in res["calls"].values()) and res["calls"]["save_file of 100 rows"] > 0
+    assert set(res["intervals_per_file"]) == {"base", "tree"} and all(v > 0 for v in res["intervals_per_file"].values())
+    assert list(d.iterdir()) == []
+    assert "GIL handovers per file" in r.stderr
+
+
 @pytest.mark.parametrize("script,args,words", [
     ("writer_procs.py", ["--tokens", "0"], "--tokens takes counts >= 1"),
     ("writer_procs.py", ["--dir", "/nonexistent-dir"], "not a directory"),
@@ -97,6 +115,9 @@ def test_views_gil_times_each_way_alone_and_beside_a_busy_thread(tmp_path):
     ("commit_gil.py", ["--base-overlay", "/nonexistent-dir"], "no sglang/"),
     ("commit_gil.py", ["--switch-ms", "0"], "--switch-ms 0: not above 0"),
     ("views_gil.py", ["--reps", "0"], "--reps must be >= 1"),
+    ("handovers_gil.py", ["--switch-ms", "1"], "--switch-ms takes 2 to 100"),
+    ("handovers_gil.py", ["--dir", "/nonexistent-dir"], "not a directory"),
+    ("handovers_gil.py", ["--base", "no-such-revision"], "not a revision"),
 ])
 def test_usage_errors_are_one_line_exit_2_and_write_nothing(tmp_path, script, args, words):
     out = tmp_path / "x.json"
