@@ -227,8 +227,9 @@ class _Rows(Mapping):
 
         out, places, n = {}, self.forward.places, self.length
         if "input_ids" in self.names:
-            if self.forward.ids_int64 and "input_ids" in places:
-                address = places["input_ids"][0] + self.start * 8
+            place = places.get("input_ids")
+            if self.forward.ids_int64 and place is not None and place[2] == ():  # 1-D int64: 8 bytes a row
+                address = place[0] + self.start * place[3]
             else:
                 copy = array.array("q", ids)
                 keep.append(copy)
