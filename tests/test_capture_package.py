@@ -954,7 +954,7 @@ def test_files_from_the_forward_s_rows_are_save_file_s_bytes(tmp_path, ids_dtype
                  for name, t in {"final": fin, **{f"layer.{k}": cap[k + 1] for k in layers}}.items()}
         specs["input_ids"] = TensorSpec(dtype="int64", shape=[7], data_ptr=ids64[6:13].data_ptr(), data_len=56)
         _, meta = _read(d / (dump_mod.request_key("r2") + ".safetensors"))
-        w.sink.commit_specs("wrong", specs, meta)
+        w.sink.commit("wrong", specs, meta)
         expected = {"input_ids": ids64[6:13], "final": fin[6:13], **{f"layer.{k}": cap[k + 1][6:13] for k in layers}}
         save_file(expected, str(tmp_path / "expected.safetensors"), metadata=meta)
         assert not _same_file(d / "wrong.safetensors", tmp_path / "expected.safetensors")

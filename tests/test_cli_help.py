@@ -260,6 +260,21 @@ def test_a_module_that_shares_costly_work_outside_its_unit_is_refused():
     assert conftest.split_shared_work(bad) == {"series_smoke": ["test_functional", "test_new"]}
 
 
+def test_smoke_workers_load_no_nccl(tmp_path):
+    """A smoke worker's SGLang finds no NCCL library: ``SGLANG_NCCL_SO_PATH`` names one that loads
+    nothing (SGLang's ``NCCLLibrary`` opens it with ctypes first, and disables pynccl when that fails).
+    With a CUDA build of torch on a CPU machine (a fresh machine's torch from the package index), a
+    TP 2 launch otherwise fails in pynccl on the CPU device (test_dump_stops' TP 2 test, seen so)."""
+    import ctypes
+
+    from eaglepatch.smoke import worker_env
+
+    env = worker_env(tmp_path)
+    assert env["SGLANG_NCCL_SO_PATH"] == os.devnull
+    with pytest.raises(OSError):
+        ctypes.CDLL(env["SGLANG_NCCL_SO_PATH"])
+
+
 @pytest.mark.parametrize("dont_write", [True, False])
 def test_smoke_workers_read_the_installed_bytecode(dont_write, tmp_path, monkeypatch):
     """A smoke worker (``eaglepatch.smoke.worker_env``) loads the installed packages' own bytecode:

@@ -182,6 +182,10 @@ def worker_env(package_parent: Path, stubs: Path = STUBS, plugin_paths: Iterable
     env["PYTHONPATH"] = os.pathsep.join([str(Path(package_parent).resolve())]
                                         + [str(Path(p).resolve()) for p in plugin_paths] + [str(stubs)])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # No NCCL on CPU: torch from the package index is a CUDA build whose libnccl loads on a machine with
+    # no GPU, and SGLang's pynccl (every release pinned) then sets itself up on the CPU device and fails a
+    # launch of TP 2 ("Expected a cuda device, but got: cpu"); a library path that loads nothing disables it
+    env["SGLANG_NCCL_SO_PATH"] = os.devnull
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"

@@ -801,7 +801,7 @@ class DumpWriter:
 
     def _direct(self, rows, req: RequestInfo) -> bool:
         """Whether this request's file is written straight from the forward's host rows (``_Rows.specs``,
-        ``FileSink.commit_specs``): a whole text request of one forward, to files, with nothing to
+        ``FileSink.commit`` given ``TensorSpec``s): a whole text request of one forward, to files, with nothing to
         cut or map. Anything else (a chunked request's own buffers, a multimodal wrapper's ids, kept
         embedding rows, the Mooncake sink) takes the general path: the same file either way."""
         return (isinstance(rows, _Rows) and rows.length == req.prompt_len and isinstance(self.sink, FileSink)
@@ -836,7 +836,7 @@ class DumpWriter:
         keep: list = []
         specs = rows.specs(id_list, keep) if direct else None
         if specs is not None:
-            self._commit_to_sink(req, key, lambda: self.sink.commit_specs(key, specs, metadata))
+            self._commit_to_sink(req, key, specs, metadata)
             return
         out = {"input_ids": ids if raw_ids is not None else torch.tensor(id_list, dtype=torch.int64)}
         for name, host in rows.items():
@@ -844,11 +844,11 @@ class DumpWriter:
                 out[name] = host[:length]
         if raw_ids is not None:
             self.layout.cut_embedding(out, raw_ids, all_rows=every_embedding_row(req))
-        self._commit_to_sink(req, key, lambda: self.sink.commit(key, out, metadata))
+        self._commit_to_sink(req, key, out, metadata)
 
-    def _commit_to_sink(self, req: RequestInfo, key: str, commit) -> None:
+    def _commit_to_sink(self, req: RequestInfo, key: str, out: Dict[str, object], metadata: Dict[str, str]) -> None:
         try:
-            where = commit()
+            where = self.sink.commit(key, out, metadata)
             self._set_handle(req, where)
             self._add("written")
             self._set_state(req, "written")

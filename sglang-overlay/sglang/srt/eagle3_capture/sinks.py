@@ -241,18 +241,16 @@ class FileSink:
             return None
         return read_header(path)
 
-    def commit(self, key: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
+    def commit(self, key: str, tensors: Dict[str, object], metadata: Dict[str, str]) -> dict:
+        """Write ``<key>.safetensors``: ``tensors`` maps each name to a host tensor, or (every one) to a
+        safetensors ``TensorSpec`` (dtype, shape, address, bytes; the caller keeps that memory alive),
+        written by ``serialize_file`` with no torch call: the file ``save_file`` writes of the same rows."""
+        from safetensors import TensorSpec, serialize_file
         from safetensors.torch import save_file
 
+        if tensors and all(isinstance(t, TensorSpec) for t in tensors.values()):
+            return self._commit(key, lambda t: serialize_file(tensors, t, metadata=metadata))
         return self._commit(key, lambda t: save_file(tensors, t, metadata=metadata))
-
-    def commit_specs(self, key: str, specs: Dict[str, object], metadata: Dict[str, str]) -> dict:
-        """``commit`` of tensors given as safetensors ``TensorSpec`` (dtype, shape, address, bytes: the
-        caller keeps their memory alive): the same file as ``save_file`` writes of the same tensors,
-        with no torch call."""
-        from safetensors import serialize_file
-
-        return self._commit(key, lambda t: serialize_file(specs, t, metadata=metadata))
 
     def _commit(self, key: str, write) -> dict:
         directory = self.directory_of(key)
