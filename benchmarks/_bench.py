@@ -236,3 +236,32 @@ def make_states(tokens: int, hidden: int, layer_ids, dtype, seed: int = 0):
 
 def metadata():
     return {"format": "eagle3-dump/1", "architecture": "bench", "model_path": "bench"}
+
+
+def base_args(ap) -> None:
+    """The options naming the base overlay of the benchmarks that compare two (commit_gil, handovers_gil)."""
+    ap.add_argument("--base", default="HEAD", help="git revision whose overlay is the base (default HEAD)")
+    ap.add_argument("--base-overlay", help="the base's overlay directory instead (a machine without the git history)")
+
+
+def base_usage(a) -> "str | None":
+    """The one-line usage error of ``base_args``' values (None: they are fine)."""
+    if a.base_overlay and not (Path(a.base_overlay) / "sglang").is_dir():
+        return f"error: --base-overlay {a.base_overlay}: no sglang/ in it; fix: pass a copy of sglang-overlay/"
+    if not a.base_overlay and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q",
+                                              a.base + "^{commit}"], capture_output=True).returncode:
+        return f"error: --base {a.base}: not a revision of this repository; fix: e.g. --base HEAD"
+    return None
+
+
+def base_overlay(a, scratch: Path) -> "tuple[Path, str]":
+    """(the base's overlay directory, its name in reports): ``--base-overlay`` as given, or ``--base``'s
+    overlay taken with ``git archive`` into ``scratch`` and its short revision."""
+    if a.base_overlay:
+        return Path(a.base_overlay), a.base_overlay
+    data = subprocess.run(["git", "-C", str(REPO), "archive", a.base, "sglang-overlay"], check=True,
+                          capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(scratch)], input=data, check=True)
+    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base], capture_output=True,
+                         text=True).stdout.strip()
+    return scratch / "sglang-overlay", rev

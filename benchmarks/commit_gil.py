@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,14 +45,6 @@ import _bench  # noqa: E402
 HIDDEN, LAYERS = 7168, (-1, 2, 30, 59)  # capture of the embedding and three layers, + the final state
 CONFIGS = ("busy", "alone")
 IN_FLIGHT = 2  # forwards gathered and not yet written, at most
-
-
-def overlay_at(rev: str, dest: Path) -> Path:
-    """The overlay directory of revision ``rev`` (git archive), extracted under ``dest``."""
-    data = subprocess.run(["git", "-C", str(REPO), "archive", rev, "sglang-overlay"], check=True,
-                          capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
-    return dest / "sglang-overlay"
 
 
 class Forward:
@@ -132,8 +123,7 @@ def one(name: str, root: Path, d: Path, fwd: Forward, config: str, writers: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="HEAD", help="git revision whose overlay is the base (default HEAD)")
-    ap.add_argument("--base-overlay", help="the base's overlay directory instead (a machine without the git history)")
+    _bench.base_args(ap)
     _bench.forward_args(ap, "threads")
     ap.add_argument("--switch-ms", type=float, help="this tree's runs with this GIL switch interval, milliseconds "
                     "(above 0, at most 100; default: Python's 5 ms, as the base's)")
@@ -147,23 +137,18 @@ def main() -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
+    why = _bench.base_usage(a)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     tokens = _bench.counts(a.tokens)
-    if a.base_overlay and not (Path(a.base_overlay) / "sglang").is_dir():
-        print(f"error: --base-overlay {a.base_overlay}: no sglang/ in it; fix: pass a copy of sglang-overlay/",
-              file=sys.stderr)
-        return 2
-    if not a.base_overlay and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q",
-                                              a.base + "^{commit}"], capture_output=True).returncode:
-        print(f"error: --base {a.base}: not a revision of this repository; fix: e.g. --base HEAD", file=sys.stderr)
-        return 2
     _bench.in_torch_env()
     from eaglepatch.overlay import overlay_root
 
     scratch = Path(tempfile.mkdtemp(prefix="commit-gil-"))
     d = Path(tempfile.mkdtemp(prefix="commit-gil-", dir=a.dir))
-    roots = {"base": Path(a.base_overlay) if a.base_overlay else overlay_at(a.base, scratch), "tree": overlay_root()}
-    base_rev = a.base_overlay or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base],
-                                                capture_output=True, text=True).stdout.strip()
+    base_root, base_rev = _bench.base_overlay(a, scratch)
+    roots = {"base": base_root, "tree": overlay_root()}
     res = {"base": base_rev, "dir": a.dir, "requests": a.requests, "writers": a.writers, "seconds": a.seconds,
            "reps": a.reps, "cores": os.cpu_count(), "python": sys.version.split()[0],
            "tree_switch_ms": a.switch_ms, "tokens": {}}

@@ -28,7 +28,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -144,8 +143,7 @@ def files(name: str, root: Path, d: Path, fwd, switch_s: float, reps: int) -> fl
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="HEAD", help="git revision whose overlay is the base (default HEAD)")
-    ap.add_argument("--base-overlay", help="the base's overlay directory instead (a machine without the git history)")
+    _bench.base_args(ap)
     ap.add_argument("--switch-ms", type=float, default=20.0, help="the GIL switch interval meanwhile (default 20)")
     ap.add_argument("--files", type=int, default=8, help="prompts of the forward (default 8)")
     ap.add_argument("--tokens", type=int, default=100, help="rows per prompt (default 100)")
@@ -160,13 +158,9 @@ def main() -> int:
     if not os.path.isdir(a.dir):
         print(f"error: --dir {a.dir}: not a directory; fix: e.g. --dir /dev/shm", file=sys.stderr)
         return 2
-    if a.base_overlay and not (Path(a.base_overlay) / "sglang").is_dir():
-        print(f"error: --base-overlay {a.base_overlay}: no sglang/ in it; fix: pass a copy of sglang-overlay/",
-              file=sys.stderr)
-        return 2
-    if not a.base_overlay and subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q",
-                                              a.base + "^{commit}"], capture_output=True).returncode:
-        print(f"error: --base {a.base}: not a revision of this repository; fix: e.g. --base HEAD", file=sys.stderr)
+    why = _bench.base_usage(a)
+    if why:
+        print(why, file=sys.stderr)
         return 2
     _bench.in_torch_env()
     import commit_gil
@@ -175,13 +169,12 @@ def main() -> int:
     switch_s = a.switch_ms / 1e3
     scratch = Path(tempfile.mkdtemp(prefix="handovers-gil-"))
     d = Path(tempfile.mkdtemp(prefix="handovers-gil-", dir=a.dir))
-    base_rev = a.base_overlay or subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", a.base],
-                                                capture_output=True, text=True).stdout.strip()
-    res = {"base": base_rev, "switch_ms": a.switch_ms, "files": a.files, "tokens": a.tokens, "reps": a.reps,
+    res = { "switch_ms": a.switch_ms, "files": a.files, "tokens": a.tokens, "reps": a.reps,
            "dir": a.dir, "cores": os.cpu_count(), "python": sys.version.split()[0]}
     try:
-        roots = {"base": Path(a.base_overlay) if a.base_overlay else commit_gil.overlay_at(a.base, scratch),
-                 "tree": overlay_root()}
+        base_root, base_rev = _bench.base_overlay(a, scratch)
+        roots = {"base": base_root, "tree": overlay_root()}
+        res["base"] = base_rev
         import_package("e3c_handovers_calls", roots["tree"])
         res["calls"] = calls(__import__("e3c_handovers_calls.sinks", fromlist=["HELD"]), d, switch_s, a.reps)
         fwd = commit_gil.Forward(a.files, a.tokens)
