@@ -964,6 +964,24 @@ def test_files_from_the_forward_s_rows_are_save_file_s_bytes(tmp_path, ids_dtype
             shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_safetensors_without_tensorspec_writes_every_file_through_save_file(tmp_path, monkeypatch):
+    """safetensors before 0.8 has no ``TensorSpec``: the writer then writes every file through
+    ``save_file`` (the general path), the same files, and the start line says so."""
+    sinks = sys.modules["e3c_under_test.sinks"]
+    monkeypatch.setattr(sinks, "TensorSpec", None)
+    monkeypatch.setattr(dump_mod, "TensorSpec", None)
+    w = dump_mod.DumpWriter(str(tmp_path), _idx([1]), True, 1 << 20, {"format": "eagle3-dump/1"})
+    assert "every file through save_file" in w.sink.describe()
+    ids, cap, fin = _states([3, 4], [1])
+    w.submit(_Batch(ids, [3, 4]), cap, fin)
+    w.flush()
+    assert (w.written, w.failed) == (2, 0)
+    tensors, meta = _read(tmp_path / (dump_mod.request_key("r1") + ".safetensors"))
+    assert tensors["input_ids"].tolist() == ids[3:].tolist() and torch.equal(tensors["layer.1"], cap[2][3:])
+    assert meta["prompt_key"] == dump_mod.prompt_key(ids[3:].tolist())
+    w.close()
+
+
 def test_in_memory_the_commit_keeps_the_gil_through_its_metadata_calls(tmp_path, monkeypatch):
     """In a directory held in memory a file's existence check, chmod and rename are libc calls that
     keep the GIL (``sinks.HELD``): ``os``'s would each give it away beside the scheduler's thread.

@@ -72,7 +72,7 @@ from .settings import (
 )
 from . import specforge
 from .commits import MAX_DEFAULT_WRITERS, CommitPool, default_writers
-from .sinks import HOST, FileSink, MooncakeSink, SinkError, dump_directories
+from .sinks import HOST, FileSink, MooncakeSink, SinkError, TensorSpec, dump_directories
 from .identity import RequestInfo, prompt_key, request_key, requests_of, printable
 from .staging import HostStaging, StagingTimeout
 from .stops import Stopper, ledger_path
@@ -223,8 +223,6 @@ class _Rows(Mapping):
         forward's ids when they are int64, else from ``ids`` copied into an array appended to
         ``keep``, which the caller holds until the file is written); None when some tensor is not
         contiguous (the general path then cuts views)."""
-        from safetensors import TensorSpec
-
         out, places, n = {}, self.forward.places, self.length
         if "input_ids" in self.names:
             place = places.get("input_ids")
@@ -804,7 +802,8 @@ class DumpWriter:
         ``FileSink.commit`` given ``TensorSpec``s): a whole text request of one forward, to files, with nothing to
         cut or map. Anything else (a chunked request's own buffers, a multimodal wrapper's ids, kept
         embedding rows, the Mooncake sink) takes the general path: the same file either way."""
-        return (isinstance(rows, _Rows) and rows.length == req.prompt_len and isinstance(self.sink, FileSink)
+        return (TensorSpec is not None and isinstance(rows, _Rows) and rows.length == req.prompt_len
+                and isinstance(self.sink, FileSink)
                 and self.placeholder_id is None
                 and not (self.layout.embedding_partial and EMBEDDING in rows.names))
 

@@ -42,6 +42,11 @@ import torch
 
 from .settings import DumpConfigError, dump_directories
 
+try:  # safetensors 0.8 and later: serialize_file given each tensor's address (TensorSpec)
+    from safetensors import TensorSpec
+except ImportError:  # an older one: every file through save_file (the start line says so)
+    TensorSpec = None
+
 ALIGN = 64  # byte alignment of each tensor in a Mooncake object (hs-connectors' _TENSOR_ALIGN)
 MANIFEST_VERSION = 1
 META_SUFFIX = ":meta"
@@ -82,7 +87,7 @@ class _Held:
     ``access``, ``chmod`` and ``rename``), for directories held in memory only, where they return in
     microseconds. Made through ``os`` they give the GIL away, and beside the scheduler's thread,
     which runs Python all the time, each costs the dump's writer thread up to Python's switch
-    interval to get it back (benchmarks/commit_gil.py); on a disk they may wait for it, so there
+    interval to get it back (benchmarks/handovers_gil.py); on a disk they may wait for it, so there
     they go through ``os`` as before. A failure raises ``OSError`` with the call's errno, as ``os``
     does."""
 
@@ -224,7 +229,9 @@ class FileSink:
         """The start line's words for this sink."""
         memory = [d for d, f in self.fsyncs.items() if f is _no_fsync]
         return self.name + (f" (no fsync in {', '.join(memory)}: held in memory; its file system calls but "
-                            f"the write keep the GIL)" if memory else "")
+                            f"the write keep the GIL)" if memory else "") + (
+            "" if TensorSpec is not None else "; this safetensors has no TensorSpec (0.8 and later do): every "
+            "file through save_file, one torch view per tensor and request")
 
     def directory_of(self, key: str) -> str:
         return self.directories[spread(key, len(self.directories))]
@@ -245,10 +252,10 @@ class FileSink:
         """Write ``<key>.safetensors``: ``tensors`` maps each name to a host tensor, or (every one) to a
         safetensors ``TensorSpec`` (dtype, shape, address, bytes; the caller keeps that memory alive),
         written by ``serialize_file`` with no torch call: the file ``save_file`` writes of the same rows."""
-        from safetensors import TensorSpec, serialize_file
+        from safetensors import serialize_file
         from safetensors.torch import save_file
 
-        if tensors and all(isinstance(t, TensorSpec) for t in tensors.values()):
+        if TensorSpec is not None and tensors and all(isinstance(t, TensorSpec) for t in tensors.values()):
             return self._commit(key, lambda t: serialize_file(tensors, t, metadata=metadata))
         return self._commit(key, lambda t: save_file(tensors, t, metadata=metadata))
 
