@@ -218,11 +218,11 @@ class _Rows(Mapping):
     def ids(self) -> List[int]:
         return self.forward.ids[self.start: self.start + self.length]
 
-    def specs(self, ids: List[int], keep: list) -> Optional[dict]:
-        """safetensors ``TensorSpec`` of each tensor of this request's file (the ids as int64, from the
-        forward's ids when they are int64, else from ``ids`` copied into an array appended to
-        ``keep``, which the caller holds until the file is written); None when some tensor is not
-        contiguous (the general path then cuts views)."""
+    def specs(self, ids: List[int], keep: list) -> dict:
+        """safetensors ``TensorSpec`` of each tensor of this request's file (every one contiguous: the
+        writer's ``_direct``); the ids as int64, from the forward's ids when they are int64, else from
+        ``ids`` copied into an array appended to ``keep``, which the caller holds until the file is
+        written."""
         out, places, n = {}, self.forward.places, self.length
         if "input_ids" in self.names:
             place = places.get("input_ids")
@@ -236,10 +236,7 @@ class _Rows(Mapping):
         for name in self.names:
             if name == "input_ids":
                 continue
-            place = places.get(name)
-            if place is None:
-                return None
-            address, dtype, row_shape, row_bytes = place
+            address, dtype, row_shape, row_bytes = places[name]
             out[name] = TensorSpec(dtype=dtype, shape=[n, *row_shape], data_ptr=address + self.start * row_bytes,
                                    data_len=n * row_bytes)
         return out
@@ -803,7 +800,7 @@ class DumpWriter:
         cut or map. Anything else (a chunked request's own buffers, a multimodal wrapper's ids, kept
         embedding rows, the Mooncake sink) takes the general path: the same file either way."""
         return (TensorSpec is not None and isinstance(rows, _Rows) and rows.length == req.prompt_len
-                and isinstance(self.sink, FileSink)
+                and isinstance(self.sink, FileSink) and all(n in rows.forward.places for n in rows.names)
                 and self.placeholder_id is None
                 and not (self.layout.embedding_partial and EMBEDDING in rows.names))
 
@@ -814,7 +811,6 @@ class DumpWriter:
             payload = self._expected.get(req.rid)
         direct = payload is None and self._direct(rows, req)
         if direct:
-            raw_ids = None
             id_list = rows.ids()
         else:
             raw_ids = rows["input_ids"][:length]
@@ -832,20 +828,15 @@ class DumpWriter:
         metadata = dict(self.metadata, key=key, prompt_key=pkey, num_tokens=str(length), **req.metadata())
         if self._written_before(req, metadata):
             return
-        keep: list = []
-        specs = rows.specs(id_list, keep) if direct else None
-        if specs is not None:
-            self._commit_to_sink(req, key, specs, metadata)
-            return
-        out = {"input_ids": ids if raw_ids is not None else torch.tensor(id_list, dtype=torch.int64)}
-        for name, host in rows.items():
-            if name != "input_ids":
-                out[name] = host[:length]
-        if raw_ids is not None:
+        keep: list = []  # an int64 copy of int32 ids lives until the file is written
+        if direct:
+            out = rows.specs(id_list, keep)
+        else:
+            out = {"input_ids": ids}
+            for name, host in rows.items():
+                if name != "input_ids":
+                    out[name] = host[:length]
             self.layout.cut_embedding(out, raw_ids, all_rows=every_embedding_row(req))
-        self._commit_to_sink(req, key, out, metadata)
-
-    def _commit_to_sink(self, req: RequestInfo, key: str, out: Dict[str, object], metadata: Dict[str, str]) -> None:
         try:
             where = self.sink.commit(key, out, metadata)
             self._set_handle(req, where)
