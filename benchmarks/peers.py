@@ -272,11 +272,15 @@ class Sampler:
                 "peak_gpu_bytes": self.peak_gpu if self.gpu and self.base_gpu is not None else None}
 
 
+LIVE: dict[int, subprocess.Popen] = {}  # started and not yet stopped: what a stopped run must stop
+
+
 def start(cmd, log: Path, env=None, sampler: Sampler | None = None) -> subprocess.Popen:
     fh = open(log, "a")
     p = subprocess.Popen([str(c) for c in cmd], env=env, stdout=fh, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
     fh.close()
+    LIVE[p.pid] = p
     if sampler:
         sampler.add(p.pid)
     return p
@@ -285,6 +289,7 @@ def start(cmd, log: Path, env=None, sampler: Sampler | None = None) -> subproces
 def stop(p: subprocess.Popen, grace: float = 60.0) -> None:
     """SIGTERM to the process group, SIGKILL after ``grace`` seconds (tools/serve.py drains the dump
     and stops its server's own group on SIGTERM)."""
+    LIVE.pop(p.pid, None)
     if p.poll() is None:
         try:
             os.killpg(p.pid, signal.SIGTERM)
@@ -1934,6 +1939,24 @@ def plot(results: dict, png: Path):
     return {"written": True, "path": str(png)}
 
 
+def stop_on_signals() -> list:
+    """SIGTERM, SIGHUP and SIGINT end the run as an exception (exit 128 + the signal), so every
+    ``finally`` on the way out stops the servers and workers it started: killed by the signal's default
+    action, the run left its servers running and their ports taken. A second signal while those stop is
+    ignored. Returns the list the signal's name goes in."""
+    got: list = []
+
+    def on_signal(num, _frame):
+        if got:
+            return
+        got.append(signal.Signals(num).name)
+        raise SystemExit(128 + num)
+
+    for num in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(num, on_signal)
+    return got
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="peers.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -2073,12 +2096,22 @@ def main(argv=None) -> int:
     r = Run(a, prof)
     r.methods = methods
     before = shm.snapshot()
+    stopped_by = stop_on_signals()
     try:
         return r.run()
     except UsageError as exc:
         print(exc.line(), file=sys.stderr)
         return 2
+    except SystemExit:
+        if stopped_by:  # the finally blocks on the way out stopped the servers and workers they started
+            r.results.update(stopped_by=stopped_by[0])
+            r.write(True)
+            say("stopped by %s: every server and worker it started is stopped; %s says partial"
+                % (stopped_by[0], a.out))
+        raise
     finally:
+        for p in list(LIVE.values()):  # none left unless a start raced the signal; stop them all the same
+            stop(p, grace=10)
         r.drop_extra_dumps()
         if not a.keep_work and not a.work:
             shutil.rmtree(r.work, ignore_errors=True)

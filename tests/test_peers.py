@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -559,3 +560,74 @@ def test_warm_up_ends_only_on_rates_that_settled():
     assert not mod.steady([100, 105])  # one pair is not enough
     assert mod.steady([100, 105, 110]) and not mod.steady([100, 105, 120])
     assert not mod.steady([100, 89, 90]) and mod.steady([100, 91, 90])
+
+
+def _descendants(pid: int) -> set:
+    """Every live process whose parent chain reaches ``pid`` (the servers run in their own sessions, so
+    their process groups are not the run's)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, grew = set(), True
+    while grew:
+        new = {c for c, pp in parent.items() if (pp == pid or pp in out) and c not in out}
+        out |= new
+        grew = bool(new)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@in_env
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signalled_run_stops_every_server_it_started(tmp_path, sig):
+    """A run stopped by SIGTERM (a container's stop, ``timeout``) or SIGHUP (the terminal gone) stops the
+    server and the workers it started and exits 128 + the signal: killed by the default action, it
+    left its SGLang server running with its port and memory taken (seen in session 15). The signal goes
+    once the limit's server answers; every process below the run then must end within the stop's grace."""
+    import signal
+    import time
+
+    err = tmp_path / "peers.err"
+    with open(err, "w") as fh:
+        p = subprocess.Popen(["nice", "-n", "5", sys.executable, str(PEERS), "--cpu", "--methods", "limit",
+                              "--conversations", "6", "--out", str(tmp_path / "p.json"), "--work",
+                              str(tmp_path / "work")], cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+    below: set = set()
+    try:
+        deadline = time.monotonic() + 600
+        while "dump-off server ready" not in err.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        below = _descendants(p.pid)
+        assert below, "no server process under the run"
+        p.send_signal(getattr(signal, sig))
+        rc = p.wait(timeout=120)
+        text = err.read_text()
+        assert rc == 128 + getattr(signal, sig), text[-3000:]
+        assert "stopped by %s" % sig in text and "Traceback" not in text, text[-3000:]
+        deadline = time.monotonic() + 30  # the grandchildren's own parents reap them
+        while any(_alive(q) for q in below) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [q for q in below if _alive(q)], "left running: %s" % [q for q in below if _alive(q)]
+        res = json.loads((tmp_path / "p.json").read_text())  # a run that did not end says so
+        assert res["partial"] is True and res["stopped_by"] == sig and res["methods"] == {}, res
+    finally:
+        left = below | _descendants(p.pid)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for q in left:
+            try:
+                os.kill(q, signal.SIGKILL)
+            except OSError:
+                pass
