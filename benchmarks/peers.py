@@ -2105,9 +2105,12 @@ def main(argv=None) -> int:
     except SystemExit:
         if stopped_by:  # the finally blocks on the way out stopped the servers and workers they started
             r.results.update(stopped_by=stopped_by[0])
-            r.write(True)
-            say("stopped by %s: every server and worker it started is stopped; %s says partial"
-                % (stopped_by[0], a.out))
+            try:
+                r.write(True)
+                said = "%s says partial" % a.out
+            except OSError as exc:  # a full disk: the run is over all the same, in one line
+                said = "%s not written (%s)" % (a.out, exc.strerror or exc)
+            say("stopped by %s: every server and worker it started is stopped; %s" % (stopped_by[0], said))
         raise
     finally:
         for p in list(LIVE.values()):  # none left unless a start raced the signal; stop them all the same
