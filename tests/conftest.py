@@ -385,6 +385,19 @@ def plugin_cli_smoke(tmp_path_factory):
                            made=sorted(x.name for x in cwd.iterdir()), tree_unchanged=hashes(root) == before)
 
 
+def process_table() -> dict:
+    """{pid: (state, parent pid)} of every process /proc lists now (state "Z": a zombie)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(d.name)] = (fields[0], int(fields[1]))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
 def run_suite_in_cpu_env(test_file: str, timeout: int) -> None:
     """Run one test module again inside the cached CPU SGLang environment (built if absent); a
     failure there fails the caller (its output is above)."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_suite_in_cpu_env
+from conftest import process_table, run_suite_in_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -433,16 +433,15 @@ def test_worker_processes_make_the_dataset_threads_make(assets, server, referenc
 def _spawned_children(pid: int) -> list:
     """The multiprocessing workers (spawn_main) whose parent is ``pid``."""
     out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
+    for child, (_, ppid) in process_table().items():
+        if ppid != pid:
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
+            cmd = (Path("/proc") / str(child) / "cmdline").read_bytes()
+        except OSError:
             continue
-        if ppid == pid and b"spawn_main" in cmd:
-            out.append(int(d.name))
+        if b"spawn_main" in cmd:
+            out.append(child)
     return out
 
 

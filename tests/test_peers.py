@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_suite_in_cpu_env
+from conftest import process_table, run_suite_in_cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS = REPO / "benchmarks" / "peers.py"
@@ -565,13 +565,7 @@ def test_warm_up_ends_only_on_rates_that_settled():
 def _descendants(pid: int) -> set:
     """Every live process whose parent chain reaches ``pid`` (the servers run in their own sessions, so
     their process groups are not the run's)."""
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
+    parent = {c: pp for c, (_, pp) in process_table().items()}
     out, grew = set(), True
     while grew:
         new = {c for c, pp in parent.items() if (pp == pid or pp in out) and c not in out}
@@ -581,10 +575,7 @@ def _descendants(pid: int) -> set:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_table().get(pid, ("Z",))[0] != "Z"
 
 
 @in_env
@@ -596,8 +587,6 @@ def test_a_signalled_run_stops_every_server_it_started(tmp_path):
     the same handler; one server start is this test's cost.)"""
     import signal
     import time
-
-    sig = "SIGTERM"
 
     err = tmp_path / "peers.err"
     with open(err, "w") as fh:
@@ -612,17 +601,17 @@ def test_a_signalled_run_stops_every_server_it_started(tmp_path):
             time.sleep(0.5)
         below = _descendants(p.pid)
         assert below, "no server process under the run"
-        p.send_signal(getattr(signal, sig))
+        p.send_signal(signal.SIGTERM)
         rc = p.wait(timeout=120)
         text = err.read_text()
-        assert rc == 128 + getattr(signal, sig), text[-3000:]
-        assert "stopped by %s" % sig in text and "Traceback" not in text, text[-3000:]
+        assert rc == 128 + signal.SIGTERM, text[-3000:]
+        assert "stopped by SIGTERM" in text and "Traceback" not in text, text[-3000:]
         deadline = time.monotonic() + 30  # the grandchildren's own parents reap them
         while any(_alive(q) for q in below) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not [q for q in below if _alive(q)], "left running: %s" % [q for q in below if _alive(q)]
         res = json.loads((tmp_path / "p.json").read_text())  # a run that did not end says so
-        assert res["partial"] is True and res["stopped_by"] == sig and res["methods"] == {}, res
+        assert res["partial"] is True and res["stopped_by"] == "SIGTERM" and res["methods"] == {}, res
     finally:
         left = below | _descendants(p.pid)
         if p.poll() is None:
